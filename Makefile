@@ -1,0 +1,23 @@
+# Set-up and the two entry points. `make train` and `make test` work on a fresh machine: they build
+# the virtual environment (torch 2.13.0 CPU, DeepSpeed 0.19.8, ds_lioncub and its test deps) first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export DS_ACCELERATOR ?= cpu
+
+.PHONY: venv train test
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+train: venv
+	$(PY) examples/compare.py
+
+test: venv
+	$(PY) -m pytest -q --timeout=900 tests

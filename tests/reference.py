@@ -1,0 +1,361 @@
+"""Independent reference implementations for the ds_lioncub tests.
+
+Every function here takes the inputs of ALL ranks at once (one tensor per rank) and computes, by
+brute force, what every rank must end up with. Nothing is bit-packed and nothing is communicated:
+the point is to be obviously correct (spec: /tmp/spec/API.md, algorithms: DESIGN.md 2.1-2.7), so
+that a bug in the packed/distributed implementation cannot hide in a shared helper.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+TIE_BREAKS = ("alternate", "positive")
+KBIT_BITS = (2, 4, 8)
+QUANTIZERS = ("sign", "l1")
+AGGREGATIONS = ("vote", "mean")
+ALGORITHMS = ("allreduce", "alltoall")
+COMPRESSIONS = ("none", "1bit", "kbit")
+
+
+# ----------------------------------------------------------------------------------------------
+# tie rule and votes
+# ----------------------------------------------------------------------------------------------
+
+def tie_value(step: int, tie_break: str) -> int:
+    """The value (+1 or -1) an exact zero resolves to at optimizer step `step` (1-based)."""
+    if tie_break == "positive":
+        return 1
+    if tie_break == "alternate":
+        # Odd steps lean +1, even steps -1, so ties do not bias the parameters over time.
+        return 1 if step % 2 == 1 else -1
+    raise ValueError(f"unknown tie_break {tie_break!r}")
+
+
+def _resolve_sign(x: Tensor, tie: int) -> Tensor:
+    """int64 tensor of +1/-1: the sign of x with exact zeros replaced by `tie`."""
+    return torch.where(x > 0, 1, torch.where(x < 0, -1, tie)).to(torch.int64)
+
+
+def _check_ranks(updates: Sequence[Tensor]) -> None:
+    if len(updates) == 0:
+        raise ValueError("need the inputs of at least one rank")
+    for u in updates:
+        if u.shape != updates[0].shape or u.dtype != updates[0].dtype:
+            raise ValueError("every rank must pass a tensor of the same shape and dtype")
+
+
+def brute_force_vote_1bit(updates: list[Tensor], step: int, tie_break: str = "alternate") -> Tensor:
+    """Majority vote of the local signs of all ranks; +1/-1 in the inputs' dtype and shape."""
+    _check_ranks(updates)
+    tie = tie_value(step, tie_break)
+    vote_sum = torch.zeros(updates[0].shape, dtype=torch.int64)
+    for u in updates:  # each rank contributes exactly one +1 or -1 per coordinate
+        vote_sum += _resolve_sign(u, tie)
+    return _resolve_sign(vote_sum, tie).to(updates[0].dtype)
+
+
+def l1_levels_allreduce(world_size: int, bits: int) -> int:
+    """L = floor((2**bits - 1) / (2p)): the largest L whose p-fold sum of fields (q + L) fits."""
+    return (2**bits - 1) // (2 * world_size)
+
+
+def l1_levels(world_size: int, bits: int, algorithm: str) -> int:
+    """Quantisation levels L of the l1 quantizer for the given k-bit algorithm."""
+    if algorithm == "allreduce":
+        return l1_levels_allreduce(world_size, bits)
+    if algorithm == "alltoall":
+        # Phase 1 sums in int32 on the receiving rank, so L depends only on the field width.
+        return (2**bits - 1) // 2
+    raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
+def max_world_size_allreduce(bits: int, quantizer: str) -> int:
+    """Largest p with p*R <= 2**bits - 1 (R = 1 for sign, 2L for l1 with L >= 1)."""
+    if quantizer not in QUANTIZERS:
+        raise ValueError(f"unknown quantizer {quantizer!r}")
+    limit = 2**bits - 1
+
+    def fits(p: int) -> bool:
+        if quantizer == "sign":
+            return p * 1 <= limit
+        levels = l1_levels_allreduce(p, bits)
+        return levels >= 1 and p * 2 * levels <= limit
+
+    # Counting up is slow but leaves no room for an off-by-one in a closed form.
+    p = 0
+    while fits(p + 1):
+        p += 1
+    return p
+
+
+def l1_quantize(c: Tensor, levels: int, clip: float, mean_abs: float | Tensor | None = None) -> Tensor:
+    """int32 q = clamp(round(c / mu * L / clip), -L, L), mu = mean|c| unless given; mu == 0 -> 0.
+
+    Evaluated literally in c's floating dtype (fp32 at least), left to right as the spec writes it,
+    because exact half-integer boundaries are decided by that rounding; float64 would not match.
+    """
+    work = c if c.dtype in (torch.float32, torch.float64) else c.float()
+    mu = work.abs().mean() if mean_abs is None else torch.as_tensor(mean_abs, dtype=work.dtype)
+    if work.numel() == 0 or float(mu) == 0.0:
+        return torch.zeros(c.shape, dtype=torch.int32)
+    return torch.round(work / mu * levels / clip).clamp(-levels, levels).to(torch.int32)
+
+
+def maxnorm_quantize(c: Tensor, levels: int) -> Tensor:
+    """Max-norm quantizer baseline: int32 q = round(c / max|c| * L) (all zeros if c == 0)."""
+    work = c if c.dtype in (torch.float32, torch.float64) else c.float()
+    if work.numel() == 0:
+        return torch.zeros(c.shape, dtype=torch.int32)
+    peak = work.abs().max()
+    if float(peak) == 0.0:
+        return torch.zeros(c.shape, dtype=torch.int32)
+    return torch.round(work / peak * levels).to(torch.int32)
+
+
+def _l1_quantize_segments(flat: Tensor, levels: int, clip: float, segment_sizes: list[int] | None) -> Tensor:
+    """l1_quantize applied per segment (per parameter tensor): each segment has its own mu."""
+    sizes = [flat.numel()] if segment_sizes is None else list(segment_sizes)
+    if sum(sizes) != flat.numel() or any(s < 0 for s in sizes):
+        raise ValueError(f"segment_sizes {sizes} do not split {flat.numel()} elements")
+    parts = []
+    start = 0
+    for size in sizes:
+        parts.append(l1_quantize(flat[start:start + size], levels, clip))
+        start += size
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
+
+
+def brute_force_vote_kbit(
+    updates: list[Tensor],
+    step: int,
+    bits: int,
+    quantizer: str = "sign",
+    aggregation: str = "vote",
+    algorithm: str = "allreduce",
+    tie_break: str = "alternate",
+    l1_clip: float = 2.0,
+    segment_sizes: list[int] | None = None,
+) -> Tensor:
+    """What vote_kbit must return on every rank, from the updates of all ranks."""
+    _check_ranks(updates)
+    p = len(updates)
+    if bits not in KBIT_BITS:
+        raise ValueError(f"bits must be one of {KBIT_BITS}, got {bits}")
+    for name, value, allowed in (("quantizer", quantizer, QUANTIZERS), ("aggregation", aggregation, AGGREGATIONS),
+                                 ("algorithm", algorithm, ALGORITHMS), ("tie_break", tie_break, TIE_BREAKS)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    if algorithm == "allreduce" and p > max_world_size_allreduce(bits, quantizer):
+        raise ValueError(f"world size {p} too large for {bits}-bit {quantizer} allreduce "
+                         f"(max {max_world_size_allreduce(bits, quantizer)})")
+    tie = tie_value(step, tie_break)
+    shape, dtype = updates[0].shape, updates[0].dtype
+
+    total = torch.zeros(updates[0].numel(), dtype=torch.int64)
+    if quantizer == "sign":
+        for u in updates:
+            total += _resolve_sign(u.flatten(), tie)
+        denominator = p
+    else:
+        levels = l1_levels(p, bits, algorithm)
+        for u in updates:
+            total += _l1_quantize_segments(u.flatten(), levels, l1_clip, segment_sizes).to(torch.int64)
+        denominator = p * levels
+
+    if aggregation == "vote":
+        out = _resolve_sign(total, tie)
+    else:
+        # total/denominator is a ratio of small integers: float64 then one cast rounds it correctly.
+        out = total.to(torch.float64) / denominator
+    return out.to(dtype).reshape(shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# legacy error-compensated 1-bit allreduce (DESIGN 2.7, DeepSpeed <= 0.19.7 semantics)
+# ----------------------------------------------------------------------------------------------
+
+def _sgn_zero_positive(x: Tensor) -> Tensor:
+    # The legacy backend encodes x >= 0 as bit 1, so 0 (and -0.0) count as +1.
+    return torch.where(x >= 0, 1.0, -1.0).to(x.dtype)
+
+
+def reference_compressed_allreduce(
+    buffers: list[Tensor],
+    worker_errors: list[Tensor],
+    server_errors: list[Tensor],
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """Simulate compressed_allreduce on all ranks; returns (outputs, worker_errors, server_errors).
+
+    Inputs are not modified. Outputs have each buffer's shape and dtype; errors keep their dtype.
+    Rank j owns (server side) chunk j of length n_pad / p of the padded vector.
+    """
+    _check_ranks(buffers)
+    p = len(buffers)
+    n = buffers[0].numel()
+    n_pad = worker_errors[0].numel()
+    if len(worker_errors) != p or len(server_errors) != p:
+        raise ValueError("need one worker error and one server error per rank")
+    if n_pad % (8 * p) != 0 or n_pad < n:
+        raise ValueError(f"worker_error numel {n_pad} must be a multiple of {8 * p} and >= {n}")
+    if any(e.numel() != n_pad for e in worker_errors) or any(e.numel() != n_pad // p for e in server_errors):
+        raise ValueError("inconsistent error sizes")
+    chunk = n_pad // p
+
+    # Phase 1, on every worker: error-compensate, then compress to (scale, signs).
+    worker_scales: list[Tensor] = []
+    worker_signs: list[Tensor] = []
+    new_worker_errors: list[Tensor] = []
+    for r in range(p):
+        x = torch.zeros(n_pad, dtype=compute_dtype)
+        x[:n] = buffers[r].flatten().to(compute_dtype)
+        x += worker_errors[r].flatten().to(compute_dtype)
+        scale = torch.linalg.vector_norm(x) / math.sqrt(n_pad)
+        signs = _sgn_zero_positive(x)
+        worker_scales.append(scale)
+        worker_signs.append(signs)
+        new_worker_errors.append((x - scale * signs).to(worker_errors[r].dtype).reshape(worker_errors[r].shape))
+
+    # Phase 2, on server j: average everyone's chunk j, error-compensate, compress again.
+    pieces: list[Tensor] = []
+    new_server_errors: list[Tensor] = []
+    for j in range(p):
+        y = torch.zeros(chunk, dtype=compute_dtype)
+        for r in range(p):
+            y += worker_signs[r][j * chunk:(j + 1) * chunk] * (worker_scales[r] * (1.0 / p))
+        y += server_errors[j].flatten().to(compute_dtype)
+        scale = torch.linalg.vector_norm(y) / math.sqrt(chunk)
+        signs = _sgn_zero_positive(y)
+        new_server_errors.append((y - scale * signs).to(server_errors[j].dtype).reshape(server_errors[j].shape))
+        pieces.append(scale * signs)
+
+    # All-gather: every rank decodes the same full vector, then drops the padding.
+    result = torch.cat(pieces)[:n].to(buffers[0].dtype).reshape(buffers[0].shape)
+    return [result.clone() for _ in range(p)], new_worker_errors, new_server_errors
+
+
+# ----------------------------------------------------------------------------------------------
+# Lion and the simulated distributed LionCub optimizer
+# ----------------------------------------------------------------------------------------------
+
+def _pre_sign_update(exp_avg: Tensor, grad: Tensor, beta1: float) -> Tensor:
+    """c = b1*m + (1-b1)*g in fp32 (the idiom lion-pytorch uses)."""
+    return exp_avg.float().mul(beta1).add(grad.float(), alpha=1 - beta1)
+
+
+def _apply_update(param: Tensor, delta: Tensor, lr: float, weight_decay: float) -> None:
+    """p = p*(1 - lr*wd) - lr*Delta, computed in fp32 (at least) and stored back in place."""
+    new = param.float().mul(1 - lr * weight_decay).add(delta.float(), alpha=-lr)
+    param.copy_(new)
+
+
+def _update_momentum(exp_avg: Tensor, grad: Tensor, beta2: float) -> None:
+    """m = b2*m + (1-b2)*g, computed in fp32 (at least) and stored back in place."""
+    exp_avg.copy_(exp_avg.float().mul(beta2).add(grad.float(), alpha=1 - beta2))
+
+
+@torch.no_grad()
+def reference_lion_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float,
+) -> None:
+    """One exact (single-process) Lion step, in place on params and exp_avgs; sign(0) = 0."""
+    beta1, beta2 = betas
+    for param, grad, exp_avg in zip(params, grads, exp_avgs, strict=True):
+        c = _pre_sign_update(exp_avg, grad, beta1)
+        _apply_update(param, torch.sign(c), lr, weight_decay)
+        _update_momentum(exp_avg, grad, beta2)
+
+
+GradsFn = Callable[[int, int, list[Tensor]], list[Tensor]]
+
+
+@torch.no_grad()
+def simulate_lioncub(
+    init_params: list[Tensor],
+    grads_fn: GradsFn,
+    world_size: int,
+    steps: int,
+    *,
+    lr: float | Callable[[int], float] = 1e-4,
+    betas: tuple[float, float] = (0.9, 0.99),
+    weight_decay: float = 0.0,
+    compression: str = "1bit",
+    bits: int = 4,
+    quantizer: str = "sign",
+    aggregation: str = "vote",
+    kbit_algorithm: str = "allreduce",
+    tie_break: str = "alternate",
+    l1_clip: float = 2.0,
+    momentum_sync_interval: int = 0,
+    momentum_sync_params: Sequence[int] | None = None,
+) -> tuple[list[Tensor], list[list[Tensor]]]:
+    """Simulate LionCub on `world_size` ranks for `steps` steps.
+
+    grads_fn(rank, step, params) returns that rank's gradients at 1-based `step` for the current
+    (shared) params, which it receives as clones. lr may be a callable of the step (a schedule).
+    momentum_sync_params: indices of the params whose exp_avg is averaged every
+    momentum_sync_interval steps (None = all). Returns (final params, exp_avgs[rank][param]).
+    """
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+    p = world_size
+    beta1, beta2 = betas
+    # Parameters are identical on every rank in every mode, so one copy stands for all of them.
+    params = [t.detach().clone() for t in init_params]
+    exp_avgs = [[torch.zeros_like(t) for t in params] for _ in range(p)]
+    numels = [t.numel() for t in params]
+
+    for step in range(1, steps + 1):
+        step_lr = lr(step) if callable(lr) else lr
+        grads = [[g.detach() for g in grads_fn(rank, step, [t.clone() for t in params])] for rank in range(p)]
+
+        if compression == "none":
+            # Data-parallel average first (fp32, rank order), then every rank runs exact Lion.
+            mean_grads = []
+            for i, t in enumerate(params):
+                total = torch.zeros(t.shape, dtype=torch.float32)
+                for rank in range(p):
+                    total += grads[rank][i].float()
+                mean_grads.append((total / p).to(t.dtype))
+            shared_before = [t.clone() for t in params]
+            for rank in range(p):
+                rank_params = [t.clone() for t in shared_before]
+                reference_lion_step(rank_params, mean_grads, exp_avgs[rank], step_lr, betas, weight_decay)
+            params = rank_params
+        else:
+            # c from each rank's own (pre-update) momentum, flattened over params in order.
+            flat_c = [torch.cat([_pre_sign_update(m, g, beta1).flatten() for m, g in zip(exp_avgs[rank], grads[rank])])
+                      if params else torch.zeros(0) for rank in range(p)]
+            for rank in range(p):
+                for m, g in zip(exp_avgs[rank], grads[rank]):
+                    _update_momentum(m, g, beta2)
+            if compression == "1bit":
+                delta = brute_force_vote_1bit(flat_c, step, tie_break)
+            else:
+                delta = brute_force_vote_kbit(flat_c, step, bits, quantizer, aggregation, kbit_algorithm,
+                                              tie_break, l1_clip, numels)
+            start = 0
+            for t, size in zip(params, numels):
+                _apply_update(t, delta[start:start + size].reshape(t.shape), step_lr, weight_decay)
+                start += size
+
+        if momentum_sync_interval > 0 and step % momentum_sync_interval == 0:
+            chosen = range(len(params)) if momentum_sync_params is None else momentum_sync_params
+            for i in chosen:
+                total = torch.zeros(params[i].shape, dtype=torch.float32)
+                for rank in range(p):
+                    total += exp_avgs[rank][i].float()
+                for rank in range(p):
+                    exp_avgs[rank][i].copy_(total / p)
+
+    return params, exp_avgs

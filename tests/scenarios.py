@@ -1,0 +1,117 @@
+"""Inputs shared by the multi-process workers and the tests that check their results.
+
+Every input is a pure function of (scenario, rank), so the test process can rebuild what each rank
+fed in and compute the expected answer with the brute-force references, independently of the
+workers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+VOTE_SIZES = (0, 1, 2, 3, 7, 8, 13, 31, 64, 100, 1000, 4099)
+STEPS = (1, 2)
+KBIT_SIZE = 2053
+KBIT_SEGMENTS = (1000, 0, 53, 1000)
+LEGACY_SHAPE = (10, 101)
+LEGACY_CALLS = 3
+
+PARAM_SHAPES: dict[str, tuple[int, ...]] = {"w1": (40, 64), "b1": (64,), "w2": (64, 8), "b2": (8,)}
+TRAIN_STEPS = 6
+TRAIN_LR = 0.01
+TRAIN_BETAS = (0.9, 0.99)
+TRAIN_WEIGHT_DECAY = 0.1
+BUCKET_SIZE = 1024  # smaller than w1, so steps cut a tensor across buckets and use several buckets
+SYNC_INTERVAL = 2
+SYNC_LAYERS = ["^w2$"]
+
+
+def _generator(*key: int) -> torch.Generator:
+    seed = 0
+    for part in key:
+        seed = seed * 1_000_003 + part
+    return torch.Generator().manual_seed(seed % (2**62))
+
+
+def vote_input(size: int, rank: int, step: int) -> Tensor:
+    """Values in {-1, 0, +1}: local zeros and vote ties are common, as the tie rule needs."""
+    return torch.randint(-1, 2, (size,), generator=_generator(1, size, rank, step)).float()
+
+
+def laplace_input(size: int, rank: int, step: int) -> Tensor:
+    """A heavy-tailed update, like Lion's pre-sign update, with a few exact zeros."""
+    gen = _generator(2, size, rank, step)
+    uniform = torch.rand(size, generator=gen, dtype=torch.float64) - 0.5
+    values = -torch.sign(uniform) * torch.log1p(-2 * uniform.abs())
+    values[torch.rand(size, generator=gen) < 0.02] = 0.0
+    return values.float()
+
+
+def legacy_input(rank: int, call: int) -> Tensor:
+    return torch.randn(LEGACY_SHAPE, generator=_generator(3, rank, call))
+
+
+def kbit_cases(world_size: int) -> list[dict[str, object]]:
+    """Every k-bit configuration; those too large for the world are expected to raise."""
+    cases = []
+    for bits in (2, 4, 8):
+        for quantizer in ("sign", "l1"):
+            for aggregation in ("vote", "mean"):
+                for algorithm in ("allreduce", "alltoall"):
+                    cases.append(
+                        {"bits": bits, "quantizer": quantizer, "aggregation": aggregation, "algorithm": algorithm}
+                    )
+    return cases
+
+
+def case_name(case: dict[str, object]) -> str:
+    return "-".join(str(v) for v in case.values())
+
+
+def init_params() -> dict[str, Tensor]:
+    gen = _generator(4)
+    return {name: torch.randn(shape, generator=gen) * 0.1 for name, shape in PARAM_SHAPES.items()}
+
+
+def batch(rank: int, step: int) -> tuple[Tensor, Tensor]:
+    gen = _generator(5, rank, step)
+    x = torch.randn(16, PARAM_SHAPES["w1"][0], generator=gen)
+    y = torch.randn(16, PARAM_SHAPES["w2"][1], generator=gen)
+    return x, y
+
+
+def loss_of(params: dict[str, Tensor], rank: int, step: int) -> Tensor:
+    """A two-layer MLP regression loss on this rank's batch for ``step``."""
+    x, y = batch(rank, step)
+    hidden = torch.tanh(x @ params["w1"] + params["b1"])
+    return ((hidden @ params["w2"] + params["b2"] - y) ** 2).mean()
+
+
+def model_grads(params: list[Tensor], rank: int, step: int) -> list[Tensor]:
+    """Gradients of :func:`loss_of` for params given in PARAM_SHAPES order (for the references)."""
+    with torch.enable_grad():
+        leaves = [p.detach().clone().requires_grad_(True) for p in params]
+        loss = loss_of(dict(zip(PARAM_SHAPES, leaves)), rank, step)
+        return list(torch.autograd.grad(loss, leaves))
+
+
+def training_modes(world_size: int) -> dict[str, dict[str, object]]:
+    """LionCub options per mode name; k-bit allreduce modes only where the world fits the bits."""
+    modes: dict[str, dict[str, object]] = {
+        "none-fp32": {"compression": "none"},
+        "none-bf16": {"compression": "none", "comm_dtype": "bf16"},
+        "1bit": {"compression": "1bit"},
+        "1bit-positive": {"compression": "1bit", "tie_break": "positive"},
+        "4bit-sign": {"compression": "kbit", "bits": 4},
+        "4bit-sign-mean": {"compression": "kbit", "bits": 4, "aggregation": "mean"},
+        "8bit-l1": {"compression": "kbit", "bits": 8, "quantizer": "l1"},
+        "4bit-l1-alltoall": {"compression": "kbit", "bits": 4, "quantizer": "l1", "kbit_algorithm": "alltoall"},
+        "2bit-l1-alltoall-mean": {
+            "compression": "kbit", "bits": 2, "quantizer": "l1", "kbit_algorithm": "alltoall", "aggregation": "mean",
+        },
+        "1bit-sync": {"compression": "1bit", "momentum_sync": {"interval": SYNC_INTERVAL, "layers": SYNC_LAYERS}},
+    }
+    if world_size <= 3:
+        modes["2bit-sign"] = {"compression": "kbit", "bits": 2}
+    return modes

@@ -1,0 +1,120 @@
+"""One rank of a gloo job that runs every scenario of tests/scenarios.py and saves what it got.
+
+Usage: python run_scenarios.py RANK WORLD_SIZE STORE_FILE OUT_DIR. The checking happens in the test
+process, against the brute-force references; this worker only records results.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import scenarios as sc  # noqa: E402
+
+from ds_lioncub import LionCub  # noqa: E402
+from ds_lioncub.comm import CompressedBackend, legacy_padded_numel  # noqa: E402
+
+
+def run_votes(backend: CompressedBackend, rank: int) -> dict[str, object]:
+    results: dict[str, object] = {}
+    for size in sc.VOTE_SIZES:
+        for step in sc.STEPS:
+            for tie_break in ("alternate", "positive"):
+                before = backend.comm_stats()
+                out = backend.vote_1bit(sc.vote_input(size, rank, step), step, tie_break)
+                results[f"1bit/{size}/{step}/{tie_break}"] = out
+                results[f"1bit-stats/{size}/{step}/{tie_break}"] = backend.comm_stats() - before
+        bf16_out = backend.vote_1bit(sc.laplace_input(size, rank, 1).bfloat16(), 1)
+        results[f"1bit-bf16/{size}"] = bf16_out
+    return results
+
+
+def run_kbit(backend: CompressedBackend, rank: int) -> dict[str, object]:
+    results: dict[str, object] = {}
+    for case in sc.kbit_cases(backend.world_size):
+        name = sc.case_name(case)
+        for step in sc.STEPS:
+            update = sc.laplace_input(sc.KBIT_SIZE, rank, step)
+            segments = list(sc.KBIT_SEGMENTS) if case["quantizer"] == "l1" else None
+            before = backend.comm_stats()
+            try:
+                out = backend.vote_kbit(update, step, tie_break="alternate", segment_sizes=segments, **case)
+                results[f"kbit/{name}/{step}"] = out
+            except ValueError as error:
+                results[f"kbit-error/{name}/{step}"] = str(error)
+            results[f"kbit-stats/{name}/{step}"] = backend.comm_stats() - before
+        small = backend.vote_kbit(sc.laplace_input(5, rank, 3), 3, **case) if "kbit/" + name + "/1" in results else None
+        results[f"kbit-small/{name}"] = small
+    return results
+
+
+def run_legacy(backend: CompressedBackend, rank: int) -> dict[str, object]:
+    p = backend.world_size
+    numel = torch.Size(sc.LEGACY_SHAPE).numel()
+    worker_error = torch.zeros(legacy_padded_numel(numel, p))
+    server_error = torch.zeros(worker_error.numel() // p)
+    results: dict[str, object] = {}
+    for call in range(sc.LEGACY_CALLS):
+        buffer = sc.legacy_input(rank, call)
+        returned = backend.compressed_allreduce(buffer, worker_error, server_error, local_rank=0)
+        results[f"legacy/{call}/out"] = buffer.clone()
+        results[f"legacy/{call}/same-object"] = returned is buffer
+        results[f"legacy/{call}/worker_error"] = worker_error.clone()
+        results[f"legacy/{call}/server_error"] = server_error.clone()
+    return results
+
+
+def run_training(rank: int, world_size: int) -> dict[str, object]:
+    results: dict[str, object] = {}
+    for mode, options in sc.training_modes(world_size).items():
+        params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
+        optimizer = LionCub(
+            list(params.items()),
+            lr=sc.TRAIN_LR,
+            betas=sc.TRAIN_BETAS,
+            weight_decay=sc.TRAIN_WEIGHT_DECAY,
+            bucket_size=sc.BUCKET_SIZE,
+            **options,
+        )
+        for step in range(1, sc.TRAIN_STEPS + 1):
+            optimizer.zero_grad()
+            sc.loss_of(params, rank, step).backward()
+            before = optimizer.comm_stats()
+            optimizer.step()
+            results[f"train-stats/{mode}/{step}"] = optimizer.comm_stats() - before
+            if "momentum_sync" in options:
+                for name, param in params.items():
+                    results[f"train-exp-avg/{mode}/{step}/{name}"] = optimizer.state[param]["exp_avg"].clone()
+        for name, param in params.items():
+            results[f"train-param/{mode}/{name}"] = param.detach().clone()
+            results[f"train-exp-avg/{mode}/final/{name}"] = optimizer.state[param]["exp_avg"].clone()
+    try:
+        LionCub(list(sc.init_params().items()), compression="kbit", bits=2, quantizer="l1")
+        results["construct-error"] = None
+    except ValueError as error:
+        results["construct-error"] = str(error)
+    return results
+
+
+def main() -> None:
+    rank, world_size, store_file, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size)
+    torch.set_num_threads(1)
+    backend = CompressedBackend()
+    results: dict[str, object] = {}
+    results.update(run_votes(backend, rank))
+    results.update(run_kbit(backend, rank))
+    results.update(run_legacy(backend, rank))
+    results.update(run_training(rank, world_size))
+    dist.barrier()
+    torch.save(results, out_dir / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
