@@ -57,7 +57,9 @@ class LionCubConfig(DeepSpeedConfigModel):
     ``tie_break``: what an exact zero resolves to. ``l1_clip``: tau, the L1 quantizer saturates at
     tau * mean|c|. ``comm_dtype``: precision of the gradient all-reduce with compression "none".
     ``bucket_size``: elements per communication bucket; it bounds the optimizer's temporaries and
-    sets how many collectives a step issues (about 2 per bucket).
+    sets how many collectives a step issues (about 2 per bucket). ``check_finite``: with
+    compression, every step first agrees (one 4-byte all-reduce) that no rank has a NaN/inf gradient
+    and raises on every rank otherwise, since a vote would hide it.
     """
 
     lr: float = Field(1e-4, ge=0)
@@ -72,6 +74,7 @@ class LionCubConfig(DeepSpeedConfigModel):
     l1_clip: float = Field(2.0, gt=0)
     comm_dtype: Literal["fp32", "bf16"] = "fp32"
     bucket_size: int = Field(1 << 23, ge=1024)
+    check_finite: bool = True
     momentum_sync: MomentumSyncConfig = MomentumSyncConfig()
 
     @field_validator("betas")

@@ -151,14 +151,16 @@ class LionCub(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            group["step"] += 1
-        step = self.param_groups[0]["step"]
         entries = self._entries_with_gradients()
+        step = self.param_groups[0]["step"] + 1
         if self.options.compression == "none":
             self._exact_lion_step(entries)
         else:
+            if self.options.check_finite:
+                self._require_finite_gradients(entries, step)
             self._compressed_step(entries, step)
+        for group in self.param_groups:
+            group["step"] = step
         interval = self.options.momentum_sync.interval
         if interval and step % interval == 0:
             self._sync_momentum()
@@ -184,6 +186,35 @@ class LionCub(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 entries.append((group, param, grad, state["exp_avg"]))
         return entries
+
+    def _require_finite_gradients(
+        self, entries: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor]], step: int
+    ) -> None:
+        """Raise on every rank, before any state changes, if any rank has a NaN or inf gradient.
+
+        A vote would silently turn a NaN into a -1 (or an L1 scale into garbage); exact Lion at least
+        propagates it. One 4-byte all-reduce per step makes every rank reach the same verdict.
+        """
+        bad = [param for _, param, grad, _ in entries if not bool(torch.isfinite(grad).all())]
+        device = entries[0][2].device if entries else torch.device("cpu")
+        ranks_with_bad = torch.tensor([1 if bad else 0], dtype=torch.int32, device=device)
+        self.backend.transport.all_reduce_sum(ranks_with_bad)
+        count = int(ranks_with_bad.item())
+        if count == 0:
+            return
+        here = ", ".join(self._label(param) for param in bad[:5]) or "none"
+        raise FloatingPointError(
+            f"LionCub: non-finite (NaN/inf) gradients on {count} of {self.backend.world_size} ranks at "
+            f"step {step}; the step was not applied on any rank (this rank's offending parameters: {here}). "
+            f"Lower the learning rate, enable gradient clipping or loss scaling; check_finite=False turns "
+            f"this check off."
+        )
+
+    def _label(self, param: torch.Tensor) -> str:
+        params = [p for group in self.param_groups for p in group["params"]]
+        names = self._parameter_names()
+        position = next(i for i, p in enumerate(params) if p is param)
+        return repr(names[position]) if names else f"parameter #{position} of shape {tuple(param.shape)}"
 
     def _exact_lion_step(self, entries: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         world = self.backend.world_size

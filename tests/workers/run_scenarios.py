@@ -93,6 +93,20 @@ def run_training(rank: int, world_size: int) -> dict[str, object]:
         for name, param in params.items():
             results[f"train-param/{mode}/{name}"] = param.detach().clone()
             results[f"train-exp-avg/{mode}/final/{name}"] = optimizer.state[param]["exp_avg"].clone()
+    params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
+    optimizer = LionCub(list(params.items()), compression="1bit")
+    sc.loss_of(params, rank, 1).backward()
+    if rank == world_size - 1:
+        params["b1"].grad[3] = float("nan")
+    try:
+        optimizer.step()
+        results["nan-error"] = None
+    except FloatingPointError as error:
+        results["nan-error"] = str(error)
+    results["nan-unchanged"] = all(torch.equal(params[n], v) for n, v in sc.init_params().items())
+    results["nan-no-state"] = len(optimizer.state) == 0 or all(
+        not torch.any(s["exp_avg"]) for s in optimizer.state.values()
+    )
     try:
         LionCub(list(sc.init_params().items()), compression="kbit", bits=2, quantizer="l1")
         results["construct-error"] = None
