@@ -29,19 +29,31 @@ def _pad_to_multiple(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(multiple - remainder)])
 
 
+# Multiplying eight 0/1 bytes, read as one little-endian int64, by this constant gathers byte j's
+# bit into bit 56 + j without carries, so one multiply and one shift pack eight signs.
+_GATHER_EIGHT_BITS = 0x0102040810204080
+_REPEAT_BYTE = 0x0101010101010101
+_BIT_J_OF_BYTE_J = 0x8040201008040201 - (1 << 64)  # as a signed int64
+
+
 def pack_fields(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack unsigned ``bits``-wide fields (entries must be < 2**bits) into uint8."""
     if bits not in FIELD_WIDTHS:
         raise ValueError(f"field width must be one of {FIELD_WIDTHS}, got {bits}")
-    flat = values.reshape(-1).to(torch.uint8)
+    flat = values.reshape(-1)
+    flat = flat.view(torch.uint8) if flat.dtype == torch.bool else flat.to(torch.uint8)
     if bits == 8:
         return flat.clone()
-    per_byte = 8 // bits
-    grouped = _pad_to_multiple(flat, per_byte).view(-1, per_byte)
-    packed = grouped[:, 0].clone()
-    for j in range(1, per_byte):
-        packed.bitwise_or_(grouped[:, j] << (j * bits))
-    return packed
+    # Read each byte group as one wider integer and move its fields together with shifts.
+    grouped = _pad_to_multiple(flat, 8 // bits).contiguous()
+    if bits == 1:
+        words = grouped.view(torch.int64)
+        return ((words * _GATHER_EIGHT_BITS) >> 56).to(torch.uint8)
+    if bits == 2:
+        words = grouped.view(torch.int32)
+        return (words | (words >> 6) | (words >> 12) | (words >> 18)).to(torch.uint8)
+    words = grouped.view(torch.int16)
+    return (words | (words >> 4)).to(torch.uint8)
 
 
 def unpack_fields(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
@@ -50,6 +62,11 @@ def unpack_fields(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         raise ValueError(f"field width must be one of {FIELD_WIDTHS}, got {bits}")
     if bits == 8:
         return packed[:numel].clone()
+    if bits == 1:
+        # Copy each byte into all eight bytes of an int64, keep bit j in byte j, test for non-zero.
+        words = packed.to(torch.int64) * _REPEAT_BYTE
+        words.bitwise_and_(_BIT_J_OF_BYTE_J)
+        return words.view(torch.uint8).ne(0).view(torch.uint8)[:numel]
     per_byte = 8 // bits
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     mask = (1 << bits) - 1
