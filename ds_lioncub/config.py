@@ -62,16 +62,16 @@ class LionCubConfig(DeepSpeedConfigModel):
     and raises on every rank otherwise, since a vote would hide it.
     """
 
-    lr: float = Field(1e-4, ge=0)
+    lr: float = Field(1e-4, ge=0, allow_inf_nan=False)
     betas: tuple[float, float] = (0.9, 0.99)
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
     compression: Literal["none", "1bit", "kbit"] = "1bit"
     bits: Literal[2, 4, 8] = 4
     quantizer: Literal["sign", "l1"] = "sign"
     aggregation: Literal["vote", "mean"] = "vote"
     kbit_algorithm: Literal["allreduce", "alltoall"] = "allreduce"
     tie_break: Literal["alternate", "positive"] = "alternate"
-    l1_clip: float = Field(2.0, gt=0)
+    l1_clip: float = Field(2.0, gt=0, allow_inf_nan=False)
     comm_dtype: Literal["fp32", "bf16"] = "fp32"
     bucket_size: int = Field(1 << 23, ge=1024)
     check_finite: bool = True
@@ -99,6 +99,11 @@ class LionCubConfig(DeepSpeedConfigModel):
             raise ValueError(
                 f"comm_dtype={self.comm_dtype!r} applies to compression='none' (the uncompressed gradient "
                 f"all-reduce); compressed modes send bits, so drop comm_dtype"
+            )
+        if self.compression == "none" and self.momentum_sync.interval > 0:
+            raise ValueError(
+                "momentum_sync only applies to compressed modes: with compression='none' every rank's momentum "
+                "is already identical; drop momentum_sync or choose compression='1bit' or 'kbit'"
             )
         if self.compression == "kbit" and self.quantizer == "sign" and "l1_clip" in given:
             raise ValueError("l1_clip only applies to quantizer='l1'; set quantizer='l1' or drop l1_clip")

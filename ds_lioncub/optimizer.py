@@ -7,7 +7,8 @@ rank applies the same update, so parameters stay bitwise identical (DESIGN §2.1
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -71,14 +72,16 @@ class LionCub(torch.optim.Optimizer):
         self.backend = CompressedBackend(process_group)
         # DeepSpeed's integration sets this when the engine has already averaged the gradients.
         self.gradients_are_averaged = False
+        # Names and the momentum-sync selection are kept by flat position (group order, then
+        # parameter order): DeepSpeed's mixed-precision wrapper swaps the parameters for fp32
+        # copies in place, which keeps positions but not identities.
+        self.param_names: list[str] | None = None
         self._momentum_synced: set[int] = set()
+        self._states_only = False
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
         super().__init__(params, defaults)
-        if self.options.compression == "kbit":
-            check_kbit_world_size(
-                self.backend.world_size, self.options.bits, self.options.quantizer, self.options.kbit_algorithm
-            )
-        self._resolve_momentum_sync()
+        self._check_world_size()
+        self._resolve_names()
 
     # ------------------------------------------------------------------ set-up and validation
 
@@ -105,32 +108,67 @@ class LionCub(torch.optim.Optimizer):
                     f"Make it contiguous (param.data = param.data.contiguous()) before building the optimizer."
                 )
         if hasattr(self, "backend"):
-            self._resolve_momentum_sync()
+            self._resolve_names()
 
-    def _parameter_names(self) -> list[str] | None:
+    def attach(self, process_group: dist.ProcessGroup | None, module: nn.Module | None) -> None:
+        """Communicate over ``process_group`` and take names from ``module`` (used by the DeepSpeed wiring).
+
+        Must run while the optimizer still holds the module's own parameters, so names resolve.
+        """
+        self.backend = CompressedBackend(process_group)
+        if module is not None:
+            self.module = module
+        self._check_world_size()
+        self._resolve_names()
+
+    def _check_world_size(self) -> None:
+        if self.options.compression == "kbit":
+            check_kbit_world_size(
+                self.backend.world_size, self.options.bits, self.options.quantizer, self.options.kbit_algorithm
+            )
+
+    def _flat_params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _resolve_names(self) -> None:
+        """Name every parameter (from named params or the module) and select momentum-sync layers."""
         from_module = {}
         if self.module is not None:
             from_module = {id(p): name for name, p in self.module.named_parameters()}
-        names: list[str] = []
+        names: list[str] | None = []
         for group in self.param_groups:
             given = group.get("param_names")
             for position, param in enumerate(group["params"]):
                 name = given[position] if given else from_module.get(id(param))
                 if name is None:
-                    return None
+                    names = None
+                    break
                 names.append(name)
-        return names
-
-    def _resolve_momentum_sync(self) -> None:
+            if names is None:
+                break
+        self.param_names = names
         sync = self.options.momentum_sync
         if sync.interval == 0:
             return
-        params = [p for group in self.param_groups for p in group["params"]]
+        params = self._flat_params()
         try:
-            selected = select_parameters(params, self._parameter_names(), sync.layers, self.module)
+            selected = select_parameters(params, names, sync.layers, self.module)
         except ValueError as error:
             raise LionCubConfigError(str(error)) from None
-        self._momentum_synced = {id(p) for p, chosen in zip(params, selected) if chosen}
+        self._momentum_synced = {position for position, chosen in enumerate(selected) if chosen}
+
+    @contextmanager
+    def initialising_states(self) -> Iterator[None]:
+        """Within this block ``step()`` only creates optimizer state and changes nothing.
+
+        DeepSpeed's fp16/bf16 wrapper calls ``step()`` once on zero gradients to create the state;
+        for Lion Cub a real step would move every parameter by lr (a zero vote is a tie).
+        """
+        self._states_only = True
+        try:
+            yield
+        finally:
+            self._states_only = False
 
     # ------------------------------------------------------------------ public helpers
 
@@ -141,7 +179,7 @@ class LionCub(torch.optim.Optimizer):
     @property
     def momentum_synced_parameters(self) -> list[torch.Tensor]:
         """The parameters whose ``exp_avg`` momentum sync averages."""
-        return [p for group in self.param_groups for p in group["params"] if id(p) in self._momentum_synced]
+        return [p for position, p in enumerate(self._flat_params()) if position in self._momentum_synced]
 
     # ------------------------------------------------------------------ the step
 
@@ -152,6 +190,8 @@ class LionCub(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         entries = self._entries_with_gradients()
+        if self._states_only:
+            return loss
         step = self.param_groups[0]["step"] + 1
         if self.options.compression == "none":
             self._exact_lion_step(entries)
@@ -211,10 +251,10 @@ class LionCub(torch.optim.Optimizer):
         )
 
     def _label(self, param: torch.Tensor) -> str:
-        params = [p for group in self.param_groups for p in group["params"]]
-        names = self._parameter_names()
-        position = next(i for i, p in enumerate(params) if p is param)
-        return repr(names[position]) if names else f"parameter #{position} of shape {tuple(param.shape)}"
+        position = next(i for i, p in enumerate(self._flat_params()) if p is param)
+        if self.param_names:
+            return repr(self.param_names[position])
+        return f"parameter #{position} of shape {tuple(param.shape)}"
 
     def _exact_lion_step(self, entries: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         world = self.backend.world_size
@@ -301,9 +341,8 @@ class LionCub(torch.optim.Optimizer):
             return
         momenta = [
             self.state[p]["exp_avg"]
-            for group in self.param_groups
-            for p in group["params"]
-            if id(p) in self._momentum_synced and "exp_avg" in self.state[p]
+            for position, p in enumerate(self._flat_params())
+            if position in self._momentum_synced and "exp_avg" in self.state[p]
         ]
         comm_dtype = _COMM_DTYPES[self.options.momentum_sync.dtype]
         for bucket in plan_buckets([m.numel() for m in momenta], self.options.bucket_size):

@@ -46,6 +46,8 @@ def pack_fields(values: torch.Tensor, bits: int) -> torch.Tensor:
         return flat.clone()
     # Read each byte group as one wider integer and move its fields together with shifts.
     grouped = _pad_to_multiple(flat, 8 // bits).contiguous()
+    if grouped.storage_offset() % (8 // bits) != 0:
+        grouped = grouped.clone()  # a wide-integer view needs an aligned start
     if bits == 1:
         words = grouped.view(torch.int64)
         return ((words * _GATHER_EIGHT_BITS) >> 56).to(torch.uint8)
