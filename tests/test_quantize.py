@@ -218,3 +218,25 @@ def test_l1_vote_tracks_exact_lion_better_than_max_norm() -> None:
           f"max-norm match {max_match:.4f} flip {max_flip:.4f}")
     assert l1_match >= max_match + 0.2
     assert l1_flip <= max_flip
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_summed_fields_never_carry_for_every_world_the_width_allows(bits: int) -> None:
+    """A uint8 SUM all-reduce of packed fields, simulated byte by byte (mod 256, as gloo/NCCL wrap),
+    unpacks to the exact per-field sums for every p the width admits, with every worker at its maximum."""
+    from ds_lioncub.comm.packing import pack_fields, unpack_fields
+
+    numel = 64
+    generator = torch.Generator().manual_seed(bits)
+    for quantizer, top_value in (("sign", 1), ("l1", None)):
+        for p in range(1, max_world_size_allreduce(bits, quantizer) + 1):
+            largest = top_value if top_value is not None else 2 * ((2**bits - 1) // (2 * p))
+            fields = [torch.randint(0, largest + 1, (numel,), generator=generator) for _ in range(p)]
+            for worker in fields:  # the worst case: every worker sends its maximum
+                worker[:8] = largest
+            byte_sums = torch.zeros(numel * bits // 8, dtype=torch.int64)
+            for worker in fields:
+                byte_sums += pack_fields(worker.to(torch.uint8), bits).to(torch.int64)
+            wrapped = (byte_sums % 256).to(torch.uint8)
+            expected = torch.stack(fields).sum(dim=0)
+            assert torch.equal(unpack_fields(wrapped, bits, numel).to(torch.int64), expected), (quantizer, p)
