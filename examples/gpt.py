@@ -144,8 +144,9 @@ class GPT(nn.Module):
         t = idx.shape[1]
         if t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len {self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         x = self.tok_emb(idx)
+        # DeepSpeed's bf16/fp16 casts parameters, not these buffers: match the activations' dtype.
+        cos, sin = self.rope_cos[:t].to(x.dtype), self.rope_sin[:t].to(x.dtype)
         for block in self.blocks:
             x = block(x, cos, sin)
         logits = self.lm_head(self.final_norm(x))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +42,34 @@ def run_ranks(script: Path, world_size: int, work_dir: Path, timeout_s: float = 
         rank, code, out = failed[0]
         raise AssertionError(f"rank {rank} of {world_size} exited with {code}:\n{out[-4000:]}")
     return [torch.load(work_dir / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_deepspeed(
+    script: Path, num_ranks: int, script_args: list[str], result_files: list[Path], timeout_s: float = 900.0,
+    environment: dict[str, str] | None = None,
+) -> str:
+    """Start ``script`` with the real ``deepspeed`` launcher on ``num_ranks`` local ranks; return its output.
+
+    The launcher sometimes aborts with code 250 at exit after the work is done ("terminate called
+    without an active exception"); that counts as success only when every rank wrote its results.
+    """
+    command = [
+        sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_ranks),
+        "--master_port", str(free_port()), str(script), *script_args,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(environment or {})}
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+    except subprocess.TimeoutExpired as error:
+        raise AssertionError(f"deepspeed launch of {script.name} did not finish in {timeout_s} s (hang?)") from error
+    output = done.stdout + done.stderr
+    missing = [path for path in result_files if not path.exists()]
+    if done.returncode not in (0, 250) or missing:
+        raise AssertionError(f"deepspeed launch exited with {done.returncode}, missing {missing}:\n{output[-6000:]}")
+    return output

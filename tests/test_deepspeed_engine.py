@@ -1,0 +1,211 @@
+"""LionCub inside the real DeepSpeed engine, started by the real `deepspeed` launcher on CPU ranks.
+
+Two launches: one 2-rank job runs every config in configs/ (plus ZeRO 1/3 and a bf16 momentum-sync
+variant), checkpoint resumes, client optimizers and bad configs; one 3-rank job resumes the 2-rank
+checkpoint. References: the exact-Lion (ZeRO 0) run for ZeRO, the uninterrupted run for resumes,
+DeepSpeed's own learning rate and WarmupLR's documented formula for schedules, the saved per-rank
+files for a resume at another world size.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from launch import REPO, run_deepspeed
+
+WORKER = REPO / "tests" / "workers" / "ds_engine_scenarios.py"
+CONFIG_NAMES = sorted(path.stem for path in (REPO / "configs").glob("*.json"))
+EXACT_LION = ("lion_fp32", "lion_bf16_comm", "lion_zero2", "lion_zero1", "lion_zero3")
+
+
+def _compressed(name: str) -> bool:
+    return name.startswith("lioncub_")
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("deepspeed")
+    main_files = [out / f"main-rank{rank}.pt" for rank in range(2)]
+    run_deepspeed(
+        WORKER, 2, ["--out", str(out), "--phase", "main", "--deepspeed_config", "configs/lioncub_1bit.json"],
+        main_files,
+    )
+    checkpoint = out / "ckpt-lioncub_1bit"
+    resume_files = [out / f"resume-rank{rank}.pt" for rank in range(3)]
+    run_deepspeed(WORKER, 3, ["--out", str(out), "--phase", "resume", "--checkpoint", str(checkpoint)], resume_files)
+    return {
+        "main": [torch.load(path, weights_only=False) for path in main_files],
+        "resume": [torch.load(path, weights_only=False) for path in resume_files],
+        "checkpoint": checkpoint,
+    }
+
+
+def _configs(launched: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    ranks = launched["main"]
+    names = [key.removeprefix("config/") for key in ranks[0] if key.startswith("config/")]
+    return {name: [results[f"config/{name}"] for results in ranks] for name in names}
+
+
+def test_every_ready_config_is_exercised(launched: dict[str, Any]) -> None:
+    assert set(CONFIG_NAMES) <= set(_configs(launched))
+
+
+def test_every_config_lowers_the_loss_and_keeps_ranks_bitwise_identical(launched: dict[str, Any]) -> None:
+    for name, ranks in _configs(launched).items():
+        losses = ranks[0]["losses"]
+        assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.05, f"{name}: {losses}"
+        for param, value in ranks[0]["params"].items():
+            assert torch.equal(ranks[1]["params"][param], value), f"{name}: {param} differs between ranks"
+
+
+def test_initialize_does_not_move_parameters(launched: dict[str, Any]) -> None:
+    """The bf16 wrapper's state-creating dummy step on zero gradients must be a no-op (a tie would move)."""
+    for name, ranks in _configs(launched).items():
+        assert ranks[0]["moved_at_init"] == 0.0, name
+
+
+def test_compression_replaces_the_engine_gradient_allreduce(launched: dict[str, Any]) -> None:
+    for name, ranks in _configs(launched).items():
+        if _compressed(name):
+            assert ranks[0]["enable_backward_allreduce"] is False, name
+            assert ranks[0]["engine_allreduces"] == 0, name
+            assert ranks[0]["comm_stats"].collectives > 0, name
+        elif name in ("lion_fp32", "lion_bf16_comm", "lion_zero1", "lion_zero2"):
+            assert ranks[0]["enable_backward_allreduce"] is True, name
+            assert ranks[0]["engine_allreduces"] > 0, name  # the counter does see the engine's reduction
+
+
+def test_zero_stages_are_exact_sharded_lion(launched: dict[str, Any]) -> None:
+    configs = _configs(launched)
+    reference = configs["lion_fp32"][0]["params"]
+    for name in ("lion_zero1", "lion_zero2", "lion_zero3"):
+        for param, value in configs[name][0]["params"].items():
+            assert torch.equal(value, reference[param]), f"{name}: {param}"
+
+
+def test_bf16_gradient_communication_is_used_and_stays_close(launched: dict[str, Any]) -> None:
+    configs = _configs(launched)
+    fp32, bf16 = configs["lion_fp32"][0]["params"], configs["lion_bf16_comm"][0]["params"]
+    differing = sum(int((bf16[name] != fp32[name]).sum()) for name in fp32)
+    total = sum(value.numel() for value in fp32.values())
+    assert 0 < differing < 0.05 * total
+
+
+def test_lioncub_applies_the_engine_learning_rate_every_step(launched: dict[str, Any]) -> None:
+    """With ±1 updates each coordinate moves by exactly the lr DeepSpeed reported for that step."""
+    for name, ranks in _configs(launched).items():
+        if not _compressed(name):
+            continue
+        record = ranks[0]
+        for lr, largest, smallest in zip(record["lr"], record["moved_max"], record["moved_min"]):
+            assert largest == pytest.approx(lr, rel=2e-3, abs=1e-8), name
+            assert smallest == pytest.approx(lr, rel=2e-3, abs=1e-8), name
+    configs = _configs(launched)
+    warmup = configs["lioncub_1bit"][0]["lr"]  # WarmupLR, linear, 1e-4 -> 1e-3 over 10 steps
+    expected = [1e-4] + [1e-4 + (1e-3 - 1e-4) * min(step - 2, 10) / 10 for step in range(2, len(warmup) + 1)]
+    assert warmup == pytest.approx(expected, rel=1e-6)
+    cosine = configs["lioncub_4bit_sign"][0]["lr"]  # WarmupCosineLR
+    assert len(set(cosine)) > 5
+
+
+def test_gradient_accumulation_steps_once_per_boundary(launched: dict[str, Any]) -> None:
+    record = _configs(launched)["lioncub_8bit_l1"][0]
+    assert record["lioncub_step"] == list(range(1, len(record["lioncub_step"]) + 1))
+
+
+@pytest.mark.parametrize("variant", ["lioncub_1bit_head_sync", "lioncub_1bit_head_sync_bf16"])
+def test_head_momentum_sync_by_module_names(launched: dict[str, Any], variant: str) -> None:
+    """Names come from the engine's module, also when the optimizer holds bf16's fp32 copies."""
+    names = launched["main"][0]["names"]
+    ranks = _configs(launched)[variant]
+    for step, expected in ((9, set()), (10, {"lm_head.weight"})):
+        equal = {
+            name for name, a, b in zip(names, ranks[0][f"momenta@{step}"], ranks[1][f"momenta@{step}"])
+            if torch.equal(a, b)
+        }
+        assert equal == expected, f"{variant} step {step}"
+
+
+@pytest.mark.parametrize("config", ["lioncub_1bit", "lioncub_4bit_sign"])
+def test_checkpoint_resume_reproduces_the_uninterrupted_run(launched: dict[str, Any], config: str) -> None:
+    for rank, results in enumerate(launched["main"]):
+        record = results[f"resume/{config}"]
+        for name, value in record["uninterrupted"].items():
+            assert torch.equal(record["resumed"][name], value), f"rank {rank}: {name}"
+        for index, (a, b) in enumerate(zip(record["uninterrupted_momenta"], record["resumed_momenta"])):
+            assert torch.equal(a, b), f"rank {rank}: momentum {index}"
+    first, second = (results[f"resume/{config}"]["resumed_momenta"] for results in launched["main"])
+    assert not all(torch.equal(a, b) for a, b in zip(first, second)), "per-rank momenta should differ"
+
+
+def test_resume_at_another_world_size_starts_from_the_mean_momentum(launched: dict[str, Any]) -> None:
+    tag = (launched["checkpoint"] / "latest").read_text().strip()
+    saved = [
+        torch.load(launched["checkpoint"] / tag / f"lioncub_dp_rank_{rank:05d}.pt", weights_only=True)["exp_avg"]
+        for rank in range(2)
+    ]
+    for results in launched["resume"]:
+        for index, loaded in enumerate(results["loaded_momenta"]):
+            torch.testing.assert_close(loaded, (saved[0][index] + saved[1][index]) / 2)
+        assert results["lioncub_step"] == 8
+        assert all(torch.isfinite(torch.tensor(results["losses"])))
+    for name, value in launched["resume"][0]["params"].items():
+        for results in launched["resume"][1:]:
+            assert torch.equal(results["params"][name], value), name
+
+
+@pytest.mark.parametrize("kind", ["object", "callable"])
+def test_client_lioncub_gets_the_same_wiring(launched: dict[str, Any], kind: str) -> None:
+    records = [results[f"client/{kind}"] for results in launched["main"]]
+    assert records[0]["enable_backward_allreduce"] is False
+    assert records[0]["engine_allreduces"] == 0 and records[0]["comm_collectives"] > 0
+    assert records[0]["losses"][-1] < records[0]["losses"][0]
+    for name, value in records[0]["params"].items():
+        assert torch.equal(records[1]["params"][name], value)
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("bits", ["LionCubConfigError", "bits=3", "2, 4 or 8"]),
+        ("unknown-key", ["LionCubConfigError", "unknown option 'momentun'", "Valid options"]),
+        ("world-too-large", ["at most 1 workers", "world has 2", "kbit_algorithm='alltoall'"]),
+        ("zero-compressed", ["LionCubConfigError", "ZeRO stage 1", "compression='none'"]),
+    ],
+)
+def test_bad_ds_config_is_rejected_identically_on_every_rank(
+    launched: dict[str, Any], case: str, expected: list[str]
+) -> None:
+    messages = {results[f"bad/{case}"] for results in launched["main"]}
+    assert len(messages) == 1
+    message = messages.pop()
+    assert message is not None
+    for fragment in expected:
+        assert fragment in message
+
+
+def test_config_files_are_valid_json_with_lioncub() -> None:
+    for path in (REPO / "configs").glob("*.json"):
+        config = json.loads(path.read_text())
+        assert config["optimizer"]["type"].lower() == "lioncub", path.name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 needs a CUDA device (CI and this CPU machine have none)")
+def test_fp16_on_cuda(tmp_path: Path) -> None:
+    ranks = min(torch.cuda.device_count(), 2)
+    files = [tmp_path / f"fp16-rank{rank}.pt" for rank in range(ranks)]
+    run_deepspeed(WORKER, ranks, ["--out", str(tmp_path), "--phase", "fp16"], files,
+                  environment={"DS_ACCELERATOR": "cuda"})
+    records = [torch.load(path, weights_only=False)["fp16"] for path in files]
+    assert records[0]["moved_at_init"] == 0.0
+    losses = records[0]["losses"]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.05
+    for name, value in records[0]["params"].items():
+        for record in records[1:]:
+            assert torch.equal(record["params"][name], value)

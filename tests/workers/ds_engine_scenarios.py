@@ -1,0 +1,280 @@
+"""One rank of a `deepspeed`-launched job that trains the example GPT with every ready config.
+
+Usage: deepspeed --num_gpus N ds_engine_scenarios.py --out DIR --phase main|resume [--deepspeed_config F]
+Each rank saves what it saw (losses, parameters, momenta, learning rates, collective counts,
+error messages) to DIR/<phase>-rank<R>.pt; tests/test_deepspeed_engine.py checks them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import deepspeed.comm as ds_comm
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "examples"))
+
+import ds_lioncub  # noqa: E402
+from ds_lioncub import LionCub  # noqa: E402
+from ds_lioncub.deepspeed_integration import find_lioncub  # noqa: E402
+from gpt import GPT, GPTConfig  # noqa: E402
+
+CONFIGS = sorted((REPO / "configs").glob("*.json"))
+MODEL = GPTConfig(vocab_size=256, max_seq_len=32, n_layer=1, n_head=2, d_model=32)
+SEQ_LEN = 32
+STEPS = 12
+CHECKPOINT_STEPS = 4
+SYNC_STEP = 10
+
+
+class AllReduceCounter:
+    """Counts deepspeed.comm.all_reduce calls on tensors larger than a flag (the engine's gradient path)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.original = ds_comm.all_reduce
+
+        def counting_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if tensor.numel() > 1:
+                self.calls += 1
+            return self.original(tensor, *args, **kwargs)
+
+        ds_comm.all_reduce = counting_all_reduce
+
+
+def corpus() -> torch.Tensor:
+    data = b"".join(path.read_bytes() for path in sorted((REPO / "ds_lioncub").rglob("*.py")))
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def batch(data: torch.Tensor, rank: int, step: int, micro: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1_000_003 * rank + 1009 * step + micro)
+    starts = torch.randint(0, data.numel() - SEQ_LEN - 1, (size,), generator=generator)
+    rows = torch.stack([data[s : s + SEQ_LEN + 1] for s in starts.tolist()])
+    return rows[:, :-1], rows[:, 1:]
+
+
+def build(config: dict[str, Any], client: str | None = None) -> Any:
+    """An engine for a fresh GPT (same seed); ``client`` passes a LionCub "object" or "callable"."""
+    torch.manual_seed(0)
+    model = GPT(MODEL)
+    optimizer: Any = None
+    if client == "object":
+        optimizer = LionCub(model.named_parameters(), lr=1e-3, compression="1bit")
+    elif client == "callable":
+        optimizer = lambda params: LionCub(params, lr=1e-3, compression="1bit")  # noqa: E731
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config, optimizer=optimizer
+    )
+    return engine
+
+
+def master_params(engine: Any) -> list[torch.Tensor]:
+    lioncub = find_lioncub(engine.optimizer)
+    return lioncub._flat_params() if lioncub is not None else []
+
+
+def full_params(engine: Any) -> dict[str, torch.Tensor]:
+    params = dict(engine.module.named_parameters())
+    if engine.zero_optimization_stage() == 3:
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {name: p.detach().float().clone() for name, p in params.items()}
+    return {name: p.detach().float().clone() for name, p in params.items()}
+
+
+def moved_at_init(engine: Any) -> float:
+    """Largest change deepspeed.initialize made to the seeded parameters (in the engine's dtype)."""
+    torch.manual_seed(0)
+    initial = dict(GPT(MODEL).named_parameters())
+    dtype = next(engine.module.parameters()).dtype
+    now = full_params(engine)
+    return max((now[name].cpu() - initial[name].detach().to(dtype).float()).abs().max().item() for name in now)
+
+
+def momenta(engine: Any) -> list[torch.Tensor]:
+    lioncub = find_lioncub(engine.optimizer)
+    return [lioncub.state[p]["exp_avg"].float().clone() for p in lioncub._flat_params()]
+
+
+def train(engine: Any, data: torch.Tensor, first_step: int, steps: int, record: dict[str, Any] | None = None) -> list[float]:
+    rank = dist.get_rank()
+    accumulation = engine.gradient_accumulation_steps()
+    micro_size = engine.train_micro_batch_size_per_gpu()
+    losses = []
+    for step in range(first_step, first_step + steps):
+        lr = engine.get_lr()[0]
+        watched = master_params(engine)[:1]
+        before = [p.detach().float().clone() for p in watched]
+        step_loss = 0.0
+        for micro in range(accumulation):
+            x, y = batch(data, rank, step, micro, micro_size)
+            _, loss = engine(x.to(engine.device), y.to(engine.device))
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.item() / accumulation
+        losses.append(step_loss)
+        if record is not None and watched:
+            group = find_lioncub(engine.optimizer).param_groups[0]
+            decayed = before[0] * (1 - lr * group["weight_decay"])
+            moved = (decayed - watched[0].detach().float()).abs()
+            record.setdefault("lr", []).append(lr)
+            record.setdefault("moved_max", []).append(moved.max().item())
+            record.setdefault("moved_min", []).append(moved.min().item())
+            record.setdefault("lioncub_step", []).append(group["step"])
+        if record is not None and step in (SYNC_STEP - 1, SYNC_STEP):
+            record[f"momenta@{step}"] = momenta(engine)
+    return losses
+
+
+def run_configs(args: argparse.Namespace, data: torch.Tensor) -> dict[str, Any]:
+    results: dict[str, Any] = {"names": [name for name, _ in GPT(MODEL).named_parameters()]}
+    variants: list[tuple[str, dict[str, Any]]] = [(path.stem, json.loads(path.read_text())) for path in CONFIGS]
+    zero2 = json.loads((REPO / "configs" / "lion_zero2.json").read_text())
+    for stage in (1, 3):
+        variant = copy.deepcopy(zero2)
+        variant["zero_optimization"]["stage"] = stage
+        variants.append((f"lion_zero{stage}", variant))
+    head_sync_bf16 = json.loads((REPO / "configs" / "lioncub_1bit_head_sync.json").read_text())
+    head_sync_bf16["bf16"] = {"enabled": True}
+    variants.append(("lioncub_1bit_head_sync_bf16", head_sync_bf16))
+    for name, config in variants:
+        counter = AllReduceCounter()
+        if args.deepspeed_config and Path(args.deepspeed_config).stem == name:
+            # This one goes through the launcher's --deepspeed_config, as a user's job would.
+            torch.manual_seed(0)
+            model = GPT(MODEL)
+            engine, *_ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
+        else:
+            engine = build(config)
+        record: dict[str, Any] = {"moved_at_init": moved_at_init(engine)}
+        counter.calls = 0
+        record["losses"] = train(engine, data, 1, STEPS, record)
+        record["engine_allreduces"] = counter.calls
+        record["params"] = full_params(engine)
+        record["enable_backward_allreduce"] = engine.enable_backward_allreduce
+        record["comm_stats"] = find_lioncub(engine.optimizer).comm_stats() if find_lioncub(engine.optimizer) else None
+        ds_comm.all_reduce = counter.original
+        results[f"config/{name}"] = record
+    return results
+
+
+def run_checkpoints(args: argparse.Namespace, data: torch.Tensor) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name in ("lioncub_1bit", "lioncub_4bit_sign"):
+        config = json.loads((REPO / "configs" / f"{name}.json").read_text())
+        uninterrupted = build(config)
+        train(uninterrupted, data, 1, 2 * CHECKPOINT_STEPS)
+        save_dir = str(args.out / f"ckpt-{name}")
+        first = build(config)
+        train(first, data, 1, CHECKPOINT_STEPS)
+        first.save_checkpoint(save_dir)
+        resumed = build(config)
+        resumed.load_checkpoint(save_dir)
+        train(resumed, data, CHECKPOINT_STEPS + 1, CHECKPOINT_STEPS)
+        results[f"resume/{name}"] = {
+            "uninterrupted": full_params(uninterrupted),
+            "resumed": full_params(resumed),
+            "uninterrupted_momenta": momenta(uninterrupted),
+            "resumed_momenta": momenta(resumed),
+        }
+    return results
+
+
+def run_client_optimizers(data: torch.Tensor) -> dict[str, Any]:
+    config = {"train_micro_batch_size_per_gpu": 8}
+    results: dict[str, Any] = {}
+    for kind in ("object", "callable"):
+        counter = AllReduceCounter()
+        engine = build(config, client=kind)
+        counter.calls = 0
+        losses = train(engine, data, 1, 4)
+        results[f"client/{kind}"] = {
+            "enable_backward_allreduce": engine.enable_backward_allreduce,
+            "engine_allreduces": counter.calls,
+            "params": full_params(engine),
+            "losses": losses,
+            "comm_collectives": find_lioncub(engine.optimizer).comm_stats().collectives,
+        }
+        ds_comm.all_reduce = counter.original
+    return results
+
+
+def run_bad_configs() -> dict[str, Any]:
+    base = {"train_micro_batch_size_per_gpu": 8}
+    bad = {
+        "bits": {"type": "LionCub", "params": {"compression": "kbit", "bits": 3}},
+        "unknown-key": {"type": "lioncub", "params": {"lr": 1e-3, "momentun": 0.9}},
+        "world-too-large": {"type": "LionCub", "params": {"compression": "kbit", "bits": 2, "quantizer": "l1"}},
+    }
+    results: dict[str, Any] = {}
+    cases = [(name, {**base, "optimizer": optimizer}) for name, optimizer in bad.items()]
+    cases.append(("zero-compressed", {**base, "zero_optimization": {"stage": 1},
+                                      "optimizer": {"type": "LionCub", "params": {"compression": "1bit"}}}))
+    for name, config in cases:
+        try:
+            build(config)
+            results[f"bad/{name}"] = None
+        except Exception as error:  # noqa: BLE001 - the test checks type and message
+            results[f"bad/{name}"] = f"{type(error).__name__}: {error}"
+    return results
+
+
+def run_resume_other_world(args: argparse.Namespace, data: torch.Tensor) -> dict[str, Any]:
+    config = json.loads((REPO / "configs" / "lioncub_1bit.json").read_text())
+    engine = build(config)
+    engine.load_checkpoint(str(args.checkpoint))
+    loaded = momenta(engine)
+    losses = train(engine, data, CHECKPOINT_STEPS + 1, CHECKPOINT_STEPS)
+    return {"loaded_momenta": loaded, "params": full_params(engine), "losses": losses,
+            "lioncub_step": find_lioncub(engine.optimizer).param_groups[0]["step"]}
+
+
+def run_fp16(data: torch.Tensor) -> dict[str, Any]:
+    """fp16 (CUDA only): the loss-scaling wrapper's state-creating step must not move anything."""
+    config = json.loads((REPO / "configs" / "lioncub_1bit.json").read_text())
+    config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    engine = build(config)
+    record: dict[str, Any] = {"moved_at_init": moved_at_init(engine)}
+    record["losses"] = train(engine, data, 1, STEPS, record)
+    record["params"] = {name: p.cpu() for name, p in full_params(engine).items()}
+    return {"fp16": record}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--phase", choices=("main", "resume", "fp16"), required=True)
+    parser.add_argument("--checkpoint", type=Path)
+    parser = deepspeed.add_config_arguments(parser)
+    args = parser.parse_args()
+    deepspeed.init_distributed(dist_backend="nccl" if args.phase == "fp16" else "gloo")
+    if args.phase == "fp16":
+        torch.cuda.set_device(args.local_rank)
+    torch.set_num_threads(1)
+    assert ds_lioncub.LionCub is LionCub
+    data = corpus()
+    results: dict[str, Any] = {}
+    if args.phase == "main":
+        results.update(run_configs(args, data))
+        results.update(run_checkpoints(args, data))
+        results.update(run_client_optimizers(data))
+        results.update(run_bad_configs())
+    elif args.phase == "resume":
+        results.update(run_resume_other_world(args, data))
+    else:
+        results.update(run_fp16(data))
+    torch.save(results, args.out / f"{args.phase}-rank{dist.get_rank()}.pt")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
