@@ -25,9 +25,13 @@ from ds_lioncub.param_selection import select_parameters
 _COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def lion_direction(exp_avg: torch.Tensor, grad: torch.Tensor, beta1: float) -> torch.Tensor:
-    """Lion's pre-sign update ``c = beta1 * m + (1 - beta1) * g`` in fp32."""
-    return exp_avg.float().mul(beta1).add_(grad.float(), alpha=1 - beta1)
+def lion_direction(
+    exp_avg: torch.Tensor, grad: torch.Tensor, beta1: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Lion's pre-sign update ``c = beta1 * m + (1 - beta1) * g`` in fp32 (into ``out`` if given)."""
+    if out is None:
+        out = torch.empty(exp_avg.shape, dtype=torch.float32, device=exp_avg.device)
+    return out.copy_(exp_avg).mul_(beta1).add_(grad, alpha=1 - beta1)
 
 
 def apply_update(param: torch.Tensor, direction: torch.Tensor, lr: float, weight_decay: float) -> None:
@@ -287,20 +291,18 @@ class LionCub(torch.optim.Optimizer):
                 if param.numel() > capacity:
                     whole_means[index] = self._mean_abs_direction(exp_avg, grad, group["betas"][0], capacity)
         for bucket in plan_buckets([e[1].numel() for e in entries], capacity):
-            directions = []
+            lengths = [piece.length for piece in bucket]
+            update = torch.empty(sum(lengths), dtype=torch.float32, device=entries[bucket[0].index][1].device)
             means = []
-            for piece in bucket:
+            for piece, direction in zip(bucket, update.split(lengths)):
                 group, param, grad, exp_avg = entries[piece.index]
                 beta1, beta2 = group["betas"]
                 _, exp_avg_slice = self._slices(param, exp_avg, piece)
                 grad_slice = grad.reshape(-1)[piece.start : piece.start + piece.length]
-                direction = lion_direction(exp_avg_slice, grad_slice, beta1)
+                lion_direction(exp_avg_slice, grad_slice, beta1, out=direction)
                 exp_avg_slice.mul_(beta2).add_(grad_slice, alpha=1 - beta2)
-                directions.append(direction)
                 if use_l1:
                     means.append(whole_means.get(piece.index, direction.abs().mean()))
-            update = torch.cat(directions) if len(directions) > 1 else directions[0]
-            del directions
             if options.compression == "1bit":
                 delta = self.backend.vote_1bit(update, step, options.tie_break)
             else:
@@ -313,10 +315,10 @@ class LionCub(torch.optim.Optimizer):
                     algorithm=options.kbit_algorithm,
                     tie_break=options.tie_break,
                     l1_clip=options.l1_clip,
-                    segment_sizes=[piece.length for piece in bucket],
+                    segment_sizes=lengths,
                     segment_means=torch.stack(means) if use_l1 else None,
                 )
-            for piece, piece_delta in zip(bucket, delta.split([piece.length for piece in bucket])):
+            for piece, piece_delta in zip(bucket, delta.split(lengths)):
                 group, param, _, exp_avg = entries[piece.index]
                 param_slice, _ = self._slices(param, exp_avg, piece)
                 apply_update(param_slice, piece_delta, group["lr"], group["weight_decay"])
