@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.netcluster.cli import main
+
+sys.exit(main())
