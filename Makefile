@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export DS_ACCELERATOR ?= cpu
+# The venv's tools first: its ninja (a wheel) must build the JIT kernels, not the system's, or the two
+# disagree about the build log and rebuild every op on each switch.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: venv train test
 
@@ -13,7 +16,7 @@ $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,mpi]"
 	touch $@
 
 train: venv

@@ -1,18 +1,24 @@
-"""Train the example GPT data-parallel with Lion / Lion Cub on CPU (gloo) or a single process.
+"""Train the example GPT as a DeepSpeed job: Lion / Lion Cub come from the ds_config.
 
-    torchrun --standalone --nproc_per_node 2 examples/train_gpt.py --compression 1bit --steps 150
-    python examples/train_gpt.py --compression none          # one process, no torch.distributed
+    deepspeed --num_gpus 2 examples/train_gpt.py --deepspeed_config configs/lioncub_1bit.json --steps 150
+    python examples/compare.py          # four configs side by side, same seed, steps and model
 
-Plain torch.distributed, no DeepSpeed engine: the optimizer does all the communication itself
-(the gradient average for compression "none", the sign vote otherwise), so comm_stats() counts
-every byte the data-parallel step sends.
+`import ds_lioncub` registers "type": "LionCub", so the optimizer, its compression, the precision,
+the micro-batch size, gradient accumulation and the lr scheduler are all the ds_config's; this
+script's own options only choose the model, the data and the length of the run. On CPU
+(DS_ACCELERATOR=cpu) the ranks talk over gloo.
+
+Bytes per step per rank have two sources, added up: LionCub's compressed collectives (its own
+comm_stats(), over torch.distributed) and the all-reduces the DeepSpeed engine issues itself through
+deepspeed.comm (its gradient average for compression "none"), counted here by wrapping
+deepspeed.comm.all_reduce.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import logging
 import os
 import sys
 import time
@@ -20,41 +26,37 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import deepspeed
+import deepspeed.comm as ds_comm
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
 
 from corpus import DEFAULT_MAX_BYTES, Corpus, load_corpus
 from gpt import GPT, GPTConfig
 
 try:
-    import ds_lioncub
+    import ds_lioncub  # registers "type": "LionCub" with DeepSpeed
 except ImportError:  # running from a checkout without `pip install -e .`: use the repo's package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import ds_lioncub
+from ds_lioncub.comm.transport import CommStats
+from ds_lioncub.deepspeed_integration import find_lioncub
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("optimizer")
-    g.add_argument("--compression", choices=("none", "1bit", "kbit"), default="1bit",
-                   help="none = exact Lion with averaged gradients; 1bit/kbit = Lion Cub sign vote")
-    g.add_argument("--bits", type=int, choices=(2, 4, 8), default=4, help="field width (kbit only)")
-    g.add_argument("--quantizer", choices=("sign", "l1"), default="sign", help="kbit only")
-    g.add_argument("--comm-dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="gradient allreduce dtype (compression none only)")
-    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--warmup-steps", type=int, default=10, help="linear warmup, then cosine decay")
-    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of --lr")
-    g.add_argument("--grad-clip", type=float, default=0.0,
-                   help="clip each rank's local gradient norm (0 = off); D-Lion clips per worker")
+    # The launcher appends --local_rank=N to every rank's command line.
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", "0")),
+                   help="set by the deepspeed launcher")
 
-    g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=150)
-    g.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
+    g = p.add_argument_group("training (batch size, accumulation, optimizer and lr schedule: see the ds_config)")
+    g.add_argument("--steps", type=int, default=150, help="optimizer steps")
     g.add_argument("--seq-len", type=int, default=64)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--eval-batches", type=int, default=20, help="validation batches (split over ranks)")
+    g.add_argument("--eval-windows", type=int, default=320,
+                   help="validation windows, evenly spaced (split over ranks; the same set for every config)")
     g.add_argument("--threads", type=int, default=0, help="torch threads per rank (0 = cores / local ranks)")
 
     g = p.add_argument_group("model")
@@ -68,19 +70,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--json-out", type=Path, default=None, help="write a JSON summary here (rank 0)")
     g.add_argument("--log-interval", type=int, default=0, help="log lines when there is no progress bar (0 = steps/10)")
     g.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
+    g.add_argument("--ds-log-level", choices=("debug", "info", "warning", "error"), default="warning",
+                   help="DeepSpeed's own logger (info prints the config dump and lr every steps_per_print)")
+
+    p = deepspeed.add_config_arguments(p)  # --deepspeed, --deepspeed_config
     args = p.parse_args(argv)
-    if args.steps < 1 or args.batch_size < 1 or args.seq_len < 1:
-        p.error("--steps, --batch-size and --seq-len must be >= 1")
+    if args.deepspeed_config is None:
+        p.error("--deepspeed_config is required (for example configs/lioncub_1bit.json)")
+    if args.steps < 1 or args.seq_len < 1 or args.eval_windows < 1:
+        p.error("--steps, --seq-len and --eval-windows must be >= 1")
     return args
-
-
-def init_distributed() -> tuple[int, int]:
-    """(rank, world_size). torchrun sets these four variables; without them run as one process."""
-    needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    if all(k in os.environ for k in needed):
-        dist.init_process_group(backend="gloo")  # env:// rendezvous reads the variables above
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def set_threads(requested: int) -> int:
@@ -89,23 +88,51 @@ def set_threads(requested: int) -> int:
         threads = requested
     else:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        # LOCAL_SIZE: the deepspeed launcher; LOCAL_WORLD_SIZE: torchrun.
+        local_ranks = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
         threads = max(1, cores // local_ranks)
     torch.set_num_threads(threads)
     return threads
 
 
-def lr_at(step: int, args: argparse.Namespace) -> float:
-    """Linear warmup to --lr, then cosine decay to --lr * --min-lr-ratio. step is 0-based."""
-    if step < args.warmup_steps:
-        return args.lr * (step + 1) / args.warmup_steps
-    decay_steps = max(1, args.steps - args.warmup_steps)
-    progress = min(1.0, (step - args.warmup_steps) / decay_steps)
-    min_lr = args.lr * args.min_lr_ratio
-    return min_lr + 0.5 * (args.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+class EngineAllReduceBytes:
+    """Bytes this rank sends in the all-reduces the DeepSpeed engine issues through deepspeed.comm.
+
+    Why a wrapper: LionCub counts its own traffic (comm_stats(), and it calls torch.distributed
+    directly, so nothing is counted twice), but the engine's gradient all-reduce (compression "none":
+    allreduce_bucket in engine.py) and its small bookkeeping reductions go through
+    deepspeed.comm.all_reduce, which counts nothing unless DeepSpeed's comms logger is configured.
+    The engine looks the function up on the module at call time (`dist.all_reduce(...)`), so
+    replacing the module attribute sees every call. Same convention as
+    ds_lioncub.comm.transport.TorchTransport: a bandwidth-optimal (ring) all-reduce sends
+    2 * (p - 1) / p * tensor bytes per rank (and receives as much).
+    """
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0
+        self.calls = 0
+        self._original = ds_comm.all_reduce
+
+        def counting_all_reduce(*args: Any, **kwargs: Any) -> Any:
+            # deepspeed.comm.all_reduce(tensor, op=SUM, group=None, ...); its timing decorator hides
+            # the signature from inspect, so the positions are spelled out.
+            tensor: torch.Tensor = args[0] if args else kwargs["tensor"]
+            group = args[2] if len(args) > 2 else kwargs.get("group")
+            world = ds_comm.get_world_size(group=group)
+            if world > 1:
+                self.calls += 1
+                self.bytes_sent += 2 * tensor.numel() * tensor.element_size() * (world - 1) // world
+            return self._original(*args, **kwargs)
+
+        ds_comm.all_reduce = counting_all_reduce
+
+    def remove(self) -> None:
+        ds_comm.all_reduce = self._original
 
 
-def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def get_batch(
+    data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random windows: inputs are bytes [i, i+T), targets the same window shifted by one."""
     starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=gen)
     offsets = torch.arange(seq_len + 1)
@@ -113,52 +140,65 @@ def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Gene
     return windows[:, :-1], windows[:, 1:]
 
 
-def optimizer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs: dict[str, Any] = dict(
-        lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay, compression=args.compression
-    )
-    # LionCub validates its options: comm_dtype exists only for "none", bits/quantizer only for "kbit".
-    if args.compression == "none":
-        kwargs["comm_dtype"] = args.comm_dtype
-    elif args.compression == "kbit":
-        kwargs["bits"] = args.bits
-        kwargs["quantizer"] = args.quantizer
-    return kwargs
+def fp32_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # Under bf16 the module (and its logits) are bf16 while the optimizer keeps fp32 master copies;
+    # a bf16 cross-entropy would round the loss to ~3 digits, too coarse to compare runs by. The
+    # loss (and its gradient into the logits) is computed in fp32 in every precision.
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 @torch.no_grad()
-def evaluate(model: GPT, val: torch.Tensor, args: argparse.Namespace, rank: int, world: int) -> float:
+def evaluate(module: torch.nn.Module, val: torch.Tensor, batch_size: int, args: argparse.Namespace,
+             device: torch.device, rank: int, world: int) -> float:
     """Mean loss over evenly spaced validation windows, the same set whatever the world size.
 
     Each rank scores every world-th window and the sums are reduced, so evaluation costs
     1/world of the single-process time and the result is identical on all ranks.
     """
-    model.eval()
-    n_windows = args.eval_batches * args.batch_size
+    module.eval()
+    # A fixed window count, not a number of micro-batches: configs with different micro-batch
+    # sizes must score the same windows for their val losses to be comparable.
+    n_windows = args.eval_windows
     last_start = len(val) - args.seq_len - 1
     if last_start < 0:
         raise ValueError(f"validation split ({len(val)} bytes) is shorter than --seq-len + 1")
     starts = torch.linspace(0, last_start, n_windows).long()[rank::world]
     offsets = torch.arange(args.seq_len + 1)
     total = torch.zeros(2, dtype=torch.float64)  # (sum of per-window mean losses, windows)
-    for chunk in starts.split(args.batch_size):
-        windows = val[chunk[:, None] + offsets].long()
-        _, loss = model(windows[:, :-1], windows[:, 1:])
+    for chunk in starts.split(batch_size):
+        windows = val[chunk[:, None] + offsets].long().to(device)
+        logits, _ = module(windows[:, :-1])
+        loss = fp32_loss(logits, windows[:, 1:])
         total += torch.tensor([loss.item() * len(chunk), len(chunk)], dtype=torch.float64)
     if world > 1:
         dist.all_reduce(total)
-    model.train()
+    module.train()
     return (total[0] / total[1]).item()
 
 
-def params_in_sync(model: GPT, world: int) -> bool:
-    """True when every rank holds bitwise the same parameters (Lion Cub's guarantee).
+def checked_parameters(engine: Any) -> list[torch.Tensor]:
+    """The module's parameters and, under bf16/fp16, the optimizer's fp32 master copies too.
 
-    Elementwise MAX and MIN across ranks are equal exactly when all ranks agree.
+    Both must agree across ranks: the master copies are what LionCub updates, the module's
+    low-precision parameters are what the next forward pass uses.
+    """
+    tensors = list(engine.module.parameters())
+    seen = {id(p) for p in tensors}
+    lioncub = find_lioncub(engine.optimizer)
+    if lioncub is not None:
+        tensors += [p for group in lioncub.param_groups for p in group["params"] if id(p) not in seen]
+    return tensors
+
+
+def params_in_sync(tensors: list[torch.Tensor], world: int) -> bool:
+    """True when every rank holds bitwise the same values (Lion Cub's guarantee).
+
+    Elementwise MAX and MIN across ranks are equal exactly when all ranks agree. fp32 holds bf16
+    and fp16 values exactly, so the comparison in fp32 is still bitwise.
     """
     if world == 1:
         return True
-    flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
     hi, lo = flat.clone(), flat.clone()
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
@@ -166,134 +206,189 @@ def params_in_sync(model: GPT, world: int) -> bool:
 
 
 def make_progress(enabled: bool, total: int) -> Any:
-    """tqdm bar when available and attached to a terminal; None means "print log lines"."""
+    """tqdm bar when attached to a terminal; None means "print log lines".
+
+    In a log file or a pipe a bar is a single line of carriage returns, so plain lines read better.
+    """
     if not enabled or not sys.stderr.isatty():
         return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
+    if os.get_terminal_size(sys.stderr.fileno()).columns == 0:
+        return None  # a pseudo-terminal without a size (script, some CI runners): tqdm would draw nothing
+    from tqdm import tqdm
+
     return tqdm(total=total, dynamic_ncols=True, desc="train")
+
+
+def describe_precision(ds_config: dict[str, Any]) -> str:
+    for key in ("bf16", "fp16"):
+        if ds_config.get(key, {}).get("enabled", False):
+            return key
+    return "fp32"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
-    rank, world = init_distributed()
+    logging.getLogger("DeepSpeed").setLevel(args.ds_log_level.upper())
+    accelerator = get_accelerator()
+    # gloo on CPU (no oneCCL here); the accelerator's own backend (nccl, ...) elsewhere.
+    backend = "gloo" if accelerator.device_name() == "cpu" else accelerator.communication_backend_name()
+    deepspeed.init_distributed(dist_backend=backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
     threads = set_threads(args.threads)
+    ds_config: dict[str, Any] = json.loads(Path(args.deepspeed_config).read_text())
 
     corpus: Corpus = load_corpus(args.corpus, max_bytes=args.corpus_bytes)
     if len(corpus.train) <= args.seq_len + 1:
         raise ValueError(f"training split ({len(corpus.train)} bytes) is shorter than --seq-len + 1")
 
-    # Same seed on every rank: identical initial parameters without a broadcast.
+    # Same seed on every rank; deepspeed.initialize also broadcasts rank 0's parameters.
     torch.manual_seed(args.seed)
     cfg = GPTConfig(max_seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model)
     model = GPT(cfg)
-    optimizer = ds_lioncub.LionCub(model.named_parameters(), **optimizer_kwargs(args))
+    n_params = model.num_parameters()
+    engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
+    lioncub = find_lioncub(engine.optimizer)  # None for a non-LionCub config: then only the engine talks
+
+    def lioncub_stats() -> CommStats:
+        return lioncub.comm_stats() if lioncub is not None else CommStats()
+
+    micro_batch = engine.train_micro_batch_size_per_gpu()
+    accumulation = engine.gradient_accumulation_steps()
+    precision = describe_precision(ds_config)
+    optimizer_block = ds_config.get("optimizer", {})
+    scheduler_block = ds_config.get("scheduler")
+    engine_bytes = EngineAllReduceBytes()  # after initialize: only training-time traffic matters
 
     # Different data per rank (that is what data parallelism is), reproducible per (seed, rank).
     data_gen = torch.Generator().manual_seed(args.seed * 1_000_003 + rank + 1)
 
     if rank == 0:
-        print(f"[train_gpt] world={world} threads/rank={threads} params={model.num_parameters():,} "
-              f"corpus: {corpus.source} (train {len(corpus.train):,} / val {len(corpus.val):,} bytes)", flush=True)
-        print(f"[train_gpt] optimizer LionCub({optimizer_kwargs(args)})", flush=True)
+        schedule = (f"{scheduler_block['type']} {scheduler_block.get('params', {})}" if scheduler_block
+                    else "constant (no scheduler block)")
+        print(f"[train_gpt] {args.deepspeed_config}: world={world} threads/rank={threads} params={n_params:,} "
+              f"micro-batch {micro_batch} x accumulation {accumulation} x seq {args.seq_len} per rank, "
+              f"precision {precision}", flush=True)
+        print(f"[train_gpt] optimizer {optimizer_block.get('type')} {optimizer_block.get('params', {})}; "
+              f"lr schedule: {schedule}", flush=True)
+        print(f"[train_gpt] corpus: {corpus.source} (train {len(corpus.train):,} / val {len(corpus.val):,} bytes)",
+              flush=True)
 
     bar = make_progress(rank == 0 and not args.no_progress, args.steps)
     log_every = args.log_interval or max(1, args.steps // 10)
     losses: list[float] = []
+    lrs: list[float] = []
     step_times: list[float] = []
-    opt_times: list[float] = []
-    bytes_per_step: list[int] = []
-    start_stats = optimizer.comm_stats()
+    lioncub_bytes: list[int] = []
+    engine_bytes_per_step: list[int] = []
+    engine_calls_before = engine_bytes.calls
+    lioncub_start = lioncub_stats()
     t_train = time.perf_counter()
     for step in range(args.steps):
+        lrs.append(float(engine.get_lr()[0]))  # the lr this step applies (the scheduler steps after it)
+        sent_lioncub = lioncub_stats().bytes_sent
+        sent_engine = engine_bytes.bytes_sent
         t0 = time.perf_counter()
-        lr = lr_at(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        x, y = get_batch(corpus.train, args.batch_size, args.seq_len, data_gen)
-        _, loss = model(x, y)
-        loss.backward()
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        before = optimizer.comm_stats().bytes_sent
-        t_opt = time.perf_counter()
-        optimizer.step()  # includes all communication of the step
-        opt_times.append(time.perf_counter() - t_opt)
-        optimizer.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        for _ in range(accumulation):
+            x, y = get_batch(corpus.train, micro_batch, args.seq_len, data_gen)
+            logits, _ = engine(x.to(engine.device))
+            loss = fp32_loss(logits, y.to(engine.device))
+            engine.backward(loss)  # divides by the accumulation steps; all-reduces at the boundary
+            engine.step()  # steps the optimizer (and the scheduler) only at the boundary
+            step_loss += loss.item() / accumulation
         step_times.append(time.perf_counter() - t0)
-        bytes_per_step.append(optimizer.comm_stats().bytes_sent - before)
-        losses.append(loss.item())
+        lioncub_bytes.append(lioncub_stats().bytes_sent - sent_lioncub)
+        engine_bytes_per_step.append(engine_bytes.bytes_sent - sent_engine)
+        losses.append(step_loss)
 
+        sent = lioncub_bytes[-1] + engine_bytes_per_step[-1]
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", ms=f"{1e3 * step_times[-1]:.0f}",
-                            sent=f"{bytes_per_step[-1] / 1e3:.1f}kB")
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", ms=f"{1e3 * step_times[-1]:.0f}", sent=f"{sent / 1e3:.1f}kB")
         elif rank == 0 and ((step + 1) % log_every == 0 or step + 1 == args.steps):
-            print(f"[train_gpt] step {step + 1:5d}/{args.steps} loss {losses[-1]:.4f} lr {lr:.2e} "
-                  f"step {1e3 * step_times[-1]:.1f} ms sent {bytes_per_step[-1]:,} B", flush=True)
+            print(f"[train_gpt] step {step + 1:5d}/{args.steps} loss {losses[-1]:.4f} lr {lrs[-1]:.2e} "
+                  f"step {1e3 * step_times[-1]:.1f} ms sent {sent:,} B", flush=True)
     train_wall = time.perf_counter() - t_train
     if bar is not None:
         bar.close()
-    end_stats = optimizer.comm_stats()
+    engine_calls = engine_bytes.calls - engine_calls_before
+    engine_bytes.remove()  # evaluation and the checks below are not training traffic
+    lioncub_collectives = (lioncub_stats() - lioncub_start).collectives
 
-    # Everything below happens after the timed loop, so its communication is not in the numbers.
-    val_loss = evaluate(model, corpus.val, args, rank, world)
+    val_loss = evaluate(engine.module, corpus.val, micro_batch, args, engine.device, rank, world)
     tail = min(10, len(losses))  # single-batch losses are noisy: average the last few steps
     per_rank = torch.tensor(
-        [sum(losses[-tail:]) / tail,
-         end_stats.bytes_sent - start_stats.bytes_sent,
-         end_stats.bytes_received - start_stats.bytes_received,
-         end_stats.collectives - start_stats.collectives],
+        [sum(losses[-tail:]) / tail, sum(lioncub_bytes), sum(engine_bytes_per_step), lioncub_collectives, engine_calls],
         dtype=torch.float64,
     )
     if world > 1:
         dist.all_reduce(per_rank)
         per_rank /= world
-    in_sync = params_in_sync(model, world)
+    checked = checked_parameters(engine)
+    in_sync = params_in_sync(checked, world)
     # The first steps include lazy state allocation and allocator warmup; leave them out of the mean.
     skip = min(3, args.steps - 1)
     mean_step = sum(step_times[skip:]) / len(step_times[skip:])
-    mean_opt = sum(opt_times[skip:]) / len(opt_times[skip:])
 
     summary: dict[str, Any] | None = None
     if rank == 0:
+        lioncub_per_step = per_rank[1].item() / args.steps
+        engine_per_step = per_rank[2].item() / args.steps
+        total_per_step = lioncub_per_step + engine_per_step
         summary = {
-            "compression": args.compression,
-            "optimizer_kwargs": optimizer_kwargs(args),
+            "deepspeed_config": str(args.deepspeed_config),
+            "ds_config": ds_config,
+            "optimizer": optimizer_block.get("type"),
+            "optimizer_params": optimizer_block.get("params", {}),
+            "compression": lioncub.options.compression if lioncub is not None else None,
+            "scheduler": scheduler_block,
+            "precision": precision,
+            "gradient_clipping": engine.gradient_clipping(),
             "world_size": world,
             "threads_per_rank": threads,
             "steps": args.steps,
-            "batch_size_per_rank": args.batch_size,
+            "micro_batch_per_rank": micro_batch,
+            "gradient_accumulation_steps": accumulation,
+            "sequences_per_step_per_rank": micro_batch * accumulation,
             "seq_len": args.seq_len,
             "seed": args.seed,
             "model": asdict(cfg),
-            "n_params": model.num_parameters(),
+            "n_params": n_params,
             "corpus": corpus.source,
             "final_train_loss": per_rank[0].item(),  # mean over ranks of the last-10-step mean
             "val_loss": val_loss,
+            "lr_first": lrs[0],
+            "lr_last": lrs[-1],
             "mean_step_time_s": mean_step,
-            "mean_optimizer_step_time_s": mean_opt,
             "train_wall_s": train_wall,
-            # Per rank, averaged over ranks; comm_stats counters are cumulative, so use differences.
-            "bytes_sent_per_step": per_rank[1].item() / args.steps,
-            "bytes_received_per_step": per_rank[2].item() / args.steps,
-            "collectives_per_step": per_rank[3].item() / args.steps,
-            "bits_sent_per_param_per_step": 8 * per_rank[1].item() / args.steps / model.num_parameters(),
+            # Per rank, averaged over ranks, per optimizer step.
+            "lioncub_bytes_sent_per_step": lioncub_per_step,
+            "engine_allreduce_bytes_sent_per_step": engine_per_step,
+            "bytes_sent_per_step": total_per_step,
+            "lioncub_collectives_per_step": per_rank[3].item() / args.steps,
+            "engine_allreduces_per_step": per_rank[4].item() / args.steps,
+            "bits_sent_per_param_per_step": 8 * total_per_step / n_params,
             "params_in_sync": in_sync,
+            "checked_tensors": len(checked),
             "train_loss_rank0": losses,
         }
         print(f"[train_gpt] done: train loss {summary['final_train_loss']:.4f} val loss {val_loss:.4f} "
-              f"step {1e3 * mean_step:.1f} ms (optimizer {1e3 * mean_opt:.1f} ms) "
-              f"sent {summary['bytes_sent_per_step']:,.0f} B/step/rank params in sync: {in_sync}", flush=True)
+              f"step {1e3 * mean_step:.1f} ms sent {total_per_step:,.0f} B/step/rank "
+              f"(LionCub {lioncub_per_step:,.0f}, engine all-reduce {engine_per_step:,.0f}) "
+              f"= {summary['bits_sent_per_param_per_step']:.3f} bits/param; params in sync across ranks: {in_sync}",
+              flush=True)
+        if lrs[0] == 0.0 and scheduler_block:
+            # Not ours to fix: DeepSpeed's WarmupCosineLR sets lr 0 at construction (its "before it has
+            # started" warning) and only moves to the warmup lr after the first step.
+            print(f"[train_gpt] note: {scheduler_block['type']} ran the first step at lr 0 (DeepSpeed's "
+                  f"scheduler starts there); that step only updated the momentum", flush=True)
         if args.json_out is not None:
             args.json_out.parent.mkdir(parents=True, exist_ok=True)
             args.json_out.write_text(json.dumps(summary, indent=2) + "\n")
 
     if world > 1:
         dist.barrier()  # nobody tears down the group while another rank is still reducing
-        dist.destroy_process_group()
+    dist.destroy_process_group()
     return summary
 
 
