@@ -60,6 +60,10 @@ class LionCubConfig(DeepSpeedConfigModel):
     sets how many collectives a step issues (about 2 per bucket). ``check_finite``: with
     compression, every step first agrees (one 4-byte all-reduce) that no rank has a NaN/inf gradient
     and raises on every rank otherwise, since a vote would hide it.
+    ``comm_backend_name``: what carries LionCub's collectives, "torch" (torch.distributed: gloo on
+    CPU, NCCL on GPU) or "mpi" (mpi4py; the job must be an MPI job whose world is the data-parallel
+    group; install with ``pip install "ds_lioncub[mpi]"``). ``cuda_aware``: with "mpi", hand GPU
+    buffers straight to a CUDA-aware MPI instead of staging them through pinned host memory.
     """
 
     lr: float = Field(1e-4, ge=0, allow_inf_nan=False)
@@ -76,6 +80,18 @@ class LionCubConfig(DeepSpeedConfigModel):
     bucket_size: int = Field(1 << 23, ge=1024)
     check_finite: bool = True
     momentum_sync: MomentumSyncConfig = MomentumSyncConfig()
+    comm_backend_name: Literal["torch", "mpi"] = "torch"
+    cuda_aware: bool = False
+
+    @field_validator("comm_backend_name", mode="before")
+    @classmethod
+    def _known_backend(cls, name: Any) -> Any:
+        if isinstance(name, str) and name.lower() in ("nccl", "gloo", "hccl", "ccl", "compressed"):
+            raise ValueError(
+                f"must be 'torch' or 'mpi'; {name!r} is a torch.distributed backend, which 'torch' uses "
+                f"already (NCCL on GPU, gloo on CPU, whatever the process group was initialised with)"
+            )
+        return name
 
     @field_validator("betas")
     @classmethod
@@ -104,6 +120,12 @@ class LionCubConfig(DeepSpeedConfigModel):
             raise ValueError(
                 "momentum_sync only applies to compressed modes: with compression='none' every rank's momentum "
                 "is already identical; drop momentum_sync or choose compression='1bit' or 'kbit'"
+            )
+        if self.cuda_aware and self.comm_backend_name != "mpi":
+            raise ValueError(
+                f"cuda_aware=True only applies to comm_backend_name='mpi' (comm_backend_name is "
+                f"{self.comm_backend_name!r}, whose torch.distributed backend reads device memory itself); "
+                f"set comm_backend_name='mpi' or drop cuda_aware"
             )
         if self.compression == "kbit" and self.quantizer == "sign" and "l1_clip" in given:
             raise ValueError("l1_clip only applies to quantizer='l1'; set quantizer='l1' or drop l1_clip")

@@ -54,7 +54,8 @@ class LionCub(torch.optim.Optimizer):
         module: the model; gives parameter names and lets ``momentum_sync.layers="auto"`` find the
             embeddings and output head.
         **options: see :class:`ds_lioncub.config.LionCubConfig` (compression, bits, quantizer,
-            aggregation, kbit_algorithm, tie_break, l1_clip, comm_dtype, bucket_size, momentum_sync).
+            aggregation, kbit_algorithm, tie_break, l1_clip, comm_dtype, bucket_size, momentum_sync,
+            comm_backend_name, cuda_aware).
 
     A parameter whose gradient is None on a rank counts as a zero gradient there when the world has
     more than one rank (so every rank runs the same collectives, as DDP does); alone, it is skipped.
@@ -73,7 +74,7 @@ class LionCub(torch.optim.Optimizer):
     ) -> None:
         self.options: LionCubConfig = parse_config({"lr": lr, "betas": betas, "weight_decay": weight_decay, **options})
         self.module = module
-        self.backend = CompressedBackend(process_group)
+        self.backend = self._make_backend(process_group)
         # DeepSpeed's integration sets this when the engine has already averaged the gradients.
         self.gradients_are_averaged = False
         # Names and the momentum-sync selection are kept by flat position (group order, then
@@ -119,11 +120,14 @@ class LionCub(torch.optim.Optimizer):
 
         Must run while the optimizer still holds the module's own parameters, so names resolve.
         """
-        self.backend = CompressedBackend(process_group)
+        self.backend = self._make_backend(process_group)
         if module is not None:
             self.module = module
         self._check_world_size()
         self._resolve_names()
+
+    def _make_backend(self, process_group: dist.ProcessGroup | None) -> CompressedBackend:
+        return CompressedBackend(process_group, self.options.comm_backend_name, self.options.cuda_aware)
 
     def _check_world_size(self) -> None:
         if self.options.compression == "kbit":

@@ -22,12 +22,14 @@ import torch
 import torch.distributed as dist
 
 from ds_lioncub.comm.packing import (
-    count_set_bits_per_position,
     pack_fields,
+    pack_l1_fields,
     pack_signs,
-    sign_bits,
+    packed_length,
+    sum_fields_per_position,
     unpack_fields,
     unpack_signs,
+    vote_packed_signs,
 )
 from ds_lioncub.comm.quantize import (
     KbitAlgorithm,
@@ -36,11 +38,11 @@ from ds_lioncub.comm.quantize import (
     check_kbit_world_size,
     field_width_for,
     l1_levels,
-    quantize_l1,
+    l1_scale,
     sign_with_tie,
     tie_sign,
 )
-from ds_lioncub.comm.transport import CommStats, TorchTransport
+from ds_lioncub.comm.transport import CommStats, make_transport
 
 Aggregation = Literal["vote", "mean"]
 
@@ -65,11 +67,25 @@ class CompressedBackend:
 
     Args:
         process_group: the data-parallel group whose ranks vote together. With torch.distributed
-            not initialised the backend is a world of one (votes reduce to local signs).
+            not initialised the backend is a world of one (votes reduce to local signs), or, with
+            ``comm_backend_name="mpi"``, the MPI world.
+        comm_backend_name: "torch" (torch.distributed: gloo on CPU, NCCL on GPU) or "mpi" (mpi4py;
+            see :class:`ds_lioncub.comm.transport.MpiTransport` for launching and the rank checks).
+        cuda_aware: with "mpi", hand CUDA buffers straight to a CUDA-aware MPI instead of staging
+            them through pinned host memory.
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
-        self.transport = TorchTransport(process_group)
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        comm_backend_name: str = "torch",
+        cuda_aware: bool = False,
+    ) -> None:
+        self.transport = make_transport(process_group, comm_backend_name, cuda_aware)
+
+    @property
+    def comm_backend_name(self) -> str:
+        return self.transport.name
 
     @property
     def world_size(self) -> int:
@@ -100,19 +116,19 @@ class CompressedBackend:
             return update.new_empty(update.shape)
         p = self.world_size
         padded_numel = _round_up(numel, 8 * p)
-        local_bits = _padded(sign_bits(update.reshape(-1), positive_ties), padded_numel)
-        received = self.transport.all_to_all(pack_fields(local_bits, 1))
+        # padding bits are 0 (-1 votes) in every rank's message
+        received = self.transport.all_to_all(pack_signs(update, positive_ties, nbytes=padded_numel // 8))
         chunk_numel = padded_numel // p
-        plus_votes = count_set_bits_per_position(received.view(p, -1), chunk_numel)
-        # vote sum S = 2k - p; S > 0 <=> 2k > p, and S == 0 is a tie.
-        if positive_ties:
-            chunk_vote = 2 * plus_votes >= p
-        else:
-            chunk_vote = 2 * plus_votes > p
-        return self._gather_signs(chunk_vote, numel, update)
+        # vote sum S = 2k - p over k plus votes; ties (S == 0) follow the tie rule. Fused: count,
+        # vote and pack in one pass over the packed messages.
+        chunk_vote = vote_packed_signs(received.view(p, -1), chunk_numel, positive_ties)
+        return self._gather_packed_signs(chunk_vote, numel, update)
 
     def _gather_signs(self, chunk_bits: torch.Tensor, numel: int, like: torch.Tensor) -> torch.Tensor:
-        gathered = self.transport.all_gather(pack_fields(chunk_bits, 1))
+        return self._gather_packed_signs(pack_fields(chunk_bits, 1), numel, like)
+
+    def _gather_packed_signs(self, packed_chunk: torch.Tensor, numel: int, like: torch.Tensor) -> torch.Tensor:
+        gathered = self.transport.all_gather(packed_chunk)
         return unpack_signs(gathered, numel, like.dtype).view(like.shape)
 
     # ------------------------------------------------------------------ k-bit sums
@@ -152,7 +168,11 @@ class CompressedBackend:
         flat = update.reshape(-1)
         if quantizer == "sign":
             levels = 1
-            fields = sign_bits(flat, tie_sign(step, tie_break) > 0).to(torch.uint8)
+            positive_ties = tie_sign(step, tie_break) > 0
+
+            def pack(nbytes: int) -> torch.Tensor:  # field = 1 for +1, 0 for -1
+                return pack_signs(flat, positive_ties, bits=bits, nbytes=nbytes)
+
         else:
             levels = l1_levels(p, bits, algorithm)
             if levels < 1:
@@ -160,8 +180,11 @@ class CompressedBackend:
                     f"LionCub: {bits}-bit l1 quantization leaves no levels for {p} workers "
                     f"(L = floor((2**bits-1)/(2p)) = 0); use more bits or kbit_algorithm='alltoall'."
                 )
-            q = self._quantize_segments(flat, levels, l1_clip, segment_sizes, segment_means)
-            fields = (q + levels).to(torch.uint8)
+            sizes, scales = self._segment_scales(flat, levels, l1_clip, segment_sizes, segment_means)
+
+            def pack(nbytes: int) -> torch.Tensor:  # field = q + L, quantized and packed in one pass
+                return pack_l1_fields(flat, scales, sizes, levels, bits, nbytes=nbytes)
+
         if numel == 0:
             return update.new_empty(update.shape)
 
@@ -170,7 +193,7 @@ class CompressedBackend:
             return 2 * field_sum - p if quantizer == "sign" else field_sum - p * levels
 
         if algorithm == "allreduce":
-            packed = self.transport.all_reduce_sum(pack_fields(fields, bits))
+            packed = self.transport.all_reduce_sum(pack(packed_length(numel, bits)))
             total = signed_sum(unpack_fields(packed, bits, numel).to(torch.int32))
             if aggregation == "vote":
                 return sign_with_tie(total.to(update.dtype), step, tie_break).view(update.shape)
@@ -178,10 +201,9 @@ class CompressedBackend:
 
         padded_numel = _round_up(numel, 8 * p)
         chunk_numel = padded_numel // p
-        received = self.transport.all_to_all(pack_fields(_padded(fields, padded_numel), bits)).view(p, -1)
-        field_sum = torch.zeros(chunk_numel, dtype=torch.int32, device=update.device)
-        for row in received:
-            field_sum.add_(unpack_fields(row, bits, chunk_numel))
+        # padding fields are 0
+        received = self.transport.all_to_all(pack(padded_numel * bits // 8)).view(p, -1)
+        field_sum = sum_fields_per_position(received, bits, chunk_numel)
         if aggregation == "vote":
             total = signed_sum(field_sum)
             chunk_vote = total >= 0 if tie_sign(step, tie_break) > 0 else total > 0
@@ -197,13 +219,14 @@ class CompressedBackend:
         return (total.float() / (p * levels)).to(update.dtype).view(update.shape)
 
     @staticmethod
-    def _quantize_segments(
+    def _segment_scales(
         flat: torch.Tensor,
         levels: int,
         clip: float,
         segment_sizes: Sequence[int] | None,
         segment_means: Sequence[float] | torch.Tensor | None,
-    ) -> torch.Tensor:
+    ) -> tuple[list[int], torch.Tensor]:
+        """Segment sizes and each segment's L1 scale ``L / (clip * mu)`` (0 where mu == 0)."""
         sizes = [flat.numel()] if segment_sizes is None else [int(s) for s in segment_sizes]
         if sum(sizes) != flat.numel() or any(s < 0 for s in sizes):
             raise ValueError(
@@ -212,7 +235,7 @@ class CompressedBackend:
             )
         if segment_means is not None and len(segment_means) != len(sizes):
             raise ValueError("LionCub: segment_means needs one value per segment.")
-        q = torch.empty(flat.numel(), dtype=torch.int32, device=flat.device)
+        scales = []
         start = 0
         for index, size in enumerate(sizes):
             segment = flat[start : start + size]
@@ -220,9 +243,9 @@ class CompressedBackend:
                 mean_abs = segment.float().abs().mean() if size else torch.zeros(())
             else:
                 mean_abs = segment_means[index]
-            q[start : start + size] = quantize_l1(segment, mean_abs, levels, clip)
+            scales.append(l1_scale(mean_abs, levels, clip).cpu())
             start += size
-        return q
+        return sizes, torch.stack(scales) if scales else torch.zeros(0)
 
     # ------------------------------------------------------------------ legacy 1-bit Adam API
 

@@ -94,6 +94,17 @@ def quantize_l1(c: torch.Tensor, mean_abs: torch.Tensor | float, levels: int, cl
     mean_abs = torch.as_tensor(mean_abs, dtype=torch.float32, device=c.device)
     if not bool(mean_abs > 0):
         return torch.zeros(c.shape, dtype=torch.int32, device=c.device)
-    scale = levels / (clip * mean_abs)
+    scale = l1_scale(mean_abs, levels, clip)
     q = torch.round(c.float() * scale).clamp_(-levels, levels)
     return q.to(torch.int32)
+
+
+def l1_scale(
+    mean_abs: torch.Tensor | float, levels: int, clip: float, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """The fp32 factor ``L / (clip * mu)`` that :func:`quantize_l1` multiplies ``c`` by; 0 when mu is
+    not positive (then every q is 0). The packing kernels take this very value, so both round alike."""
+    mean_abs = torch.as_tensor(mean_abs, dtype=torch.float32, device=device)
+    if not bool(mean_abs > 0):
+        return torch.zeros((), dtype=torch.float32, device=mean_abs.device)
+    return levels / (clip * mean_abs)

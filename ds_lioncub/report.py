@@ -1,0 +1,106 @@
+"""``python -m ds_lioncub.report``: which packing path is active and why (in the spirit of ``ds_report``).
+
+By default the report resolves the path exactly as training would, so on a fresh checkout it may
+JIT-build the CPU op once (about a minute; later runs reuse the cache). ``--no-build`` only looks:
+it reports whether a prebuilt module or a JIT cache exists and what ``auto`` would try.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+GREEN, RED, YELLOW, END = "\033[92m", "\033[91m", "\033[93m", "\033[0m"
+
+
+def _mark(ok: bool | None, color: bool) -> str:
+    text = {True: "[YES]", False: "[NO]", None: "[--]"}[ok]
+    if not color:
+        return text
+    return {True: GREEN, False: RED, None: YELLOW}[ok] + text + END
+
+
+def _line(label: str, value: str) -> str:
+    return f"{label} {'.' * max(2, 28 - len(label))} {value}"
+
+
+def report(build: bool = True, color: bool | None = None) -> str:
+    """The report as text (see the module docstring)."""
+    import deepspeed
+
+    import ds_lioncub
+    from ds_lioncub.comm import packing
+    from ds_lioncub.op_builder import builders, default_build_root, ops_dir
+
+    if color is None:
+        color = sys.stdout.isatty()
+    lines = ["-" * 78, "ds_lioncub packing report", "-" * 78]
+    lines.append(_line("ds_lioncub", f"{getattr(ds_lioncub, '__version__', '?')} ({Path(ds_lioncub.__file__).parent})"))
+    lines.append(_line("torch", f"{torch.__version__} (cuda {torch.version.cuda}, {torch.get_num_threads()} threads)"))
+    lines.append(_line("deepspeed", deepspeed.__version__))
+    lines.append(_line("kernel sources", str(ops_dir() / "csrc")))
+    root = default_build_root()
+    lines.append(_line("JIT cache root", str(root) if root else "torch default (~/.cache/torch_extensions)"))
+    try:
+        mode = packing.requested_mode()
+        origin = f"{packing.PACKING_ENV}={os.environ[packing.PACKING_ENV]}" if os.environ.get(packing.PACKING_ENV) else "default"
+    except ValueError as error:
+        lines.append(_line("requested mode", f"invalid: {error}"))
+        return "\n".join(lines)
+    lines.append(_line("requested mode", f"{mode} ({origin}; choices {'|'.join(packing.PACKING_MODES)})"))
+    lines.append("-" * 78)
+    for device_type, builder in builders().items():
+        compatible = builder.is_compatible()
+        why = "" if compatible else f"  {builder.error_log}"
+        lines.append(_line(f"op {builder.name}", f"compatible {_mark(compatible, color)}{why}"))
+        if compatible:
+            lines.append(_line("  prebuilt module", f"{_mark(builder.prebuilt_available(), color)} {builder.absolute_name()}"))
+            lines.append(_line("  JIT cache", f"{_mark(builder.jit_cached(), color)} {builder.jit_build_dir()}"))
+    try:
+        import cupy
+
+        lines.append(_line("cupy", f"{cupy.__version__}"))
+    except Exception as error:  # noqa: BLE001 - any import failure means "no cupy"
+        lines.append(_line("cupy", f"{_mark(False, color)} not importable ({type(error).__name__})"))
+    lines.append("-" * 78)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        if build:
+            try:
+                choice = packing.packing_path(device)
+                lines.append(_line(f"active path ({device})", f"{choice.path.upper()}: {choice.reason}"))
+            except RuntimeError as error:
+                lines.append(_line(f"active path ({device})", f"ERROR: {error}"))
+        else:
+            builder = builders()[device]
+            ready = builder.is_compatible() and (builder.prebuilt_available() or builder.jit_cached())
+            if mode == "torch":
+                guess = "TORCH (requested)"
+            elif ready:
+                guess = "COMPILED (prebuilt or JIT cache present)"
+            elif builder.is_compatible() and mode in ("auto", "compiled"):
+                guess = "COMPILED after a one-time JIT build on first use (or torch if that build fails)"
+            else:
+                guess = "CUPY or TORCH (no compiled op)" if device == "cuda" else "TORCH (no compiled op)"
+            lines.append(_line(f"would use ({device})", guess + "  [--no-build: nothing loaded]"))
+    if not torch.cuda.is_available():
+        lines.append(_line("active path (cuda)", "n/a: no CUDA device"))
+    lines.append("-" * 78)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ds_lioncub.report", description=__doc__.splitlines()[0])
+    parser.add_argument("--no-build", action="store_true", help="do not load or JIT-build the op; only look")
+    parser.add_argument("--no-color", action="store_true")
+    args = parser.parse_args(argv)
+    print(report(build=not args.no_build, color=False if args.no_color else None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,800 @@
+// ds_lioncub packing kernels for CPU: C++ with at::parallel_for (OpenMP) and AVX2/F16C where the
+// compiler targets it (-march=native, as DeepSpeed's CPU ops); a portable scalar path otherwise.
+//
+// Every kernel is bit-exact with the pure torch path in ds_lioncub/comm/packing.py (layout and tie
+// rule: ../includes/lioncub_packing.h). Inputs are flat and contiguous; the caller (packing.py)
+// allocates the outputs, so these functions only fill them.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>  // lighter than torch/extension.h: a 4x faster JIT build
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include "lioncub_packing.h"
+
+namespace {
+
+using lioncub::gather_fields;
+using lioncub::mask_to_fields;
+using lioncub::spread_fields;
+
+constexpr int64_t kGroupGrain = 1 << 14;  // groups of 8 elements per parallel task (128K elements)
+
+inline uint64_t load_u64(const uint8_t* p)
+{
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    return v;
+}
+
+inline void store_bytes(uint8_t* p, uint64_t v, int n) { std::memcpy(p, &v, n); }  // little endian
+
+void check_out(const at::Tensor& out, int64_t min_bytes, const char* what)
+{
+    TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kByte && out.is_contiguous(),
+                what, ": out must be a contiguous CPU uint8 tensor");
+    TORCH_CHECK(out.numel() >= min_bytes, what, ": out holds ", out.numel(), " bytes, needs ", min_bytes);
+}
+
+void check_in(const at::Tensor& t, const char* what)
+{
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, ": input must be a contiguous CPU tensor");
+}
+
+// ================================================================ sign masks, 32 elements at a time
+
+template <typename T>
+struct SignMask;
+
+template <>
+struct SignMask<float> {
+    static uint32_t scalar(const float* x, int n, bool zip)
+    {
+        uint32_t m = 0;
+        for (int j = 0; j < n; ++j) m |= static_cast<uint32_t>(lioncub::float_positive(x[j], zip)) << j;
+        return m;
+    }
+    static uint32_t block32(const float* x, bool zip)
+    {
+#if defined(__AVX2__)
+        const __m256 zero = _mm256_setzero_ps();
+        uint32_t m = 0;
+        for (int k = 0; k < 4; ++k) {
+            const __m256 v = _mm256_loadu_ps(x + 8 * k);
+            const __m256 c = zip ? _mm256_cmp_ps(v, zero, _CMP_GE_OQ) : _mm256_cmp_ps(v, zero, _CMP_GT_OQ);
+            m |= static_cast<uint32_t>(_mm256_movemask_ps(c)) << (8 * k);
+        }
+        return m;
+#else
+        return scalar(x, 32, zip);
+#endif
+    }
+};
+
+template <>
+struct SignMask<at::BFloat16> {
+    static uint32_t scalar(const at::BFloat16* x, int n, bool zip)
+    {
+        uint32_t m = 0;
+        for (int j = 0; j < n; ++j)
+            m |= static_cast<uint32_t>(lioncub::half_bits_positive(x[j].x, 0x7F80, zip)) << j;
+        return m;
+    }
+    static uint32_t block32(const at::BFloat16* x, bool zip)
+    {
+#if defined(__AVX2__)
+        const __m256 zero = _mm256_setzero_ps();
+        uint32_t m = 0;
+        for (int k = 0; k < 4; ++k) {
+            // bf16 -> fp32 is exact: the bf16 bits are the top half of the fp32 bits.
+            const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * k));
+            const __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+            const __m256 c = zip ? _mm256_cmp_ps(v, zero, _CMP_GE_OQ) : _mm256_cmp_ps(v, zero, _CMP_GT_OQ);
+            m |= static_cast<uint32_t>(_mm256_movemask_ps(c)) << (8 * k);
+        }
+        return m;
+#else
+        return scalar(x, 32, zip);
+#endif
+    }
+};
+
+template <>
+struct SignMask<at::Half> {
+    static uint32_t scalar(const at::Half* x, int n, bool zip)
+    {
+        uint32_t m = 0;
+        for (int j = 0; j < n; ++j)
+            m |= static_cast<uint32_t>(lioncub::half_bits_positive(x[j].x, 0x7C00, zip)) << j;
+        return m;
+    }
+    static uint32_t block32(const at::Half* x, bool zip)
+    {
+#if defined(__AVX2__) && defined(__F16C__)
+        const __m256 zero = _mm256_setzero_ps();
+        uint32_t m = 0;
+        for (int k = 0; k < 4; ++k) {
+            const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * k)));
+            const __m256 c = zip ? _mm256_cmp_ps(v, zero, _CMP_GE_OQ) : _mm256_cmp_ps(v, zero, _CMP_GT_OQ);
+            m |= static_cast<uint32_t>(_mm256_movemask_ps(c)) << (8 * k);
+        }
+        return m;
+#else
+        return scalar(x, 32, zip);
+#endif
+    }
+};
+
+// bool / uint8 0-or-1 input: bit 0 of each byte is the sign bit (True = +1).
+template <>
+struct SignMask<uint8_t> {
+    static uint32_t scalar(const uint8_t* x, int n, bool)
+    {
+        uint32_t m = 0;
+        for (int j = 0; j < n; ++j) m |= static_cast<uint32_t>(x[j] & 1u) << j;
+        return m;
+    }
+    static uint32_t block32(const uint8_t* x, bool zip)
+    {
+#if defined(__AVX2__)
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+        return static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(v, 7)));
+#else
+        uint32_t m = 0;
+        for (int k = 0; k < 4; ++k)
+            m |= static_cast<uint32_t>(gather_fields(load_u64(x + 8 * k) & 0x0101010101010101ull, 1)) << (8 * k);
+        return m;
+#endif
+    }
+};
+
+// Writes the `bits` bytes of the group whose 8 sign bits are `mask8`.
+inline void store_mask_group(uint8_t* out, uint32_t mask8, int bits)
+{
+    if (bits == 1) {
+        *out = static_cast<uint8_t>(mask8);
+    } else {
+        store_bytes(out, mask_to_fields(mask8, bits), bits);
+    }
+}
+
+template <typename T>
+void pack_signs_impl(const T* x, int64_t n, bool zip, int bits, uint8_t* out, int64_t nbytes)
+{
+    const int64_t full_groups = n / 8;
+    at::parallel_for(0, full_groups, kGroupGrain, [&](int64_t g0, int64_t g1) {
+        int64_t g = g0;
+        for (; g + 4 <= g1; g += 4) {
+            const uint32_t m = SignMask<T>::block32(x + 8 * g, zip);
+            if (bits == 1) {
+                std::memcpy(out + g, &m, 4);
+            } else {
+                for (int k = 0; k < 4; ++k) store_mask_group(out + (g + k) * bits, (m >> (8 * k)) & 0xFFu, bits);
+            }
+        }
+        for (; g < g1; ++g) store_mask_group(out + g * bits, SignMask<T>::scalar(x + 8 * g, 8, zip), bits);
+    });
+    int64_t written = full_groups * bits;
+    const int rest = static_cast<int>(n - 8 * full_groups);
+    if (rest > 0) {
+        const uint64_t w = mask_to_fields(SignMask<T>::scalar(x + 8 * full_groups, rest, zip), bits);
+        const int64_t take = std::min<int64_t>(bits, nbytes - written);
+        store_bytes(out + written, w, static_cast<int>(take));
+        written += take;
+    }
+    if (nbytes > written) std::memset(out + written, 0, nbytes - written);
+}
+
+// x: fp32 / bf16 / fp16 / bool (or uint8 0/1); fields of width `bits` holding 1 for +1, 0 for -1.
+void pack_signs(const at::Tensor& x, bool zero_is_positive, int64_t bits, const at::Tensor& out)
+{
+    check_in(x, "pack_signs");
+    TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "pack_signs: bits must be 1, 2, 4 or 8");
+    const int64_t n = x.numel();
+    check_out(out, (n * bits + 7) / 8, "pack_signs");
+    uint8_t* o = out.data_ptr<uint8_t>();
+    const int b = static_cast<int>(bits);
+    switch (x.scalar_type()) {
+        case at::kFloat: pack_signs_impl(x.data_ptr<float>(), n, zero_is_positive, b, o, out.numel()); break;
+        case at::kBFloat16:
+            pack_signs_impl(x.data_ptr<at::BFloat16>(), n, zero_is_positive, b, o, out.numel());
+            break;
+        case at::kHalf: pack_signs_impl(x.data_ptr<at::Half>(), n, zero_is_positive, b, o, out.numel()); break;
+        case at::kBool:
+        case at::kByte:
+            pack_signs_impl(static_cast<const uint8_t*>(x.data_ptr()), n, zero_is_positive, b, o, out.numel());
+            break;
+        default: TORCH_CHECK(false, "pack_signs: unsupported dtype ", x.scalar_type());
+    }
+}
+
+// ================================================================ unpack signs to +1 / -1
+
+template <typename Bits>
+void unpack_signs_scalar(const uint8_t* packed, int64_t i0, int64_t i1, Bits plus, Bits minus, Bits* out)
+{
+    for (int64_t i = i0; i < i1; ++i) out[i] = ((packed[i >> 3] >> (i & 7)) & 1) ? plus : minus;
+}
+
+// A fresh multi-megabyte output costs more in first-touch page faults than in writing it (10x on
+// the VM the benchmarks ran on). Asking for transparent huge pages on its 2 MiB-aligned interior,
+// before the first write, makes that 512x fewer faults. Advice only: ignored where THP is off.
+constexpr uintptr_t kHugePage = uintptr_t(2) << 20;
+
+void advise_huge_pages(void* data, int64_t bytes)
+{
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (bytes < int64_t(16) << 20) return;  // smaller ones mostly come back from malloc's heap, faulted in
+    const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHugePage - 1) & ~(kHugePage - 1);
+    const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + static_cast<uintptr_t>(bytes)) & ~(kHugePage - 1);
+    if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+    (void)data;
+    (void)bytes;
+#endif
+}
+
+// Outputs this large go out with non-temporal stores: they exceed the caches anyway, and streaming
+// them skips the read-for-ownership of every output line (up to 2x less memory traffic).
+constexpr int64_t kStreamBytes = int64_t(16) << 20;
+
+#if defined(__AVX2__)
+template <bool kStream>
+inline void store256(void* p, __m256i v)
+{
+    if (kStream) {
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(p), v);
+    } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
+    }
+}
+
+template <bool kStream>
+inline void unpack_bytes_32(const uint8_t* packed, int64_t b0, int64_t b1, uint32_t minus, uint32_t* out)
+{
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+    const __m256i neg = _mm256_set1_epi32(static_cast<int>(minus));
+    // four packed bytes (32 signs) per broadcast; byte k is tested against bits 8k .. 8k+7
+    const __m256i bit1 = _mm256_slli_epi32(bit, 8), bit2 = _mm256_slli_epi32(bit, 16), bit3 = _mm256_slli_epi32(bit, 24);
+    int64_t b = b0;
+    for (; b + 4 <= b1; b += 4) {
+        uint32_t word;
+        std::memcpy(&word, packed + b, 4);
+        const __m256i w = _mm256_set1_epi32(static_cast<int>(word));
+        // -1.0 with its sign bit cleared where the bit is set gives +1.0.
+        const __m256i s0 = _mm256_cmpeq_epi32(_mm256_and_si256(w, bit), bit);
+        const __m256i s1 = _mm256_cmpeq_epi32(_mm256_and_si256(w, bit1), bit1);
+        const __m256i s2 = _mm256_cmpeq_epi32(_mm256_and_si256(w, bit2), bit2);
+        const __m256i s3 = _mm256_cmpeq_epi32(_mm256_and_si256(w, bit3), bit3);
+        store256<kStream>(out + 8 * b, _mm256_xor_si256(neg, _mm256_and_si256(s0, sign)));
+        store256<kStream>(out + 8 * b + 8, _mm256_xor_si256(neg, _mm256_and_si256(s1, sign)));
+        store256<kStream>(out + 8 * b + 16, _mm256_xor_si256(neg, _mm256_and_si256(s2, sign)));
+        store256<kStream>(out + 8 * b + 24, _mm256_xor_si256(neg, _mm256_and_si256(s3, sign)));
+    }
+    for (; b < b1; ++b) {
+        const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(packed[b]), bit), bit);
+        store256<kStream>(out + 8 * b, _mm256_xor_si256(neg, _mm256_and_si256(set, sign)));
+    }
+    if (kStream) _mm_sfence();
+}
+#endif
+
+void unpack_signs_32(const uint8_t* packed, int64_t n, uint32_t* out)
+{
+    const uint32_t plus = 0x3F800000u, minus = 0xBF800000u;
+    const int64_t full_bytes = n / 8;
+    const bool stream = n * 4 >= kStreamBytes && reinterpret_cast<uintptr_t>(out) % 32 == 0;
+    at::parallel_for(0, full_bytes, kGroupGrain, [&](int64_t b0, int64_t b1) {
+        int64_t b = b0;
+#if defined(__AVX2__)
+        if (stream) {
+            unpack_bytes_32<true>(packed, b0, b1, minus, out);
+        } else {
+            unpack_bytes_32<false>(packed, b0, b1, minus, out);
+        }
+        b = b1;
+#endif
+        unpack_signs_scalar(packed, 8 * b, 8 * b1, plus, minus, out);
+    });
+    unpack_signs_scalar(packed, 8 * full_bytes, n, plus, minus, out);
+}
+
+#if defined(__AVX2__)
+template <bool kStream>
+inline void unpack_pairs_16(const uint8_t* packed, int64_t b0, int64_t b1, uint16_t minus, uint16_t* out)
+{
+    const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                          static_cast<short>(0x8000));
+    const __m256i sign = _mm256_set1_epi16(static_cast<short>(0x8000));
+    const __m256i neg = _mm256_set1_epi16(static_cast<short>(minus));
+    for (int64_t b = b0; b < b1; ++b) {
+        uint16_t word;
+        std::memcpy(&word, packed + 2 * b, 2);
+        const __m256i set =
+            _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<short>(word)), bit), bit);
+        store256<kStream>(out + 16 * b, _mm256_xor_si256(neg, _mm256_and_si256(set, sign)));
+    }
+    if (kStream) _mm_sfence();
+}
+#endif
+
+void unpack_signs_16(const uint8_t* packed, int64_t n, uint16_t plus, uint16_t minus, uint16_t* out)
+{
+    const int64_t full_pairs = n / 16;  // 16 elements (two packed bytes) per 256-bit store
+    const bool stream = n * 2 >= kStreamBytes && reinterpret_cast<uintptr_t>(out) % 32 == 0;
+    at::parallel_for(0, full_pairs, kGroupGrain, [&](int64_t b0, int64_t b1) {
+        int64_t b = b0;
+#if defined(__AVX2__)
+        if (stream) {
+            unpack_pairs_16<true>(packed, b0, b1, minus, out);
+        } else {
+            unpack_pairs_16<false>(packed, b0, b1, minus, out);
+        }
+        b = b1;
+#endif
+        unpack_signs_scalar(packed, 16 * b, 16 * b1, plus, minus, out);
+    });
+    unpack_signs_scalar(packed, 16 * full_pairs, n, plus, minus, out);
+}
+
+// out: fp32 / bf16 / fp16 with out.numel() elements, from the first out.numel() bits of `packed`.
+void unpack_signs(const at::Tensor& packed, const at::Tensor& out)
+{
+    check_in(packed, "unpack_signs");
+    TORCH_CHECK(packed.scalar_type() == at::kByte, "unpack_signs: packed must be uint8");
+    TORCH_CHECK(out.device().is_cpu() && out.is_contiguous(), "unpack_signs: out must be contiguous on CPU");
+    const int64_t n = out.numel();
+    TORCH_CHECK(packed.numel() * 8 >= n, "unpack_signs: ", packed.numel(), " bytes hold fewer than ", n, " signs");
+    const uint8_t* p = packed.data_ptr<uint8_t>();
+    advise_huge_pages(out.data_ptr(), n * static_cast<int64_t>(out.element_size()));
+    switch (out.scalar_type()) {
+        case at::kFloat: unpack_signs_32(p, n, static_cast<uint32_t*>(out.data_ptr())); break;
+        case at::kBFloat16: unpack_signs_16(p, n, 0x3F80, 0xBF80, static_cast<uint16_t*>(out.data_ptr())); break;
+        case at::kHalf: unpack_signs_16(p, n, 0x3C00, 0xBC00, static_cast<uint16_t*>(out.data_ptr())); break;
+        default: TORCH_CHECK(false, "unpack_signs: unsupported dtype ", out.scalar_type());
+    }
+}
+
+// ================================================================ fused 1-bit vote (server step)
+
+constexpr int kMaxPlanes = 32;
+constexpr int kVoteLanes = 8;                   // uint64 words per block
+constexpr int64_t kVoteBlock = 8 * kVoteLanes;  // bytes per block
+
+// Counts the set bits of p rows per bit position with bit-sliced adders (plane k holds bit k of
+// every count) and writes the packed vote (count >= threshold). No unpacked bits are materialised.
+inline void vote_block(const uint8_t* rows, int64_t stride, int64_t p, int planes, uint32_t threshold,
+                       int64_t block_bytes, uint8_t* out)
+{
+    uint64_t P[kMaxPlanes][kVoteLanes];
+    for (int k = 0; k < planes; ++k)
+        for (int l = 0; l < kVoteLanes; ++l) P[k][l] = 0;
+    for (int64_t r = 0; r < p; ++r) {
+        const uint8_t* src = rows + r * stride;
+        uint64_t x[kVoteLanes];
+        if (block_bytes == kVoteBlock) {
+            std::memcpy(x, src, kVoteBlock);
+        } else {
+            std::memset(x, 0, sizeof(x));
+            std::memcpy(x, src, block_bytes);
+        }
+        for (int k = 0; k < planes; ++k) {
+            for (int l = 0; l < kVoteLanes; ++l) {
+                const uint64_t carry = P[k][l] & x[l];
+                P[k][l] ^= x[l];
+                x[l] = carry;
+            }
+        }
+    }
+    // count >= threshold, from the most significant plane down.
+    uint64_t gt[kVoteLanes], eq[kVoteLanes];
+    for (int l = 0; l < kVoteLanes; ++l) {
+        gt[l] = 0;
+        eq[l] = ~0ull;
+    }
+    for (int k = planes - 1; k >= 0; --k) {
+        if ((threshold >> k) & 1u) {
+            for (int l = 0; l < kVoteLanes; ++l) eq[l] &= P[k][l];
+        } else {
+            for (int l = 0; l < kVoteLanes; ++l) {
+                gt[l] |= eq[l] & P[k][l];
+                eq[l] &= ~P[k][l];
+            }
+        }
+    }
+    uint64_t result[kVoteLanes];
+    for (int l = 0; l < kVoteLanes; ++l) result[l] = gt[l] | eq[l];
+    std::memcpy(out, result, block_bytes);
+}
+
+#if defined(__AVX2__)
+// The same bit-sliced count and comparison on two 256-bit vectors (64 bytes) at a time. PLANES is a
+// compile-time constant for the usual voter counts (p < 64), so the planes live in registers.
+template <int PLANES>
+inline void vote_block_avx2(const uint8_t* rows, int64_t stride, int64_t p, int planes_rt, uint32_t threshold,
+                            uint8_t* out)
+{
+    constexpr bool kFixed = PLANES > 0;
+    const int planes = kFixed ? PLANES : planes_rt;
+    __m256i P0[kFixed ? PLANES : kMaxPlanes], P1[kFixed ? PLANES : kMaxPlanes];
+    for (int k = 0; k < planes; ++k) P0[k] = P1[k] = _mm256_setzero_si256();
+    for (int64_t r = 0; r < p; ++r) {
+        const uint8_t* src = rows + r * stride;
+        __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+        __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+        for (int k = 0; k < planes; ++k) {
+            const __m256i c0 = _mm256_and_si256(P0[k], x0), c1 = _mm256_and_si256(P1[k], x1);
+            P0[k] = _mm256_xor_si256(P0[k], x0);
+            P1[k] = _mm256_xor_si256(P1[k], x1);
+            x0 = c0;
+            x1 = c1;
+        }
+    }
+    __m256i gt0 = _mm256_setzero_si256(), gt1 = gt0;
+    __m256i eq0 = _mm256_set1_epi8(-1), eq1 = eq0;
+    for (int k = planes - 1; k >= 0; --k) {
+        if ((threshold >> k) & 1u) {
+            eq0 = _mm256_and_si256(eq0, P0[k]);
+            eq1 = _mm256_and_si256(eq1, P1[k]);
+        } else {
+            gt0 = _mm256_or_si256(gt0, _mm256_and_si256(eq0, P0[k]));
+            gt1 = _mm256_or_si256(gt1, _mm256_and_si256(eq1, P1[k]));
+            eq0 = _mm256_andnot_si256(P0[k], eq0);
+            eq1 = _mm256_andnot_si256(P1[k], eq1);
+        }
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_or_si256(gt0, eq0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32), _mm256_or_si256(gt1, eq1));
+}
+
+using VoteBlockFn = void (*)(const uint8_t*, int64_t, int64_t, int, uint32_t, uint8_t*);
+
+inline VoteBlockFn vote_block_avx2_for(int planes)
+{
+    switch (planes) {
+        case 1: return vote_block_avx2<1>;
+        case 2: return vote_block_avx2<2>;
+        case 3: return vote_block_avx2<3>;
+        case 4: return vote_block_avx2<4>;
+        case 5: return vote_block_avx2<5>;
+        case 6: return vote_block_avx2<6>;
+        default: return vote_block_avx2<0>;
+    }
+}
+#endif
+
+// rows: (p, stride) uint8, each row a packed sign message; out: the packed vote of the first
+// `numel` positions, padding bits and bytes zero.
+void vote_packed_signs(const at::Tensor& rows, int64_t numel, bool zero_is_positive, const at::Tensor& out)
+{
+    check_in(rows, "vote_packed_signs");
+    TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() == 2, "vote_packed_signs: rows must be 2-d uint8");
+    const int64_t p = rows.size(0), stride = rows.size(1);
+    const int64_t nbytes = (numel + 7) / 8;
+    TORCH_CHECK(p >= 1 && p < (int64_t(1) << 31), "vote_packed_signs: need 1 <= p < 2**31 rows, got ", p);
+    TORCH_CHECK(stride >= nbytes, "vote_packed_signs: rows of ", stride, " bytes hold fewer than ", numel, " signs");
+    check_out(out, nbytes, "vote_packed_signs");
+    const uint8_t* src = rows.data_ptr<uint8_t>();
+    uint8_t* dst = out.data_ptr<uint8_t>();
+    const int planes = lioncub::count_planes(p);
+    const uint32_t threshold = lioncub::vote_threshold(p, zero_is_positive);
+    const int64_t blocks = (nbytes + kVoteBlock - 1) / kVoteBlock;
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (kVoteBlock * p));
+#if defined(__AVX2__)
+    const VoteBlockFn block_fn = vote_block_avx2_for(planes);
+#endif
+    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) {
+            const int64_t start = b * kVoteBlock;
+            const int64_t block_bytes = std::min(kVoteBlock, nbytes - start);
+#if defined(__AVX2__)
+            if (block_bytes == kVoteBlock) {
+                block_fn(src + start, stride, p, planes, threshold, dst + start);
+                continue;
+            }
+#endif
+            vote_block(src + start, stride, p, planes, threshold, block_bytes, dst + start);
+        }
+    });
+    if (numel % 8) dst[nbytes - 1] &= static_cast<uint8_t>((1u << (numel % 8)) - 1);
+    if (out.numel() > nbytes) std::memset(dst + nbytes, 0, out.numel() - nbytes);
+}
+
+// ================================================================ per-position sums of b-bit fields
+
+// out[i] = sum over rows of field i (int32); for bits == 1 the number of +1 votes.
+void sum_fields(const at::Tensor& rows, int64_t bits, int64_t numel, const at::Tensor& out)
+{
+    check_in(rows, "sum_fields");
+    TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() == 2, "sum_fields: rows must be 2-d uint8");
+    TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "sum_fields: bits must be 1, 2, 4 or 8");
+    TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == at::kInt && out.numel() == numel,
+                "sum_fields: out must be a contiguous CPU int32 tensor of numel elements");
+    const int64_t p = rows.size(0), stride = rows.size(1);
+    TORCH_CHECK(stride * 8 >= numel * bits, "sum_fields: rows hold fewer than ", numel, " fields");
+    const uint8_t* src = rows.data_ptr<uint8_t>();
+    int32_t* dst = out.data_ptr<int32_t>();
+    advise_huge_pages(dst, numel * 4);
+    const int b = static_cast<int>(bits);
+    const int per_byte = 8 / b;
+    const uint32_t mask = (1u << b) - 1;
+    constexpr int64_t kChunk = 2048;  // elements per task step: the accumulators stay in L1
+    const int64_t chunks = (numel + kChunk - 1) / kChunk;
+    at::parallel_for(0, chunks, std::max<int64_t>(1, 32 / std::max<int64_t>(p, 1)), [&](int64_t c0, int64_t c1) {
+        for (int64_t c = c0; c < c1; ++c) {
+            const int64_t e0 = c * kChunk, e1 = std::min(numel, e0 + kChunk);
+            int32_t* acc = dst + e0;
+            std::fill(acc, acc + (e1 - e0), 0);
+            for (int64_t r = 0; r < p; ++r) {
+                const uint8_t* row = src + r * stride;
+                int64_t e = e0;
+#if defined(__AVX2__)
+                if (b == 1) {
+                    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+                    for (; e + 8 <= e1; e += 8) {
+                        const __m256i set =
+                            _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(row[e >> 3]), bit), bit);
+                        __m256i* a = reinterpret_cast<__m256i*>(dst + e);
+                        _mm256_storeu_si256(a, _mm256_sub_epi32(_mm256_loadu_si256(a), set));
+                    }
+                }
+#endif
+                for (; e < e1; ++e)
+                    dst[e] += static_cast<int32_t>((row[e / per_byte] >> ((e % per_byte) * b)) & mask);
+            }
+        }
+    });
+}
+
+// ================================================================ b-bit fields from uint8 / int32 values
+
+template <typename T>
+inline uint64_t load_group(const T* v, int n, uint64_t field_mask)
+{
+    uint64_t w = 0;
+    for (int j = 0; j < n; ++j) w |= (static_cast<uint64_t>(static_cast<uint8_t>(v[j])) & field_mask) << (8 * j);
+    return w;
+}
+
+template <>
+inline uint64_t load_group<uint8_t>(const uint8_t* v, int n, uint64_t field_mask)
+{
+    if (n == 8) return load_u64(v) & lioncub::repeat_byte(static_cast<uint32_t>(field_mask));
+    uint64_t w = 0;
+    std::memcpy(&w, v, n);
+    return w & lioncub::repeat_byte(static_cast<uint32_t>(field_mask));
+}
+
+template <typename T>
+void pack_fields_impl(const T* v, int64_t n, int bits, uint8_t* out, int64_t nbytes)
+{
+    const uint64_t field_mask = (1u << bits) - 1;
+    const int64_t full_groups = n / 8;
+    if (bits == 1 && std::is_same<T, uint8_t>::value) {
+        pack_signs_impl(reinterpret_cast<const uint8_t*>(v), n, true, 1, out, nbytes);
+        return;
+    }
+    at::parallel_for(0, full_groups, kGroupGrain, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; ++g) store_bytes(out + g * bits, gather_fields(load_group(v + 8 * g, 8, field_mask), bits), bits);
+    });
+    int64_t written = full_groups * bits;
+    const int rest = static_cast<int>(n - 8 * full_groups);
+    if (rest > 0) {
+        const uint64_t w = gather_fields(load_group(v + 8 * full_groups, rest, field_mask), bits);
+        const int64_t take = std::min<int64_t>(bits, nbytes - written);
+        store_bytes(out + written, w, static_cast<int>(take));
+        written += take;
+    }
+    if (nbytes > written) std::memset(out + written, 0, nbytes - written);
+}
+
+// values: uint8 / bool / int32 (the low byte is the value), each < 2**bits; fields beyond 2**bits-1 are masked.
+void pack_fields(const at::Tensor& values, int64_t bits, const at::Tensor& out)
+{
+    check_in(values, "pack_fields");
+    TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "pack_fields: bits must be 1, 2, 4 or 8");
+    const int64_t n = values.numel();
+    check_out(out, (n * bits + 7) / 8, "pack_fields");
+    uint8_t* o = out.data_ptr<uint8_t>();
+    const int b = static_cast<int>(bits);
+    switch (values.scalar_type()) {
+        case at::kByte:
+        case at::kBool: pack_fields_impl(static_cast<const uint8_t*>(values.data_ptr()), n, b, o, out.numel()); break;
+        case at::kInt: pack_fields_impl(values.data_ptr<int32_t>(), n, b, o, out.numel()); break;
+        default: TORCH_CHECK(false, "pack_fields: unsupported dtype ", values.scalar_type());
+    }
+}
+
+// out: uint8 of out.numel() fields from `packed`.
+void unpack_fields(const at::Tensor& packed, int64_t bits, const at::Tensor& out)
+{
+    check_in(packed, "unpack_fields");
+    TORCH_CHECK(packed.scalar_type() == at::kByte, "unpack_fields: packed must be uint8");
+    TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "unpack_fields: bits must be 1, 2, 4 or 8");
+    TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == at::kByte,
+                "unpack_fields: out must be a contiguous CPU uint8 tensor");
+    const int64_t n = out.numel();
+    TORCH_CHECK(packed.numel() * 8 >= n * bits, "unpack_fields: packed holds fewer than ", n, " fields");
+    const uint8_t* src = packed.data_ptr<uint8_t>();
+    uint8_t* dst = out.data_ptr<uint8_t>();
+    advise_huge_pages(dst, n);
+    const int b = static_cast<int>(bits);
+    const int64_t full_groups = n / 8;
+    at::parallel_for(0, full_groups, kGroupGrain, [&](int64_t g0, int64_t g1) {
+        if (b == 8) {
+            std::memcpy(dst + 8 * g0, src + 8 * g0, 8 * (g1 - g0));
+            return;
+        }
+        for (int64_t g = g0; g < g1; ++g) {
+            uint64_t w = 0;
+            std::memcpy(&w, src + g * b, b);
+            const uint64_t v = spread_fields(w, b);
+            std::memcpy(dst + 8 * g, &v, 8);
+        }
+    });
+    const int rest = static_cast<int>(n - 8 * full_groups);
+    if (rest > 0) {
+        uint64_t w = 0;
+        std::memcpy(&w, src + full_groups * b, std::min<int64_t>(b, packed.numel() - full_groups * b));
+        const uint64_t v = spread_fields(w, b);
+        std::memcpy(dst + 8 * full_groups, &v, rest);
+    }
+}
+
+// ================================================================ L1 quantize + pack
+
+// Fields q + L of q = clamp(round_half_even(c * scale), -L, L) for elements [e0, e1) of one
+// segment (one scale), into field bytes f[0 .. e1-e0).
+template <typename T>
+inline void l1_fields(const T* c, int64_t count, float scale, int32_t levels, uint8_t* f)
+{
+    int64_t i = 0;
+#if defined(__AVX2__)
+    if (std::is_same<T, float>::value) {
+        const float* x = reinterpret_cast<const float*>(c);
+        const __m256 s = _mm256_set1_ps(scale);
+        const __m256 top = _mm256_set1_ps(static_cast<float>(levels));
+        const __m256 bottom = _mm256_set1_ps(-static_cast<float>(levels));
+        const __m256i shift = _mm256_set1_epi32(levels);
+        const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8,
+                                              12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+        for (; i + 8 <= count; i += 8) {
+            const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), s);
+            const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+            __m256 r = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            r = _mm256_andnot_ps(nan, r);  // NaN -> 0
+            r = _mm256_min_ps(_mm256_max_ps(r, bottom), top);
+            const __m256i q = _mm256_add_epi32(_mm256_cvtps_epi32(r), shift);
+            const __m256i bytes = _mm256_shuffle_epi8(q, pick);
+            const uint32_t lo = static_cast<uint32_t>(_mm256_extract_epi32(bytes, 0));
+            const uint32_t hi = static_cast<uint32_t>(_mm256_extract_epi32(bytes, 4));
+            const uint64_t w = static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32);
+            std::memcpy(f + i, &w, 8);
+        }
+    }
+#endif
+    for (; i < count; ++i) {
+        const float v = static_cast<float>(c[i]) * scale;
+        f[i] = static_cast<uint8_t>(lioncub::l1_field_from_rounded(std::nearbyint(v), levels));
+    }
+}
+
+template <typename T>
+void quantize_l1_pack_impl(const T* c, int64_t n, const int64_t* offsets, const float* scales, int64_t nseg,
+                           int32_t levels, int bits, uint8_t* out, int64_t nbytes)
+{
+    constexpr int64_t kChunk = 4096;  // elements per step; a multiple of 8, so chunks start on a byte
+    const int64_t chunks = (n + kChunk - 1) / kChunk;
+    const int64_t per_chunk_bytes = kChunk * bits / 8;
+    at::parallel_for(0, chunks, 16, [&](int64_t c0, int64_t c1) {
+        alignas(64) uint8_t fields[kChunk];
+        for (int64_t ch = c0; ch < c1; ++ch) {
+            const int64_t e0 = ch * kChunk, e1 = std::min(n, e0 + kChunk);
+            // the segment holding e0: offsets is non-decreasing, offsets[0] = 0, offsets[nseg] = n.
+            int64_t s = std::upper_bound(offsets, offsets + nseg + 1, e0) - offsets - 1;
+            int64_t e = e0;
+            while (e < e1) {
+                while (offsets[s + 1] <= e) ++s;
+                const int64_t end = std::min(e1, offsets[s + 1]);
+                l1_fields(c + e, end - e, scales[s], levels, fields + (e - e0));
+                e = end;
+            }
+            const int64_t count = e1 - e0;
+            const int64_t groups = (count + 7) / 8;
+            if (count % 8) std::memset(fields + count, 0, 8 - count % 8);
+            uint8_t* o = out + ch * per_chunk_bytes;
+            if (bits == 8) {
+                std::memcpy(o, fields, count);
+                continue;
+            }
+            const int64_t chunk_bytes = (count * bits + 7) / 8;
+            for (int64_t g = 0; g < groups; ++g) {
+                const uint64_t w = gather_fields(load_u64(fields + 8 * g), bits);
+                store_bytes(o + g * bits, w, static_cast<int>(std::min<int64_t>(bits, chunk_bytes - g * bits)));
+            }
+        }
+    });
+    const int64_t used = (n * bits + 7) / 8;
+    if (nbytes > used) std::memset(out + used, 0, nbytes - used);
+}
+
+// c: fp32 / bf16 / fp16 flat update; offsets: int64 [nseg + 1] segment boundaries (0 .. n);
+// scales: fp32 [nseg], L / (clip * mu) of each segment as torch computes it (0 for mu == 0).
+void quantize_l1_pack(const at::Tensor& c, const at::Tensor& offsets, const at::Tensor& scales, int64_t levels,
+                      int64_t bits, const at::Tensor& out)
+{
+    check_in(c, "quantize_l1_pack");
+    check_in(offsets, "quantize_l1_pack");
+    check_in(scales, "quantize_l1_pack");
+    TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "quantize_l1_pack: bits must be 2, 4 or 8");
+    TORCH_CHECK(levels >= 1 && 2 * levels <= (int64_t(1) << bits) - 1, "quantize_l1_pack: levels ", levels,
+                " do not fit ", bits, "-bit fields");
+    TORCH_CHECK(offsets.scalar_type() == at::kLong && scales.scalar_type() == at::kFloat &&
+                    offsets.numel() == scales.numel() + 1,
+                "quantize_l1_pack: offsets (int64, nseg+1) and scales (fp32, nseg) disagree");
+    const int64_t n = c.numel();
+    const int64_t nseg = scales.numel();
+    const int64_t* off = offsets.data_ptr<int64_t>();
+    TORCH_CHECK(off[0] == 0 && off[nseg] == n, "quantize_l1_pack: offsets must run from 0 to numel");
+    for (int64_t s = 0; s < nseg; ++s) TORCH_CHECK(off[s] <= off[s + 1], "quantize_l1_pack: offsets must not decrease");
+    check_out(out, (n * bits + 7) / 8, "quantize_l1_pack");
+    const float* sc = scales.data_ptr<float>();
+    uint8_t* o = out.data_ptr<uint8_t>();
+    const int b = static_cast<int>(bits);
+    const int32_t L = static_cast<int32_t>(levels);
+    switch (c.scalar_type()) {
+        case at::kFloat: quantize_l1_pack_impl(c.data_ptr<float>(), n, off, sc, nseg, L, b, o, out.numel()); break;
+        case at::kBFloat16:
+            quantize_l1_pack_impl(c.data_ptr<at::BFloat16>(), n, off, sc, nseg, L, b, o, out.numel());
+            break;
+        case at::kHalf: quantize_l1_pack_impl(c.data_ptr<at::Half>(), n, off, sc, nseg, L, b, o, out.numel()); break;
+        default: TORCH_CHECK(false, "quantize_l1_pack: unsupported dtype ", c.scalar_type());
+    }
+}
+
+std::string simd()
+{
+    std::string s;
+#if defined(__AVX2__)
+    s += "avx2";
+#if defined(__F16C__)
+    s += "+f16c";
+#endif
+#else
+    s += "scalar";
+#endif
+    return s;
+}
+
+}  // namespace
+
+// The kernels touch no Python object: they release the GIL while they run.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
+{
+    m.doc() = "ds_lioncub packing kernels (CPU)";
+    m.def("pack_signs", &pack_signs, "sign fields (1 = +1) of x into out", py::arg("x"), py::arg("zero_is_positive"),
+          py::arg("bits"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+    m.def("unpack_signs", &unpack_signs, "+1/-1 into out from packed sign bits", py::arg("packed"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+    m.def("vote_packed_signs", &vote_packed_signs, "fused count -> vote -> pack over (p, nbytes) rows",
+          py::arg("rows"), py::arg("numel"), py::arg("zero_is_positive"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+    m.def("sum_fields", &sum_fields, "int32 per-position sums of b-bit fields over rows", py::arg("rows"),
+          py::arg("bits"), py::arg("numel"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+    m.def("pack_fields", &pack_fields, "b-bit fields into out", py::arg("values"), py::arg("bits"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+    m.def("unpack_fields", &unpack_fields, "b-bit fields into uint8 out", py::arg("packed"), py::arg("bits"),
+          py::arg("out"), py::call_guard<py::gil_scoped_release>());
+    m.def("quantize_l1_pack", &quantize_l1_pack, "L1 quantize (per-segment scales) and pack", py::arg("c"),
+          py::arg("offsets"), py::arg("scales"), py::arg("levels"), py::arg("bits"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+    m.def("simd", &simd, "instruction set the kernels were compiled for");
+    m.attr("device") = "cpu";
+}

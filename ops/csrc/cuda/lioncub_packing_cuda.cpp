@@ -1,0 +1,181 @@
+// Python bindings of the CUDA packing kernels: argument checks, device guard, current stream.
+// Same functions, arguments and results as the CPU op (../cpu/lioncub_packing.cpp).
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "lioncub_packing_cuda.h"
+
+namespace {
+
+using lioncub::cuda::InputKind;
+
+void check_cuda(const at::Tensor& t, const char* what)
+{
+    TORCH_CHECK(t.is_cuda() && t.is_contiguous(), what, ": tensors must be contiguous CUDA tensors");
+}
+
+void check_out(const at::Tensor& out, int64_t min_bytes, const char* what)
+{
+    check_cuda(out, what);
+    TORCH_CHECK(out.scalar_type() == at::kByte, what, ": out must be uint8");
+    TORCH_CHECK(out.numel() >= min_bytes, what, ": out holds ", out.numel(), " bytes, needs ", min_bytes);
+}
+
+void check_bits(int64_t bits, const char* what)
+{
+    TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, what, ": bits must be 1, 2, 4 or 8");
+}
+
+InputKind float_kind(const at::Tensor& t, const char* what)
+{
+    switch (t.scalar_type()) {
+        case at::kFloat: return InputKind::kF32;
+        case at::kBFloat16: return InputKind::kBF16;
+        case at::kHalf: return InputKind::kF16;
+        default: TORCH_CHECK(false, what, ": unsupported dtype ", t.scalar_type());
+    }
+    return InputKind::kF32;
+}
+
+void pack_signs(const at::Tensor& x, bool zero_is_positive, int64_t bits, const at::Tensor& out)
+{
+    check_cuda(x, "pack_signs");
+    check_bits(bits, "pack_signs");
+    check_out(out, (x.numel() * bits + 7) / 8, "pack_signs");
+    const InputKind kind = (x.scalar_type() == at::kBool || x.scalar_type() == at::kByte) ? InputKind::kU8
+                                                                                            : float_kind(x, "pack_signs");
+    const c10::cuda::CUDAGuard guard(x.device());
+    lioncub::cuda::launch_pack_signs(kind, x.data_ptr(), x.numel(), zero_is_positive, static_cast<int>(bits),
+                                     out.data_ptr<uint8_t>(), out.numel(), c10::cuda::getCurrentCUDAStream().stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void unpack_signs(const at::Tensor& packed, const at::Tensor& out)
+{
+    check_cuda(packed, "unpack_signs");
+    check_cuda(out, "unpack_signs");
+    TORCH_CHECK(packed.scalar_type() == at::kByte, "unpack_signs: packed must be uint8");
+    const int64_t n = out.numel();
+    TORCH_CHECK(packed.numel() * 8 >= n, "unpack_signs: ", packed.numel(), " bytes hold fewer than ", n, " signs");
+    int elem_bytes = 4;
+    uint32_t plus = 0x3F800000u, minus = 0xBF800000u;
+    switch (float_kind(out, "unpack_signs")) {
+        case InputKind::kBF16: elem_bytes = 2; plus = 0x3F80; minus = 0xBF80; break;
+        case InputKind::kF16: elem_bytes = 2; plus = 0x3C00; minus = 0xBC00; break;
+        default: break;
+    }
+    const c10::cuda::CUDAGuard guard(packed.device());
+    lioncub::cuda::launch_unpack_signs(packed.data_ptr<uint8_t>(), n, elem_bytes, plus, minus, out.data_ptr(),
+                                       c10::cuda::getCurrentCUDAStream().stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void vote_packed_signs(const at::Tensor& rows, int64_t numel, bool zero_is_positive, const at::Tensor& out)
+{
+    check_cuda(rows, "vote_packed_signs");
+    TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() == 2, "vote_packed_signs: rows must be 2-d uint8");
+    const int64_t p = rows.size(0), stride = rows.size(1);
+    TORCH_CHECK(p >= 1 && p <= lioncub::cuda::max_voters(), "vote_packed_signs: need 1 <= p <= ",
+                lioncub::cuda::max_voters(), " rows, got ", p);
+    TORCH_CHECK(stride * 8 >= numel, "vote_packed_signs: rows of ", stride, " bytes hold fewer than ", numel, " signs");
+    check_out(out, (numel + 7) / 8, "vote_packed_signs");
+    const c10::cuda::CUDAGuard guard(rows.device());
+    lioncub::cuda::launch_vote(rows.data_ptr<uint8_t>(), p, stride, numel, zero_is_positive, out.data_ptr<uint8_t>(),
+                               out.numel(), c10::cuda::getCurrentCUDAStream().stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void sum_fields(const at::Tensor& rows, int64_t bits, int64_t numel, const at::Tensor& out)
+{
+    check_cuda(rows, "sum_fields");
+    check_cuda(out, "sum_fields");
+    check_bits(bits, "sum_fields");
+    TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() == 2, "sum_fields: rows must be 2-d uint8");
+    TORCH_CHECK(out.scalar_type() == at::kInt && out.numel() == numel, "sum_fields: out must be int32 of numel");
+    TORCH_CHECK(rows.size(1) * 8 >= numel * bits, "sum_fields: rows hold fewer than ", numel, " fields");
+    const c10::cuda::CUDAGuard guard(rows.device());
+    lioncub::cuda::launch_sum_fields(rows.data_ptr<uint8_t>(), rows.size(0), rows.size(1), static_cast<int>(bits),
+                                     numel, out.data_ptr<int32_t>(), c10::cuda::getCurrentCUDAStream().stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void pack_fields(const at::Tensor& values, int64_t bits, const at::Tensor& out)
+{
+    check_cuda(values, "pack_fields");
+    check_bits(bits, "pack_fields");
+    check_out(out, (values.numel() * bits + 7) / 8, "pack_fields");
+    InputKind kind;
+    switch (values.scalar_type()) {
+        case at::kByte:
+        case at::kBool: kind = InputKind::kU8; break;
+        case at::kInt: kind = InputKind::kI32; break;
+        default: TORCH_CHECK(false, "pack_fields: unsupported dtype ", values.scalar_type());
+    }
+    const c10::cuda::CUDAGuard guard(values.device());
+    lioncub::cuda::launch_pack_fields(kind, values.data_ptr(), values.numel(), static_cast<int>(bits),
+                                      out.data_ptr<uint8_t>(), out.numel(), c10::cuda::getCurrentCUDAStream().stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void unpack_fields(const at::Tensor& packed, int64_t bits, const at::Tensor& out)
+{
+    check_cuda(packed, "unpack_fields");
+    check_cuda(out, "unpack_fields");
+    check_bits(bits, "unpack_fields");
+    TORCH_CHECK(packed.scalar_type() == at::kByte && out.scalar_type() == at::kByte, "unpack_fields: uint8 tensors only");
+    TORCH_CHECK(packed.numel() * 8 >= out.numel() * bits, "unpack_fields: packed holds fewer than ", out.numel(),
+                " fields");
+    const c10::cuda::CUDAGuard guard(packed.device());
+    lioncub::cuda::launch_unpack_fields(packed.data_ptr<uint8_t>(), static_cast<int>(bits), out.numel(),
+                                        out.data_ptr<uint8_t>(), c10::cuda::getCurrentCUDAStream().stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// offsets (int64, nseg + 1) and scales (fp32, nseg) on the same device as c; packing.py checks
+// that the offsets run from 0 to numel without decreasing.
+void quantize_l1_pack(const at::Tensor& c, const at::Tensor& offsets, const at::Tensor& scales, int64_t levels,
+                      int64_t bits, const at::Tensor& out)
+{
+    check_cuda(c, "quantize_l1_pack");
+    check_cuda(offsets, "quantize_l1_pack");
+    check_cuda(scales, "quantize_l1_pack");
+    TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "quantize_l1_pack: bits must be 2, 4 or 8");
+    TORCH_CHECK(levels >= 1 && 2 * levels <= (int64_t(1) << bits) - 1, "quantize_l1_pack: levels ", levels,
+                " do not fit ", bits, "-bit fields");
+    TORCH_CHECK(offsets.scalar_type() == at::kLong && scales.scalar_type() == at::kFloat &&
+                    offsets.numel() == scales.numel() + 1,
+                "quantize_l1_pack: offsets (int64, nseg+1) and scales (fp32, nseg) disagree");
+    check_out(out, (c.numel() * bits + 7) / 8, "quantize_l1_pack");
+    const InputKind kind = float_kind(c, "quantize_l1_pack");
+    const c10::cuda::CUDAGuard guard(c.device());
+    lioncub::cuda::launch_quantize_l1_pack(kind, c.data_ptr(), c.numel(), offsets.data_ptr<int64_t>(),
+                                           scales.data_ptr<float>(), scales.numel(), static_cast<int>(levels),
+                                           static_cast<int>(bits), out.data_ptr<uint8_t>(), out.numel(),
+                                           c10::cuda::getCurrentCUDAStream().stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::string simd() { return "cuda"; }
+
+}  // namespace
+
+// The kernels touch no Python object: they release the GIL while they run.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
+{
+    m.doc() = "ds_lioncub packing kernels (CUDA)";
+    m.def("pack_signs", &pack_signs, py::arg("x"), py::arg("zero_is_positive"), py::arg("bits"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+    m.def("unpack_signs", &unpack_signs, py::arg("packed"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+    m.def("vote_packed_signs", &vote_packed_signs, py::arg("rows"), py::arg("numel"), py::arg("zero_is_positive"),
+          py::arg("out"), py::call_guard<py::gil_scoped_release>());
+    m.def("sum_fields", &sum_fields, py::arg("rows"), py::arg("bits"), py::arg("numel"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+    m.def("pack_fields", &pack_fields, py::arg("values"), py::arg("bits"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+    m.def("unpack_fields", &unpack_fields, py::arg("packed"), py::arg("bits"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+    m.def("quantize_l1_pack", &quantize_l1_pack, py::arg("c"), py::arg("offsets"), py::arg("scales"),
+          py::arg("levels"), py::arg("bits"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+    m.def("simd", &simd);
+    m.attr("device") = "cuda";
+    m.attr("max_voters") = lioncub::cuda::max_voters();
+}
