@@ -243,9 +243,13 @@ class LionCub(torch.optim.Optimizer):
         A vote would silently turn a NaN into a -1 (or an L1 scale into garbage); exact Lion at least
         propagates it. One 4-byte all-reduce per step makes every rank reach the same verdict.
         """
-        bad = [param for _, param, grad, _ in entries if not bool(torch.isfinite(grad).all())]
+        # A sum is NaN/inf exactly when some element is (short of an fp32 overflow of the sum, itself a
+        # broken gradient): one read pass per tensor, no per-element temporary, one host sync.
+        sums = [grad.sum(dtype=torch.float32) for _, _, grad, _ in entries]
+        locally_finite = bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
+        bad = [] if locally_finite else [entry[1] for entry, total in zip(entries, sums) if not torch.isfinite(total)]
         device = entries[0][2].device if entries else torch.device("cpu")
-        ranks_with_bad = torch.tensor([1 if bad else 0], dtype=torch.int32, device=device)
+        ranks_with_bad = torch.tensor([0 if locally_finite else 1], dtype=torch.int32, device=device)
         self.backend.transport.all_reduce_sum(ranks_with_bad)
         count = int(ranks_with_bad.item())
         if count == 0:
