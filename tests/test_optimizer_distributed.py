@@ -9,7 +9,7 @@ import scenarios as sc
 from reference import reference_lion_step, simulate_lioncub
 
 PARAM_NAMES = list(sc.PARAM_SHAPES)
-EXACT_MODES = {"1bit", "1bit-positive", "4bit-sign", "8bit-l1", "4bit-l1-alltoall", "2bit-sign", "1bit-sync"}
+EXACT_MODES = {"none-fp32", "1bit", "1bit-positive", "4bit-sign", "8bit-l1", "4bit-l1-alltoall", "2bit-sign", "1bit-sync"}
 
 
 def _simulate(p: int, options: dict[str, object]) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:

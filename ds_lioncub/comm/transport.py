@@ -86,6 +86,23 @@ def make_transport(
     raise ValueError(f"LionCub: comm_backend_name must be one of {list(COMM_BACKENDS)}, got {comm_backend_name!r}.")
 
 
+def sum_rows_in_rank_order(rows: torch.Tensor) -> torch.Tensor:
+    """((row0 + row1) + row2) + ...: each rank's contribution to one chunk, summed in rank order.
+
+    fp32/fp64 add in place into ``rows[0]``; fp16/bf16 accumulate in fp32 and round once. Both
+    transports reduce floating point this way, so their results agree bit for bit.
+    """
+    if rows.dtype in (torch.float32, torch.float64):
+        total = rows[0]
+        for row in rows[1:]:
+            total.add_(row)
+        return total
+    accumulated = rows[0].float()
+    for row in rows[1:]:
+        accumulated.add_(row)
+    return accumulated.to(rows.dtype)
+
+
 class TorchTransport(_Counting):
     """Collectives over a torch.distributed process group (``None``: the default group)."""
 
@@ -121,13 +138,34 @@ class TorchTransport(_Counting):
         return received
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """In-place elementwise sum over ranks."""
+        """In-place elementwise sum over ranks; floating point in rank order (see :func:`sum_rows_in_rank_order`)."""
         if self.world_size == 1:
             return tensor
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
+        if tensor.is_floating_point():
+            self._ordered_float_sum(tensor)
+        else:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
         moved = 2 * tensor.numel() * tensor.element_size() * (self.world_size - 1) // self.world_size
         self._count(moved, moved)
         return tensor
+
+    def _ordered_float_sum(self, tensor: torch.Tensor) -> None:
+        """Reduce-scatter by all-to-all, rank-order sum of each chunk on its owner, all-gather.
+
+        The same bytes as a ring all-reduce, but the result does not depend on the backend's
+        reduction order, so this transport and the MPI one agree bit for bit at any world size.
+        """
+        p, numel = self.world_size, tensor.numel()
+        if numel == 0:
+            return
+        chunk = math.ceil(numel / p)
+        send = torch.zeros(chunk * p, dtype=tensor.dtype, device=tensor.device)
+        send[:numel].copy_(tensor.reshape(-1))
+        rows = torch.empty_like(send)
+        dist.all_to_all_single(rows, send, group=self.process_group)
+        total = sum_rows_in_rank_order(rows.view(p, chunk))
+        dist.all_gather_into_tensor(send, total, group=self.process_group)
+        tensor.copy_(send[:numel].view(tensor.shape))
 
 
 # ---------------------------------------------------------------------------------------------------- MPI
@@ -285,8 +323,8 @@ class MpiTransport(_Counting):
     contributions in rank order on the rank that owns the chunk (in fp32 for fp16/bf16, rounded
     once), and an all-gather: the same bytes as a ring all-reduce, identical on every rank
     whatever algorithm the MPI library picks (MPI_Allreduce does not promise that), and equal to
-    the rank-order sum ((x0 + x1) + x2) + ... With 2 ranks that is also what gloo/NCCL return; with
-    more, torch's ring sums in another order and the two transports may differ in the last bit.
+    the rank-order sum ((x0 + x1) + x2) + ... :class:`TorchTransport` reduces floats the same way,
+    so the two transports agree bit for bit at any world size.
 
     Launching (the MPI world must be the data-parallel group, one MPI process per rank):
 
@@ -459,16 +497,7 @@ class MpiTransport(_Counting):
             send[numel:].zero_()
         rows = self._buffer("rows", flat.dtype, chunk * p, flat.device)
         self._exchange(self.comm.Alltoall, send, rows)
-        rows = rows.view(p, chunk)  # row r: rank r's values of this rank's chunk
-        if flat.dtype in (torch.float32, torch.float64):
-            total = rows[0]
-            for row in rows[1:]:
-                total.add_(row)  # ((x0 + x1) + x2) + ..., in place in the workspace
-        else:  # fp16 / bf16: accumulate in fp32, round once
-            accumulated = rows[0].float()
-            for row in rows[1:]:
-                accumulated.add_(row)
-            total = accumulated.to(flat.dtype)
+        total = sum_rows_in_rank_order(rows.view(p, chunk))  # row r: rank r's values of this rank's chunk
         if send is flat:
             self._exchange(self.comm.Allgather, total, flat)
         else:
