@@ -15,10 +15,12 @@ bit-exact with each other:
   authors used), the rest in torch;
 - ``torch``: vectorised pure torch (the reference the kernels are tested against).
 
-``auto`` (the default) takes the first that works for the tensor's device, in that order. The
-environment variable ``DS_LIONCUB_PACKING=auto|compiled|cupy|torch`` (or :func:`set_packing_path`)
-overrides it; forcing a path that cannot run raises instead of falling back. The choice and its
-reason are logged once per device type and shown by ``python -m ds_lioncub.report``.
+``auto`` (the default) takes the first that works for the tensor's device, in that order; a compiled
+op that fails to build or load is logged as a warning and the next path is used. The environment
+variable ``DS_LIONCUB_PACKING=auto|compiled|cupy|torch`` (or :func:`set_packing_path`) overrides
+it; forcing ``compiled`` where it cannot run, or ``cupy`` for CUDA tensors without cupy, raises
+instead of falling back (``cupy`` leaves CPU tensors to torch). The choice and its reason are
+logged once per device type and shown by ``python -m ds_lioncub.report``.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class PackingPath(NamedTuple):
     path: str  # "compiled", "cupy" or "torch"
     reason: str
     module: Any = None  # the compiled op module or the cupy module
+    degraded: bool = False  # the compiled op should have loaded here but failed (logged as a warning)
 
 
 _override: str | None = None
@@ -92,7 +95,8 @@ def packing_path(device: torch.device | str = "cpu") -> PackingPath:
         _chosen[key] = choice
         from ds_lioncub.op_builder import get_logger
 
-        get_logger().info(f"packing on {device_type} tensors: {choice.path} path ({choice.reason})")
+        log = get_logger().warning if choice.degraded else get_logger().info
+        log(f"packing on {device_type} tensors: {choice.path} path ({choice.reason})")
     return choice
 
 
@@ -104,8 +108,10 @@ def _choose(device_type: str, mode: str) -> PackingPath:
     if mode == "torch":
         return PackingPath("torch", f"{_origin(mode)}=torch")
     notes = []
+    degraded = False
     if mode in ("auto", "compiled"):
         compiled, why = _load_compiled(device_type)
+        degraded = compiled is None and why.startswith("loading the op failed")
         if compiled is not None:
             forced = f"{_origin(mode)}=compiled; " if mode == "compiled" else ""
             return PackingPath("compiled", forced + why, compiled)
@@ -116,11 +122,11 @@ def _choose(device_type: str, mode: str) -> PackingPath:
         cupy, why = _load_cupy(device_type)
         if cupy is not None:
             forced = f"{_origin(mode)}=cupy; " if mode == "cupy" else ""
-            return PackingPath("cupy", forced + why, cupy)
+            return PackingPath("cupy", forced + why, cupy, degraded)
         if mode == "cupy" and device_type == "cuda":
             raise RuntimeError(f"ds_lioncub: {_origin(mode)}=cupy, but cupy is unavailable: {why}")
         notes.append(f"cupy: {why}")
-    return PackingPath("torch", "; ".join(notes) + "; the pure torch path gives the same bits")
+    return PackingPath("torch", "; ".join(notes) + "; the pure torch path gives the same bits", None, degraded)
 
 
 def _load_compiled(device_type: str) -> tuple[Any, str]:
