@@ -586,7 +586,8 @@ void pack_fields_impl(const T* v, int64_t n, int bits, uint8_t* out, int64_t nby
         return;
     }
     at::parallel_for(0, full_groups, kGroupGrain, [&](int64_t g0, int64_t g1) {
-        for (int64_t g = g0; g < g1; ++g) store_bytes(out + g * bits, gather_fields(load_group(v + 8 * g, 8, field_mask), bits), bits);
+        for (int64_t g = g0; g < g1; ++g)
+            store_bytes(out + g * bits, gather_fields(load_group(v + 8 * g, 8, field_mask), bits), bits);
     });
     int64_t written = full_groups * bits;
     const int rest = static_cast<int>(n - 8 * full_groups);
@@ -780,21 +781,25 @@ std::string simd()
 }  // namespace
 
 // The kernels touch no Python object: they release the GIL while they run.
+using release_gil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
     m.doc() = "ds_lioncub packing kernels (CPU)";
     m.def("pack_signs", &pack_signs, "sign fields (1 = +1) of x into out", py::arg("x"), py::arg("zero_is_positive"),
-          py::arg("bits"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
-    m.def("unpack_signs", &unpack_signs, "+1/-1 into out from packed sign bits", py::arg("packed"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+          py::arg("bits"), py::arg("out"), release_gil());
+    m.def("unpack_signs", &unpack_signs, "+1/-1 into out from packed sign bits", py::arg("packed"), py::arg("out"),
+          release_gil());
     m.def("vote_packed_signs", &vote_packed_signs, "fused count -> vote -> pack over (p, nbytes) rows",
-          py::arg("rows"), py::arg("numel"), py::arg("zero_is_positive"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+          py::arg("rows"), py::arg("numel"), py::arg("zero_is_positive"), py::arg("out"), release_gil());
     m.def("sum_fields", &sum_fields, "int32 per-position sums of b-bit fields over rows", py::arg("rows"),
-          py::arg("bits"), py::arg("numel"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
-    m.def("pack_fields", &pack_fields, "b-bit fields into out", py::arg("values"), py::arg("bits"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+          py::arg("bits"), py::arg("numel"), py::arg("out"), release_gil());
+    m.def("pack_fields", &pack_fields, "b-bit fields into out", py::arg("values"), py::arg("bits"), py::arg("out"),
+          release_gil());
     m.def("unpack_fields", &unpack_fields, "b-bit fields into uint8 out", py::arg("packed"), py::arg("bits"),
-          py::arg("out"), py::call_guard<py::gil_scoped_release>());
+          py::arg("out"), release_gil());
     m.def("quantize_l1_pack", &quantize_l1_pack, "L1 quantize (per-segment scales) and pack", py::arg("c"),
-          py::arg("offsets"), py::arg("scales"), py::arg("levels"), py::arg("bits"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+          py::arg("offsets"), py::arg("scales"), py::arg("levels"), py::arg("bits"), py::arg("out"), release_gil());
     m.def("simd", &simd, "instruction set the kernels were compiled for");
     m.attr("device") = "cpu";
 }

@@ -162,19 +162,22 @@ std::string simd() { return "cuda"; }
 
 }  // namespace
 
-// The kernels touch no Python object: they release the GIL while they run.
+// The bindings touch no Python object while the kernels launch: they release the GIL.
+using release_gil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
     m.doc() = "ds_lioncub packing kernels (CUDA)";
-    m.def("pack_signs", &pack_signs, py::arg("x"), py::arg("zero_is_positive"), py::arg("bits"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
-    m.def("unpack_signs", &unpack_signs, py::arg("packed"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+    m.def("pack_signs", &pack_signs, py::arg("x"), py::arg("zero_is_positive"), py::arg("bits"), py::arg("out"),
+          release_gil());
+    m.def("unpack_signs", &unpack_signs, py::arg("packed"), py::arg("out"), release_gil());
     m.def("vote_packed_signs", &vote_packed_signs, py::arg("rows"), py::arg("numel"), py::arg("zero_is_positive"),
-          py::arg("out"), py::call_guard<py::gil_scoped_release>());
-    m.def("sum_fields", &sum_fields, py::arg("rows"), py::arg("bits"), py::arg("numel"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
-    m.def("pack_fields", &pack_fields, py::arg("values"), py::arg("bits"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
-    m.def("unpack_fields", &unpack_fields, py::arg("packed"), py::arg("bits"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+          py::arg("out"), release_gil());
+    m.def("sum_fields", &sum_fields, py::arg("rows"), py::arg("bits"), py::arg("numel"), py::arg("out"), release_gil());
+    m.def("pack_fields", &pack_fields, py::arg("values"), py::arg("bits"), py::arg("out"), release_gil());
+    m.def("unpack_fields", &unpack_fields, py::arg("packed"), py::arg("bits"), py::arg("out"), release_gil());
     m.def("quantize_l1_pack", &quantize_l1_pack, py::arg("c"), py::arg("offsets"), py::arg("scales"),
-          py::arg("levels"), py::arg("bits"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+          py::arg("levels"), py::arg("bits"), py::arg("out"), release_gil());
     m.def("simd", &simd);
     m.attr("device") = "cuda";
     m.attr("max_voters") = lioncub::cuda::max_voters();
