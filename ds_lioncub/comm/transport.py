@@ -62,12 +62,24 @@ class Transport(Protocol):
 
 
 class _Counting:
-    stats: CommStats
+    """The byte accounting both transports share: what a bandwidth-optimal algorithm moves per rank."""
 
-    def _count(self, sent: int, received: int) -> None:
+    stats: CommStats
+    world_size: int
+
+    def _count(self, moved: int) -> None:
         self.stats.collectives += 1
-        self.stats.bytes_sent += sent
-        self.stats.bytes_received += received
+        self.stats.bytes_sent += moved
+        self.stats.bytes_received += moved
+
+    def _count_all_to_all(self, send: torch.Tensor) -> None:
+        self._count(send.numel() * send.element_size() * (self.world_size - 1) // self.world_size)
+
+    def _count_all_gather(self, send: torch.Tensor) -> None:
+        self._count(send.numel() * send.element_size() * (self.world_size - 1))
+
+    def _count_all_reduce(self, tensor: torch.Tensor) -> None:
+        self._count(2 * tensor.numel() * tensor.element_size() * (self.world_size - 1) // self.world_size)
 
 
 def make_transport(
@@ -123,8 +135,7 @@ class TorchTransport(_Counting):
             return send.clone()
         received = torch.empty_like(send)
         dist.all_to_all_single(received, send, group=self.process_group)
-        moved = send.numel() * send.element_size() * (self.world_size - 1) // self.world_size
-        self._count(moved, moved)
+        self._count_all_to_all(send)
         return received
 
     def all_gather(self, send: torch.Tensor) -> torch.Tensor:
@@ -133,8 +144,7 @@ class TorchTransport(_Counting):
             return send.clone()
         received = send.new_empty(send.numel() * self.world_size)
         dist.all_gather_into_tensor(received, send.contiguous(), group=self.process_group)
-        moved = send.numel() * send.element_size() * (self.world_size - 1)
-        self._count(moved, moved)
+        self._count_all_gather(send)
         return received
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -145,8 +155,7 @@ class TorchTransport(_Counting):
             self._ordered_float_sum(tensor)
         else:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
-        moved = 2 * tensor.numel() * tensor.element_size() * (self.world_size - 1) // self.world_size
-        self._count(moved, moved)
+        self._count_all_reduce(tensor)
         return tensor
 
     def _ordered_float_sum(self, tensor: torch.Tensor) -> None:
@@ -444,8 +453,7 @@ class MpiTransport(_Counting):
         received = torch.empty_like(flat)
         self._exchange(self.comm.Alltoall, flat, received)
         received = received.view(send.shape)
-        moved = send.numel() * send.element_size() * (self.world_size - 1) // self.world_size
-        self._count(moved, moved)
+        self._count_all_to_all(send)
         return received
 
     def all_gather(self, send: torch.Tensor) -> torch.Tensor:
@@ -455,8 +463,7 @@ class MpiTransport(_Counting):
         flat = send.contiguous().view(-1)
         received = flat.new_empty(flat.numel() * self.world_size)
         self._exchange(self.comm.Allgather, flat, received)
-        moved = send.numel() * send.element_size() * (self.world_size - 1)
-        self._count(moved, moved)
+        self._count_all_gather(send)
         return received
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -473,8 +480,7 @@ class MpiTransport(_Counting):
             raise TypeError(f"all_reduce_sum: unsupported dtype {tensor.dtype} for the MPI transport")
         if work is not tensor:
             tensor.copy_(work)
-        moved = 2 * tensor.numel() * tensor.element_size() * (self.world_size - 1) // self.world_size
-        self._count(moved, moved)
+        self._count_all_reduce(tensor)
         return tensor
 
     def _integer_sum(self, flat: torch.Tensor) -> None:
