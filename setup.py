@@ -84,6 +84,7 @@ setup(
         "mpi": ["mpi4py", "mpich"],
         "cuda": ["cupy-cuda12x"],
         "test": ["pytest", "pytest-timeout", "tqdm"],
+        "bench": ["matplotlib"],  # bench_train.py's loss plots
     },
     ext_modules=EXT_MODULES,
     cmdclass=CMDCLASS,

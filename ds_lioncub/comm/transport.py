@@ -115,6 +115,11 @@ def sum_rows_in_rank_order(rows: torch.Tensor) -> torch.Tensor:
     return accumulated.to(rows.dtype)
 
 
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); older torch,
+# which setup.py still admits, has only the old name.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class TorchTransport(_Counting):
     """Collectives over a torch.distributed process group (``None``: the default group)."""
 
@@ -143,7 +148,7 @@ class TorchTransport(_Counting):
         if self.world_size == 1:
             return send.clone()
         received = send.new_empty(send.numel() * self.world_size)
-        dist.all_gather_into_tensor(received, send.contiguous(), group=self.process_group)
+        _all_gather_flat(received, send.contiguous(), group=self.process_group)
         self._count_all_gather(send)
         return received
 
@@ -173,7 +178,7 @@ class TorchTransport(_Counting):
         rows = torch.empty_like(send)
         dist.all_to_all_single(rows, send, group=self.process_group)
         total = sum_rows_in_rank_order(rows.view(p, chunk))
-        dist.all_gather_into_tensor(send, total, group=self.process_group)
+        _all_gather_flat(send, total, group=self.process_group)
         tensor.copy_(send[:numel].view(tensor.shape))
 
 

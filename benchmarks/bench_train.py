@@ -1,0 +1,201 @@
+"""Lion Cub against Lion end to end: the example GPT on an emulated cluster (issue 6, part 3).
+
+Trains the example GPT (examples/gpt.py) on N ranks, each in its own network namespace behind a
+rate-limited link (benchmarks/netcluster), once per method of benchmarks/train_methods.py: Lion with
+an fp32 or bf16 gradient all-reduce, Lion Cub 1-bit / 4-bit sign / 8-bit L1 (all under the real
+DeepSpeed engine), the 1-bit runs at beta2 = 0.95 with and without head momentum sync, and what a
+torch user would pick instead: DDP + plain Lion with DDP's bf16_compress_hook or PowerSGD hook.
+
+Every method starts from the same weights and sees the same batches. Out come a per-step breakdown
+(forward, backward, update, communication, total; see benchmarks/train_worker.py for what each
+includes), the final validation loss of each method against its reference, and two plots: train
+loss vs step and vs training time::
+
+    sudo python benchmarks/bench_train.py --ranks 4 --bandwidth 1gbit --steps 200 --out-dir runs/train_1gbit
+    python benchmarks/bench_train.py --report-only --out-dir runs/train_1gbit     # tables and plots again
+    python benchmarks/bench_train.py --loopback --ranks 2 --steps 20 --out-dir /tmp/t   # no root: local ranks, no shaping
+
+Methods run one after another, each as a fresh set of processes in the same cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+for entry in (REPO, REPO / "examples"):
+    if str(entry) not in sys.path:
+        sys.path.insert(0, str(entry))
+
+from benchmarks.netcluster.signals import Interrupted, signals_as_exceptions  # noqa: E402
+from benchmarks.netcluster.system import NetclusterError, unavailable_reason  # noqa: E402
+from benchmarks.netcluster.units import format_rate, parse_rate  # noqa: E402
+from benchmarks.train_methods import Method, TrainSettings, select_methods  # noqa: E402
+from benchmarks.train_report import load_results, markdown_report, write_plots  # noqa: E402
+
+WORKER = REPO / "benchmarks" / "train_worker.py"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", type=Path, required=True, help="per-method JSON, logs, report.md and plots go here")
+    p.add_argument("--methods", default="all", help="comma-separated method names (benchmarks/train_methods.py) or all")
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--bandwidth", type=parse_rate, default=parse_rate("1gbit"), help="per-link rate (tc syntax)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--eval-windows", type=int, default=256, help="validation windows of seq-len tokens")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per method before its ranks are stopped")
+    p.add_argument("--loopback", action="store_true",
+                   help="run the ranks as local processes on loopback (no root, no shaping, no wire counters)")
+    p.add_argument("--report-only", action="store_true", help="only rebuild report.md and the plots from --out-dir")
+    defaults = TrainSettings()
+    g = p.add_argument_group("model and training (common to every method)")
+    for item in fields(TrainSettings):
+        flag = "--" + item.name.replace("_", "-")
+        g.add_argument(flag, type=type(getattr(defaults, item.name)), default=getattr(defaults, item.name),
+                       help=f"default {getattr(defaults, item.name)}")
+    args = p.parse_args(argv)
+    if args.ranks < 1 or args.steps < 1:
+        p.error("--ranks and --steps must be >= 1")
+    try:
+        args.settings = TrainSettings(**{item.name: getattr(args, item.name) for item in fields(TrainSettings)})
+        args.method_list = select_methods(args.methods)
+    except ValueError as error:
+        p.error(str(error))
+    return args
+
+
+def worker_command(args: argparse.Namespace, method: Method) -> list[str]:
+    return [
+        sys.executable, str(WORKER), "--methods", method.name, "--steps", str(args.steps),
+        "--eval-windows", str(args.eval_windows), "--out-dir", str(args.out_dir.resolve()),
+        "--corpus-cache", str((args.out_dir / "corpus_cache").resolve()),
+        "--settings", json.dumps(asdict(args.settings)),
+    ]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_loopback(command: list[str], ranks: int, log_dir: Path, timeout_s: float, port: int) -> int:
+    """Ranks as plain local processes (no namespaces): for trying the benchmark without root."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    threads = str(max(1, (os.cpu_count() or 1) // ranks))
+    procs = []
+    for rank in range(ranks):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": threads,
+               "PYTHONUNBUFFERED": "1"}
+        log = (log_dir / f"rank{rank}.log").open("w")
+        procs.append((subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(proc.poll() is None for proc, _ in procs):
+            if time.monotonic() > deadline or any(proc.poll() not in (None, 0) for proc, _ in procs):
+                break
+            time.sleep(0.1)
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            log.close()
+    codes = [proc.returncode for proc, _ in procs]
+    return next((code for code in codes if code != 0), 0)
+
+
+def machine_notes(result: dict[str, Any]) -> str:
+    """This machine and the run's ranks and links (read from a result, so --report-only says the same)."""
+    import torch
+
+    rate = result.get("link_rate_bps")
+    link = f"{format_rate(rate)} links (netcluster)" if rate else "loopback, unshaped"
+    return (f"Machine: {os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}, Python "
+            f"{platform.python_version()}, torch {torch.__version__}; {result['world_size']} ranks, {link}.")
+
+
+def run_all(args: argparse.Namespace) -> int:
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    from corpus import DEFAULT_MAX_BYTES, build_corpus
+
+    build_corpus(None, DEFAULT_MAX_BYTES, cache_dir=args.out_dir / "corpus_cache")  # once, before any rank
+    for stale in args.method_list:
+        (args.out_dir / f"{stale.name}.json").unlink(missing_ok=True)
+    if args.loopback:
+        for method in args.method_list:
+            print(f"[bench_train] {method.name} on {args.ranks} local ranks", flush=True)
+            code = run_loopback(worker_command(args, method), args.ranks, args.out_dir / "logs" / method.name,
+                                args.timeout, port=free_port())
+            if code != 0:
+                print(f"[bench_train] {method.name} failed with exit code {code}; see "
+                      f"{args.out_dir / 'logs' / method.name}", file=sys.stderr)
+                return code
+        return 0
+
+    from benchmarks.netcluster import Cluster, ClusterSpec, LinkSpec, run_command
+
+    reason = unavailable_reason()
+    if reason:
+        print(f"bench_train: cannot build the emulated cluster: {reason}. Run as root, or pass --loopback "
+              f"for unshaped local ranks.", file=sys.stderr)
+        return 1
+    spec = ClusterSpec(nodes=args.ranks, link=LinkSpec(rate_bps=args.bandwidth))
+    with signals_as_exceptions(), Cluster(spec) as cluster:
+        for index, method in enumerate(args.method_list):
+            print(f"[bench_train] {method.name} on {args.ranks} ranks, {format_rate(args.bandwidth)} links", flush=True)
+            result = run_command(cluster, worker_command(args, method), master_port=29500 + index,
+                                 timeout_s=args.timeout, echo_ranks={0},
+                                 log_dir=args.out_dir / "logs" / method.name)
+            (args.out_dir / "logs" / method.name / "netcluster.json").write_text(
+                json.dumps(result.to_dict(), indent=2) + "\n")
+            if not result.ok:
+                print(f"[bench_train] {method.name} failed (exit code {result.exit_code}, rank "
+                      f"{result.failed_rank}); see {args.out_dir / 'logs' / method.name}", file=sys.stderr)
+                return result.exit_code
+    return 0
+
+
+def report(args: argparse.Namespace) -> None:
+    names = [method.name for method in args.method_list] if args.methods != "all" else None
+    results = load_results(args.out_dir, names)
+    if not results:
+        raise SystemExit(f"bench_train: no results in {args.out_dir}")
+    text = markdown_report(results) + "\n" + machine_notes(next(iter(results.values()))) + "\n"
+    (args.out_dir / "report.md").write_text(text)
+    plots = write_plots(results, args.out_dir)
+    print(text)
+    print("plots: " + ", ".join(str(path) for path in plots))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.report_only:
+        try:
+            code = run_all(args)
+        except NetclusterError as error:
+            print(f"bench_train: {error}", file=sys.stderr)
+            return 1
+        except (Interrupted, KeyboardInterrupt):
+            print("bench_train: interrupted; cluster removed", file=sys.stderr)
+            return 130
+        if code != 0:
+            return code
+    report(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

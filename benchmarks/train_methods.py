@@ -1,0 +1,131 @@
+"""The training methods bench_train.py compares, and the settings they share.
+
+Every method trains the same model on the same data with the same lr, weight decay and batch; they
+differ only in how gradients (or updates) cross the network and in beta2 where the name says so:
+
+| name | runtime | what crosses the network |
+|---|---|---|
+| lion_fp32 | DeepSpeed | fp32 gradient all-reduce, then exact Lion (LionCub compression "none") |
+| lion_bf16 | DeepSpeed | the same all-reduce in bf16 (``communication_data_type``) |
+| lioncub_1bit | DeepSpeed | 1-bit majority vote of the local Lion updates |
+| lioncub_4bit_sign | DeepSpeed | 4-bit sums of local signs, voted |
+| lioncub_8bit_l1 | DeepSpeed | 8-bit L1-quantized local updates, summed and voted |
+| *_b95 | DeepSpeed | the same at beta2 = 0.95 (the paper's setting for 1-bit) |
+| lioncub_1bit_b95_sync | DeepSpeed | 1-bit, plus the output head's momentum averaged every 10 steps |
+| ddp_bf16 | torch DDP | plain Lion, DDP's ``bf16_compress_hook`` (bf16 gradient all-reduce, overlapped) |
+| ddp_powersgd | torch DDP | plain Lion, DDP's PowerSGD hook (rank-2 low-rank gradients) |
+
+The k-bit methods use ``kbit_algorithm="alltoall"``: on the emulated cluster it is the faster of the
+two (benchmarks/RESULTS.md, issue 6 part 2) and it computes the same vote. Gradient clipping is off
+everywhere (DeepSpeed's default is 1.0): DDP has none, and Lion's update is a sign anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Runtime = Literal["deepspeed", "ddp"]
+DdpHook = Literal["bf16", "powersgd"]
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What every method shares. ``micro_batch`` x ``seq_len`` tokens per rank per step."""
+
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    micro_batch: int = 4
+    seq_len: int = 32
+    n_layer: int = 4
+    n_head: int = 8
+    d_model: int = 512
+    seed: int = 0
+    powersgd_rank: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "seq_len", "n_layer", "n_head", "d_model", "powersgd_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0 or self.weight_decay < 0 or not 0 <= self.beta1 < 1:
+            raise ValueError(f"need lr > 0, weight_decay >= 0, 0 <= beta1 < 1; got {self.lr}, "
+                             f"{self.weight_decay}, {self.beta1}")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    label: str
+    runtime: Runtime
+    beta2: float = 0.99
+    lioncub: dict[str, Any] = field(default_factory=dict)  # LionCub options besides lr/betas/weight_decay
+    communication_data_type: str | None = None  # DeepSpeed's gradient all-reduce dtype
+    ddp_hook: DdpHook | None = None
+    reference: str = "lion_fp32"  # the method whose loss this one's quality is compared with
+
+    @property
+    def compressed(self) -> bool:
+        return self.lioncub.get("compression", "none") != "none"
+
+
+_HEAD_SYNC = {"interval": 10, "layers": ["^lm_head\\."]}
+
+METHODS: tuple[Method, ...] = (
+    Method("lion_fp32", "Lion, fp32 all-reduce", "deepspeed", lioncub={"compression": "none"}),
+    Method("lion_bf16", "Lion, bf16 all-reduce", "deepspeed", lioncub={"compression": "none"},
+           communication_data_type="bf16"),
+    Method("lioncub_1bit", "Lion Cub 1-bit vote", "deepspeed", lioncub={"compression": "1bit"}),
+    Method("lioncub_4bit_sign", "Lion Cub 4-bit sign", "deepspeed",
+           lioncub={"compression": "kbit", "bits": 4, "quantizer": "sign", "kbit_algorithm": "alltoall"}),
+    Method("lioncub_8bit_l1", "Lion Cub 8-bit L1", "deepspeed",
+           lioncub={"compression": "kbit", "bits": 8, "quantizer": "l1", "kbit_algorithm": "alltoall"}),
+    Method("ddp_bf16", "DDP + Lion, bf16_compress_hook", "ddp", ddp_hook="bf16"),
+    Method("ddp_powersgd", "DDP + Lion, PowerSGD hook", "ddp", ddp_hook="powersgd"),
+    Method("lion_fp32_b95", "Lion, fp32 all-reduce, β2 0.95", "deepspeed", beta2=0.95,
+           lioncub={"compression": "none"}, reference="lion_fp32_b95"),
+    Method("lioncub_1bit_b95", "Lion Cub 1-bit, β2 0.95", "deepspeed", beta2=0.95,
+           lioncub={"compression": "1bit"}, reference="lion_fp32_b95"),
+    Method("lioncub_1bit_b95_sync", "Lion Cub 1-bit, β2 0.95, head sync /10", "deepspeed", beta2=0.95,
+           lioncub={"compression": "1bit", "momentum_sync": _HEAD_SYNC}, reference="lion_fp32_b95"),
+)
+METHODS_BY_NAME: dict[str, Method] = {method.name: method for method in METHODS}
+
+# The issue's quality targets: these end within QUALITY_TOLERANCE of their reference's loss.
+QUALITY_TARGETS: tuple[str, ...] = ("lioncub_4bit_sign", "lioncub_8bit_l1")
+QUALITY_TOLERANCE = 0.02
+
+
+def select_methods(names: str) -> list[Method]:
+    """``"all"`` or a comma-separated list of names; unknown names are an error that lists the known ones."""
+    if names.strip() == "all":
+        return list(METHODS)
+    chosen = [name.strip() for name in names.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in METHODS_BY_NAME]
+    if unknown or not chosen:
+        raise ValueError(f"unknown method(s) {unknown or names!r}; choose from: {', '.join(METHODS_BY_NAME)}")
+    return [METHODS_BY_NAME[name] for name in chosen]
+
+
+def ds_config(method: Method, settings: TrainSettings) -> dict[str, Any]:
+    """The DeepSpeed config of a DeepSpeed method: one micro-batch per step, no clipping, no scheduler."""
+    if method.runtime != "deepspeed":
+        raise ValueError(f"{method.name} runs under torch DDP, not DeepSpeed")
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": settings.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 1 << 30,
+        "optimizer": {
+            "type": "LionCub",
+            "params": {
+                "lr": settings.lr,
+                "betas": [settings.beta1, method.beta2],
+                "weight_decay": settings.weight_decay,
+                **method.lioncub,
+            },
+        },
+    }
+    if method.communication_data_type is not None:
+        config["communication_data_type"] = method.communication_data_type
+    return config

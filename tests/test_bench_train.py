@@ -1,0 +1,200 @@
+"""bench_train.py's own logic: method configs, the baseline Lion, the report arithmetic, one real run.
+
+The arithmetic is checked against plain loops written here; the end-to-end run trains three methods
+on two local gloo ranks (``--loopback``: the emulated cluster needs root) and checks that the step
+breakdown adds up, that collectives were timed, and that DDP + PlainLion lands where DeepSpeed +
+LionCub's exact Lion does (two independent implementations of the same training).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import train_report  # noqa: E402
+from benchmarks.plain_lion import PlainLion  # noqa: E402
+from benchmarks.train_methods import METHODS, METHODS_BY_NAME, TrainSettings, ds_config, select_methods  # noqa: E402
+from ds_lioncub.config import parse_config  # noqa: E402
+from reference import reference_lion_step  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------- methods
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m.runtime == "deepspeed"], ids=lambda m: m.name)
+def test_deepspeed_methods_have_valid_lioncub_options(method) -> None:
+    settings = TrainSettings(lr=5e-4, weight_decay=0.2)
+    config = ds_config(method, settings)
+    options = parse_config(config["optimizer"]["params"])  # raises on anything LionCub would refuse
+    assert options.lr == 5e-4 and options.weight_decay == 0.2
+    assert options.betas == (settings.beta1, method.beta2)
+    assert options.compression == method.lioncub["compression"]
+    assert config["gradient_clipping"] == 0.0  # DeepSpeed's default would clip at 1.0
+    assert config.get("communication_data_type") == method.communication_data_type
+
+
+def test_every_reference_is_a_method_with_the_same_beta2() -> None:
+    for method in METHODS:
+        reference = METHODS_BY_NAME[method.reference]
+        assert reference.beta2 == method.beta2, method.name
+        assert not reference.compressed and reference.communication_data_type is None, method.name
+
+
+def test_select_methods() -> None:
+    assert [m.name for m in select_methods("lioncub_1bit, ddp_bf16")] == ["lioncub_1bit", "ddp_bf16"]
+    assert len(select_methods("all")) == len(METHODS)
+    with pytest.raises(ValueError, match="unknown method.*'lion_fp64'.*choose from: lion_fp32"):
+        select_methods("lion_fp32,lion_fp64")
+    with pytest.raises(ValueError):
+        ds_config(METHODS_BY_NAME["ddp_bf16"], TrainSettings())
+    with pytest.raises(ValueError, match="micro_batch must be >= 1"):
+        TrainSettings(micro_batch=0)
+
+
+def test_plain_lion_matches_the_reference_lion() -> None:
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(7, 5), (11,), (3, 2, 4)]
+    params = [torch.randn(shape, generator=gen) for shape in shapes]
+    reference_params = [p.clone() for p in params]
+    reference_momenta = [torch.zeros_like(p) for p in params]
+    trained = [torch.nn.Parameter(p.clone()) for p in params]
+    optimizer = PlainLion(trained, lr=0.01, betas=(0.9, 0.95), weight_decay=0.3)
+    for _ in range(4):
+        grads = [torch.randn(shape, generator=gen) for shape in shapes]
+        for param, grad in zip(trained, grads):
+            param.grad = grad.clone()
+        optimizer.step()
+        reference_lion_step(reference_params, grads, reference_momenta, 0.01, (0.9, 0.95), 0.3)
+    for param, expected in zip(trained, reference_params):
+        torch.testing.assert_close(param.detach(), expected, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="lr > 0"):
+        PlainLion(trained, lr=0.0)
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def _result(name: str, totals: list[float], losses: list[float], val_loss: float, n_params: int = 1000,
+            tx: float = 500.0) -> dict:
+    """A worker result whose step parts are fixed fractions of each total (forward .1, backward .2, update .3)."""
+    method = METHODS_BY_NAME[name]
+    return {
+        "method": {"name": name, "beta2": method.beta2, "reference": method.reference},
+        "settings": {"lr": 1e-3, "weight_decay": 0.1, "n_layer": 1, "d_model": 8, "micro_batch": 2, "seq_len": 4},
+        "world_size": 2, "steps": len(totals), "n_params": n_params, "threads_per_rank": 1, "link_rate_bps": None,
+        "val_loss": val_loss, "params_in_sync": True,
+        "per_step": {
+            "forward_s": [0.1 * t for t in totals], "backward_s": [0.2 * t for t in totals],
+            "update_s": [0.3 * t for t in totals], "comm_s": [0.4 * t for t in totals], "total_s": totals,
+            "loss": losses, "tx_bytes": [tx] * len(totals), "rx_bytes": [tx] * len(totals),
+        },
+    }
+
+
+def test_breakdown_skips_the_warmup_steps_and_means_the_rest() -> None:
+    totals = [9.0, 8.0, 7.0, 1.0, 2.0, 3.0]
+    row = train_report.breakdown(_result("lion_fp32", totals, [1.0] * 6, 2.0), warmup=3)
+    assert row.total_s == pytest.approx(2.0) and row.comm_s == pytest.approx(0.8)
+    assert row.forward_s + row.backward_s + row.update_s + row.comm_s == pytest.approx(row.total_s)
+    assert row.comm_share == pytest.approx(0.4)
+    # Fewer steps than the warm-up: the last step still counts.
+    assert train_report.breakdown(_result("lion_fp32", [5.0, 4.0], [1.0] * 2, 2.0), warmup=3).total_s == 4.0
+
+
+def test_loss_helpers_against_plain_loops() -> None:
+    values = [5.0, 3.0, 4.0, 1.0, 0.5, 2.5]
+    for window in (1, 2, 4, 10):
+        expected = [sum(values[max(0, i - window + 1): i + 1]) / len(values[max(0, i - window + 1): i + 1])
+                    for i in range(len(values))]
+        assert train_report.moving_average(values, window) == pytest.approx(expected)
+    result = _result("lion_fp32", [0.5, 0.25, 1.0], [3.0, 2.0, 1.0], 2.0)
+    assert train_report.wall_clock(result) == pytest.approx([0.5, 0.75, 1.75])
+    assert train_report.final_train_loss(result, tail=2) == pytest.approx(1.5)
+    assert train_report.relative_gap(2.04, 2.0) == pytest.approx(0.02)
+
+
+def test_targets_and_tables() -> None:
+    results = {
+        "lion_fp32": _result("lion_fp32", [4.0] * 5, [3.0] * 5, 2.00, tx=80_000.0),
+        "lioncub_1bit": _result("lioncub_1bit", [0.8] * 5, [3.1] * 5, 2.10, tx=2_500.0),
+        "lioncub_4bit_sign": _result("lioncub_4bit_sign", [1.25] * 5, [3.0] * 5, 2.03),
+        "lioncub_8bit_l1": _result("lioncub_8bit_l1", [1.0] * 5, [3.0] * 5, 2.05),
+    }
+    lines = train_report.target_lines(results)
+    text = "\n".join(lines)
+    assert "communication is 40% of it" in text and "NOT met" in lines[0]  # 40% < 80%
+    assert "Lion Cub 1-bit vote step 5.00x faster" in text and "target >= 4x: met" in lines[1]
+    assert "Lion Cub 4-bit sign step 3.20x faster" in lines[2] and "NOT met" in lines[2]
+    assert "+1.50% (target within 2%: met)" in text  # 2.03 vs 2.00
+    assert "+2.50% (target within 2%: NOT met)" in text  # 2.05 vs 2.00
+    table = train_report.breakdown_table(results)
+    one_bit = next(line for line in table.splitlines() if line.startswith("| Lion Cub 1-bit vote"))
+    # 2,500 bytes of 1,000 parameters: 20 bits each; 0.8 s total, 40% of it communication
+    assert "| 800 |" in one_bit and "| 40% |" in one_bit and "| 5.00x |" in one_bit and "| 20.00 |" in one_bit
+    quality = train_report.quality_table(results)
+    assert "| +5.00% |" in next(line for line in quality.splitlines() if "1-bit" in line)
+
+
+def test_plots_are_written(tmp_path: Path) -> None:
+    matplotlib = pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install -e '.[bench]')")
+    import matplotlib.image
+
+    results = {"lion_fp32": _result("lion_fp32", [1.0] * 4, [3.0, 2.5, 2.0, 1.9], 2.0),
+               "lioncub_1bit_b95": _result("lioncub_1bit_b95", [0.5] * 4, [3.0, 2.6, 2.2, 2.0], 2.1)}
+    paths = train_report.write_plots(results, tmp_path)
+    assert [path.name for path in paths] == ["loss_vs_step.png", "loss_vs_time.png"]
+    for path in paths:
+        assert matplotlib.image.imread(path).shape[:2] == (550, 880)  # 8 x 5 inches at 110 dpi
+
+
+def test_load_results_names_the_missing_method(tmp_path: Path) -> None:
+    (tmp_path / "lion_fp32.json").write_text(json.dumps(_result("lion_fp32", [1.0], [1.0], 1.0)))
+    assert list(train_report.load_results(tmp_path)) == ["lion_fp32"]
+    with pytest.raises(FileNotFoundError, match="no result for lioncub_1bit"):
+        train_report.load_results(tmp_path, ["lion_fp32", "lioncub_1bit"])
+
+
+# ---------------------------------------------------------------------------------------------- a real run
+
+
+def test_loopback_run_of_three_methods(tmp_path: Path) -> None:
+    """Two gloo ranks, a tiny GPT, 4 steps each of exact Lion (DeepSpeed), DDP + PlainLion, Lion Cub 1-bit."""
+    pytest.importorskip("matplotlib", reason="the report's plots need matplotlib (pip install -e '.[bench]')")
+    out = tmp_path / "run"
+    command = [sys.executable, str(REPO / "benchmarks" / "bench_train.py"), "--loopback", "--ranks", "2",
+               "--steps", "4", "--methods", "lion_fp32,ddp_bf16,lioncub_1bit", "--d-model", "32", "--n-layer", "1",
+               "--n-head", "2", "--micro-batch", "2", "--seq-len", "16", "--eval-windows", "8", "--lr", "1e-3",
+               "--out-dir", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = train_report.load_results(out, ["lion_fp32", "ddp_bf16", "lioncub_1bit"])
+    for name, result in results.items():
+        steps = result["per_step"]
+        assert len(steps["total_s"]) == 4 and result["params_in_sync"], name
+        for i in range(4):
+            parts = sum(steps[column][i] for column in ("forward_s", "backward_s", "update_s", "comm_s"))
+            assert parts == pytest.approx(steps["total_s"][i], rel=1e-9, abs=1e-9), (name, i)
+            assert min(steps[column][i] for column in ("forward_s", "backward_s", "update_s")) > 0, (name, i)
+    # Collectives were timed where there are calls to time (the engine's all-reduce; LionCub's votes).
+    assert sum(results["lion_fp32"]["per_step"]["comm_s"]) > 0
+    assert sum(results["lioncub_1bit"]["per_step"]["comm_s"]) > 0
+    assert results["ddp_bf16"]["ddp_backward_compute_s"] > 0
+    # DDP + PlainLion (bf16 gradient average) and DeepSpeed + exact LionCub (fp32) train the same model
+    # on the same batches: losses agree up to the rare sign flipped by bf16 rounding.
+    fp32_losses = results["lion_fp32"]["per_step"]["loss"]
+    assert results["ddp_bf16"]["per_step"]["loss"] == pytest.approx(fp32_losses, abs=2e-3)
+    assert results["ddp_bf16"]["val_loss"] == pytest.approx(results["lion_fp32"]["val_loss"], abs=2e-3)
+    # Step 1 is the same everywhere (same weights, same batch); the vote changes what follows.
+    assert results["lioncub_1bit"]["per_step"]["loss"][0] == pytest.approx(fp32_losses[0], abs=1e-6)
+    report = (out / "report.md").read_text()
+    for label in ("Lion, fp32 all-reduce", "DDP + Lion, bf16_compress_hook", "Lion Cub 1-bit vote"):
+        assert f"| {label} |" in report
+    assert (out / "loss_vs_step.png").stat().st_size > 0
