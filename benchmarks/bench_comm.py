@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.collective_clock import CollectiveClock  # noqa: E402
 from benchmarks.netcluster.counters import TCP_FRAME_HEADERS, Counters, as_mtu_frames, read_sysfs  # noqa: E402
 from benchmarks.netcluster.units import format_rate, parse_count, parse_rate  # noqa: E402
 
@@ -111,23 +112,6 @@ class OpSpec:
             return None
         largest = 2**self.bits - 1 if self.quantizer == "sign" else (2**self.bits - 1) // 2
         return None if p <= largest else f"{self.bits}-bit {self.quantizer} all-reduce holds at most {largest} ranks"
-
-
-class CollectiveClock:
-    """Seconds this rank spent inside collectives (the rest of a call is packing, counting, unpacking)."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def time(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-
-        return timed
 
 
 def make_op(spec: OpSpec, n: int, rank: int, clock: CollectiveClock) -> Callable[[int], object]:

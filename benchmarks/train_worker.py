@@ -53,6 +53,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import ds_lioncub  # noqa: E402,F401  (registers "type": "LionCub")
+from benchmarks.collective_clock import CollectiveClock  # noqa: E402
 from benchmarks.netcluster.counters import read_sysfs  # noqa: E402
 from benchmarks.plain_lion import PlainLion  # noqa: E402
 from benchmarks.train_methods import Method, TrainSettings, ds_config, select_methods  # noqa: E402
@@ -63,31 +64,6 @@ from train_gpt import checked_parameters, evaluate, fp32_loss, get_batch, params
 
 COLUMNS = ("forward_s", "backward_s", "update_s", "comm_s", "total_s", "loss", "tx_bytes", "rx_bytes")
 DDP_CALIBRATION_STEPS = 5
-
-
-class CollectiveClock:
-    """Seconds spent inside the wrapped collectives; ``restore()`` puts the originals back."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._restore: list[Callable[[], None]] = []
-
-    def wrap(self, owner: Any, name: str) -> None:
-        original = getattr(owner, name)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-
-        setattr(owner, name, timed)
-        self._restore.append(lambda: setattr(owner, name, original))
-
-    def restore(self) -> None:
-        while self._restore:
-            self._restore.pop()()
 
 
 class LinkCounter:
