@@ -39,7 +39,6 @@ from ds_lioncub.comm.quantize import (
     field_width_for,
     l1_levels,
     l1_scale,
-    sign_with_tie,
     tie_sign,
 )
 from ds_lioncub.comm.transport import CommStats, make_transport
@@ -192,11 +191,16 @@ class CompressedBackend:
         def signed_sum(field_sum: torch.Tensor) -> torch.Tensor:
             return 2 * field_sum - p if quantizer == "sign" else field_sum - p * levels
 
+        # The vote straight from the field sums: one integer comparison, no signed sums in int32.
+        votes_positive_from = _vote_threshold(p, levels, quantizer, tie_sign(step, tie_break) > 0)
+
         if algorithm == "allreduce":
             packed = self.transport.all_reduce_sum(pack(packed_length(numel, bits)))
-            total = signed_sum(unpack_fields(packed, bits, numel).to(torch.int32))
+            fields = unpack_fields(packed, bits, numel)
             if aggregation == "vote":
-                return sign_with_tie(total.to(update.dtype), step, tie_break).view(update.shape)
+                positive = fields >= votes_positive_from  # < 2**bits: the world-size check guarantees it
+                return unpack_signs(pack_fields(positive, 1), numel, update.dtype).view(update.shape)
+            total = signed_sum(fields.to(torch.int32))
             return (total.float() / (p * levels)).to(update.dtype).view(update.shape)
 
         padded_numel = _round_up(numel, 8 * p)
@@ -205,9 +209,7 @@ class CompressedBackend:
         received = self.transport.all_to_all(pack(padded_numel * bits // 8)).view(p, -1)
         field_sum = sum_fields_per_position(received, bits, chunk_numel)
         if aggregation == "vote":
-            total = signed_sum(field_sum)
-            chunk_vote = total >= 0 if tie_sign(step, tie_break) > 0 else total > 0
-            return self._gather_signs(chunk_vote, numel, update)
+            return self._gather_signs(field_sum >= votes_positive_from, numel, update)
         # The field sum lies in [0, p * 2L] (sign: [0, p]); send it in the narrowest width that holds it.
         width = field_width_for(p * (1 if quantizer == "sign" else 2 * levels))
         if width <= 8:
@@ -299,6 +301,18 @@ class CompressedBackend:
         result = torch.cat([unpack_signs(gathered_signs[r], chunk_numel) * server_scales[r] for r in range(p)])
         buffer_m.copy_(result[: buffer_m.numel()].view(buffer_m.shape))
         return buffer_m
+
+
+def _vote_threshold(p: int, levels: int, quantizer: str, positive_ties: bool) -> int:
+    """The smallest sum of ``p`` ranks' fields whose vote is +1.
+
+    The signed sum is ``2f - p`` for sign fields ((q+1)/2 each) and ``f - p*L`` for L1 fields (q+L
+    each); the vote is +1 where it is > 0, and where it is 0 if ties resolve to +1.
+    """
+    least_positive = 0 if positive_ties else 1
+    if quantizer == "sign":
+        return (p + least_positive + 1) // 2  # ceil((p + least_positive) / 2)
+    return p * levels + least_positive
 
 
 def legacy_padded_numel(numel: int, world_size: int) -> int:
