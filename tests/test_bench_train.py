@@ -145,7 +145,7 @@ def test_targets_and_tables() -> None:
 
 
 def test_plots_are_written(tmp_path: Path) -> None:
-    matplotlib = pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install -e '.[bench]')")
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install -e '.[bench]')")
     import matplotlib.image
 
     results = {"lion_fp32": _result("lion_fp32", [1.0] * 4, [3.0, 2.5, 2.0, 1.9], 2.0),

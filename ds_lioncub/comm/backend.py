@@ -198,7 +198,7 @@ class CompressedBackend:
             packed = self.transport.all_reduce_sum(pack(packed_length(numel, bits)))
             fields = unpack_fields(packed, bits, numel)
             if aggregation == "vote":
-                positive = fields >= votes_positive_from  # < 2**bits: the world-size check guarantees it
+                positive = fields >= votes_positive_from  # fits uint8: the world-size check keeps p * 2L (sign: p) < 2**bits
                 return unpack_signs(pack_fields(positive, 1), numel, update.dtype).view(update.shape)
             total = signed_sum(fields.to(torch.int32))
             return (total.float() / (p * levels)).to(update.dtype).view(update.shape)
