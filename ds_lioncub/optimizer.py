@@ -312,7 +312,8 @@ class LionCub(torch.optim.Optimizer):
                 if use_l1:
                     means.append(whole_means.get(piece.index, direction.abs().mean()))
             if options.compression == "1bit":
-                delta = self.backend.vote_1bit(update, step, options.tie_break)
+                # The vote overwrites the directions it was packed from: one bucket-sized buffer, not two.
+                delta = self.backend.vote_1bit(update, step, options.tie_break, out=update)
             else:
                 delta = self.backend.vote_kbit(
                     update,
@@ -330,6 +331,9 @@ class LionCub(torch.optim.Optimizer):
                 group, param, _, exp_avg = entries[piece.index]
                 param_slice, _ = self._slices(param, exp_avg, piece)
                 apply_update(param_slice, piece_delta, group["lr"], group["weight_decay"])
+            # Drop this bucket's buffers (and the loop variables viewing them; buckets are never
+            # empty) before the next bucket allocates its own: a step holds one bucket's temporaries.
+            del update, delta, direction, piece_delta
 
     @staticmethod
     def _mean_abs_direction(exp_avg: torch.Tensor, grad: torch.Tensor, beta1: float, chunk: int) -> torch.Tensor:

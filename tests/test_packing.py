@@ -13,6 +13,7 @@ from ds_lioncub.comm.packing import (
     count_set_bits_per_position,
     pack_fields,
     pack_signs,
+    set_packing_path,
     unpack_fields,
     unpack_signs,
 )
@@ -106,6 +107,23 @@ def test_unpack_signs_matches_loop(n: int, dtype: torch.dtype) -> None:
     assert out.dtype == dtype
     assert out.shape == (n,)
     assert out.float().tolist() == [float(v) for v in loop_unpack_signs(packed.tolist(), n)]
+
+
+@pytest.mark.parametrize("path", ["compiled", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unpack_signs_into_out_overwrites_the_packed_tensor(path: str, dtype: torch.dtype) -> None:
+    n = 1001
+    x = signed_input(n, seed=11).to(dtype)
+    expected = [float(v) for v in loop_unpack_signs(loop_pack_signs(x.float().tolist(), True), n)]
+    set_packing_path(path)
+    try:
+        written = unpack_signs(pack_signs(x, True), n, out=x)  # the optimizer's in-place use
+        with pytest.raises(ValueError, match="contiguous tensor of 1001 elements"):
+            unpack_signs(pack_signs(x, True), n, out=torch.empty(n + 1, dtype=dtype))
+    finally:
+        set_packing_path(None)
+    assert written is x and x.dtype == dtype
+    assert x.float().tolist() == expected
 
 
 @pytest.mark.parametrize("zero_is_positive", [True, False])

@@ -104,15 +104,19 @@ class CompressedBackend:
 
     # ------------------------------------------------------------------ 1-bit vote
 
-    def vote_1bit(self, update: torch.Tensor, step: int, tie_break: TieBreak = "alternate") -> torch.Tensor:
+    def vote_1bit(
+        self, update: torch.Tensor, step: int, tie_break: TieBreak = "alternate", *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Majority vote of the signs of ``update`` over all ranks: ±1 in ``update.dtype``.
 
-        Exact zeros, locally and in the vote sum, resolve by the tie rule at ``step``.
+        Exact zeros, locally and in the vote sum, resolve by the tie rule at ``step``. ``out`` (a
+        contiguous tensor shaped like ``update``, possibly ``update`` itself: its signs are packed
+        before anything is written) receives the vote instead of a new tensor.
         """
         positive_ties = tie_sign(step, tie_break) > 0
         numel = update.numel()
         if numel == 0:
-            return update.new_empty(update.shape)
+            return update.new_empty(update.shape) if out is None else out
         p = self.world_size
         padded_numel = _round_up(numel, 8 * p)
         # padding bits are 0 (-1 votes) in every rank's message
@@ -121,13 +125,19 @@ class CompressedBackend:
         # vote sum S = 2k - p over k plus votes; ties (S == 0) follow the tie rule. Fused: count,
         # vote and pack in one pass over the packed messages.
         chunk_vote = vote_packed_signs(received.view(p, -1), chunk_numel, positive_ties)
-        return self._gather_packed_signs(chunk_vote, numel, update)
+        return self._gather_packed_signs(chunk_vote, numel, update, out)
 
     def _gather_signs(self, chunk_bits: torch.Tensor, numel: int, like: torch.Tensor) -> torch.Tensor:
         return self._gather_packed_signs(pack_fields(chunk_bits, 1), numel, like)
 
-    def _gather_packed_signs(self, packed_chunk: torch.Tensor, numel: int, like: torch.Tensor) -> torch.Tensor:
+    def _gather_packed_signs(
+        self, packed_chunk: torch.Tensor, numel: int, like: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         gathered = self.transport.all_gather(packed_chunk)
+        if out is not None:
+            if out.shape != like.shape:
+                raise ValueError(f"out must have the update's shape {tuple(like.shape)}, got {tuple(out.shape)}")
+            return unpack_signs(gathered, numel, out=out)
         return unpack_signs(gathered, numel, like.dtype).view(like.shape)
 
     # ------------------------------------------------------------------ k-bit sums

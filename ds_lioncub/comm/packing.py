@@ -250,18 +250,28 @@ def pack_signs(
     return pack_fields(sign_bits(flat, zero_is_positive), bits, nbytes=nbytes)
 
 
-def unpack_signs(packed: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Unpack the first ``numel`` sign bits to +1/-1 in ``dtype``."""
+def unpack_signs(
+    packed: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Unpack the first ``numel`` sign bits to +1/-1 in ``dtype``.
+
+    ``out``: a contiguous tensor of ``numel`` elements to write into (its dtype wins over ``dtype``);
+    it may be the very tensor whose signs were packed, which saves a buffer the size of the output.
+    """
+    if out is not None:
+        if out.numel() != numel or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous tensor of {numel} elements, got shape {tuple(out.shape)}")
+        dtype = out.dtype
     choice = _path(packed)
     if choice.path == "compiled" and dtype in _UNPACK_DTYPES and packed.dtype == torch.uint8:
         flat = packed.reshape(-1).contiguous()
         if flat.numel() * 8 < numel:
             raise ValueError(f"{flat.numel()} bytes hold fewer than {numel} signs")
-        out = torch.empty(numel, dtype=dtype, device=packed.device)
-        choice.module.unpack_signs(flat, out)
-        return out
-    bits = unpack_fields(packed, 1, numel)
-    return bits.to(dtype).mul_(2).sub_(1)
+        target = torch.empty(numel, dtype=dtype, device=packed.device) if out is None else out.view(-1)
+        choice.module.unpack_signs(flat, target)
+        return target if out is None else out
+    signs = unpack_fields(packed, 1, numel).to(dtype).mul_(2).sub_(1)
+    return signs if out is None else out.copy_(signs.view(out.shape))
 
 
 def sum_fields_per_position(packed_rows: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
