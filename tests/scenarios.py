@@ -115,3 +115,20 @@ def training_modes(world_size: int) -> dict[str, dict[str, object]]:
     if world_size <= 3:
         modes["2bit-sign"] = {"compression": "kbit", "bits": 2}
     return modes
+
+
+def simulate_training(world_size: int, steps: int, **options: object) -> tuple[list[Tensor], list[list[Tensor]]]:
+    """The brute-force reference (reference.simulate_lioncub) on this module's model, gradients and
+    training hyper-parameters: what every rank's LionCub must end with after ``steps`` steps."""
+    from reference import simulate_lioncub  # tests only; the workers never need it
+
+    return simulate_lioncub(
+        list(init_params().values()),
+        lambda rank, step, params: model_grads(params, rank, step),
+        world_size,
+        steps,
+        lr=TRAIN_LR,
+        betas=TRAIN_BETAS,
+        weight_decay=TRAIN_WEIGHT_DECAY,
+        **options,
+    )

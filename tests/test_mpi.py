@@ -30,7 +30,6 @@ import scenarios as sc
 import test_backend_distributed as backend_checks
 import test_optimizer_distributed as optimizer_checks
 from launch import REPO, free_port
-from reference import simulate_lioncub
 
 WORKER = REPO / "tests" / "workers" / "mpi_scenarios.py"
 INSTALL = 'pip install -e ".[mpi]" (`make test` installs the extra)'
@@ -231,16 +230,7 @@ def test_nan_on_one_rank_stops_every_rank_over_mpi(mpi_ranks: list[dict[str, Any
 
 def _check_engine(ranks: list[dict[str, Any]]) -> None:
     p = len(ranks)
-    expected, _ = simulate_lioncub(
-        list(sc.init_params().values()),
-        lambda rank, step, params: sc.model_grads(params, rank, step),
-        p,
-        mc.ENGINE_STEPS,
-        lr=sc.TRAIN_LR,
-        betas=sc.TRAIN_BETAS,
-        weight_decay=sc.TRAIN_WEIGHT_DECAY,
-        compression="1bit",
-    )
+    expected, _ = sc.simulate_training(p, mc.ENGINE_STEPS, compression="1bit")
     for rank, results in enumerate(ranks):
         assert results["engine/transport"] == "mpi"
         assert results["engine/enable_backward_allreduce"] is False  # LionCub's MPI votes replace it

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import scenarios as sc
-from reference import reference_lion_step, simulate_lioncub
+from reference import reference_lion_step
 
 PARAM_NAMES = list(sc.PARAM_SHAPES)
 EXACT_MODES = {"none-fp32", "1bit", "1bit-positive", "4bit-sign", "8bit-l1", "4bit-l1-alltoall", "2bit-sign", "1bit-sync"}
@@ -17,14 +17,9 @@ def _simulate(p: int, options: dict[str, object]) -> tuple[list[torch.Tensor], l
     sync = options.pop("momentum_sync", None)
     algorithm = options.pop("kbit_algorithm", "allreduce")
     options.pop("comm_dtype", None)
-    return simulate_lioncub(
-        list(sc.init_params().values()),
-        lambda rank, step, params: sc.model_grads(params, rank, step),
+    return sc.simulate_training(
         p,
         sc.TRAIN_STEPS,
-        lr=sc.TRAIN_LR,
-        betas=sc.TRAIN_BETAS,
-        weight_decay=sc.TRAIN_WEIGHT_DECAY,
         kbit_algorithm=algorithm,
         momentum_sync_interval=sync["interval"] if sync else 0,
         momentum_sync_params=[PARAM_NAMES.index("w2")] if sync else None,
