@@ -188,8 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         except NetclusterError as error:
             print(f"bench_train: {error}", file=sys.stderr)
             return 1
-        except (Interrupted, KeyboardInterrupt):
-            print("bench_train: interrupted; cluster removed", file=sys.stderr)
+        except Interrupted as interrupt:  # SIGINT/SIGTERM/SIGHUP: same exit codes as netcluster's own CLI
+            print(f"bench_train: {interrupt}; the cluster was removed", file=sys.stderr)
+            return 128 + interrupt.signum
+        except KeyboardInterrupt:
+            print("bench_train: interrupted; the cluster was removed", file=sys.stderr)
             return 130
         if code != 0:
             return code
