@@ -1,12 +1,38 @@
-"""ds_lioncub: Lion Cub, communication-efficient distributed Lion, and its compressed backend."""
+"""ds_lioncub: Lion Cub, communication-efficient distributed Lion, and its compressed backend.
+
+Importing the package registers ``"type": "LionCub"`` with DeepSpeed (:func:`ds_lioncub.integration.register`).
+"""
 
 from ds_lioncub.comm import CommStats, CompressedBackend
-from ds_lioncub.config import LionCubConfig, LionCubConfigError, parse_config
-from ds_lioncub.deepspeed_integration import register as register_with_deepspeed
+from ds_lioncub.config import LionCubConfig, parse_config
+from ds_lioncub.errors import (
+    LionCubConfigError,
+    LionCubError,
+    LionCubSetupError,
+    MissingDependencyError,
+    MpiSetupError,
+    NonFiniteGradientError,
+    UnsupportedParameterError,
+)
+from ds_lioncub.integration import register as register_with_deepspeed
 from ds_lioncub.optimizer import LionCub
 
 __version__ = "0.1.0"
 
-register_with_deepspeed()
+__all__ = [
+    "CommStats",
+    "CompressedBackend",
+    "LionCub",
+    "LionCubConfig",
+    "LionCubConfigError",
+    "LionCubError",
+    "LionCubSetupError",
+    "MissingDependencyError",
+    "MpiSetupError",
+    "NonFiniteGradientError",
+    "UnsupportedParameterError",
+    "parse_config",
+    "register_with_deepspeed",
+]
 
-__all__ = ["CommStats", "CompressedBackend", "LionCub", "LionCubConfig", "LionCubConfigError", "parse_config"]
+register_with_deepspeed()

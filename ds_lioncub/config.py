@@ -1,4 +1,4 @@
-"""Every LionCub option in one validated model.
+"""Every LionCub option in one validated model, with a docstring under each field.
 
 The Python API (``LionCub(params, **options)``) and the ds_config ``"optimizer": {"params": ...}``
 block go through :func:`parse_config`, so both reject the same bad input with the same message:
@@ -7,35 +7,48 @@ the option, the value, what is allowed, and how to fix it.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ds_lioncub.comm.vocabulary import (
+    Aggregation,
+    CommBackendName,
+    KbitAlgorithm,
+    KbitWidth,
+    Quantizer,
+    TieBreak,
+)
+from ds_lioncub.errors import LionCubConfigError
 
-class LionCubConfigError(ValueError):
-    """A LionCub option has an unknown name, a bad value, or conflicts with another option."""
+CommDtype = Literal["fp32", "bf16"]
 
 
 class MomentumSyncConfig(DeepSpeedConfigModel):
-    """Selective momentum synchronisation (DESIGN §2.6).
+    """Selective momentum synchronisation: average some layers' ``exp_avg`` over the ranks now and then.
 
-    ``interval``: every K-th step (t % K == 0) the selected ``exp_avg`` tensors are averaged over
-    the data-parallel ranks; 0 never syncs. ``layers``: regexes searched in parameter names
-    (``module.named_parameters()`` names), ``"all"``, or ``"auto"`` (nn.Embedding weights and the
-    output head, the layers whose momentum drifts most between workers). ``dtype``: precision of the
-    averaging collective.
+    With compression each rank's momentum drifts from the others'; averaging the layers that drift
+    most (embeddings and the output head) every few steps brings Lion Cub closer to Lion for a few
+    percent more bytes.
     """
 
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
     interval: int = Field(0, ge=0)
+    """Every K-th step (t % K == 0) the selected ``exp_avg`` tensors are averaged; 0 never syncs. Try 10."""
+
     layers: list[str] | Literal["all", "auto"] = "auto"
-    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Regexes searched in parameter names (``module.named_parameters()`` names), ``"all"``, or
+    ``"auto"``: the nn.Embedding weights and the output head (the last nn.Linear)."""
+
+    dtype: CommDtype = "fp32"
+    """Precision of the averaging all-reduce; bf16 halves its bytes."""
 
     @field_validator("layers")
     @classmethod
     def _regexes_compile(cls, layers: list[str] | str) -> list[str] | str:
-        import re
-
         if isinstance(layers, list):
             for pattern in layers:
                 try:
@@ -46,42 +59,64 @@ class MomentumSyncConfig(DeepSpeedConfigModel):
 
 
 class LionCubConfig(DeepSpeedConfigModel):
-    """LionCub's options.
+    """LionCub's options: the ``"params"`` of ``"optimizer": {"type": "LionCub"}`` and ``LionCub(**options)``."""
 
-    ``lr``, ``betas``, ``weight_decay``: Lion's hyper-parameters (defaults for every param group).
-    ``compression``: "none" (exact Lion on averaged gradients), "1bit" (majority vote of signs) or
-    "kbit" (sums of b-bit fields). ``bits``: field width for "kbit". ``quantizer``: what a k-bit
-    field carries, the local sign or the L1-quantized update. ``aggregation``: sign of the sum
-    ("vote") or the normalised sum ("mean", k-bit only). ``kbit_algorithm``: one uint8 all-reduce
-    (needs p*R <= 2**bits-1) or all-to-all + 1-bit all-gather (any world size).
-    ``tie_break``: what an exact zero resolves to. ``l1_clip``: tau, the L1 quantizer saturates at
-    tau * mean|c|. ``comm_dtype``: precision of the gradient all-reduce with compression "none".
-    ``bucket_size``: elements per communication bucket; it bounds the optimizer's temporaries and
-    sets how many collectives a step issues (about 2 per bucket). ``check_finite``: with
-    compression, every step first agrees (one 4-byte all-reduce) that no rank has a NaN/inf gradient
-    and raises on every rank otherwise, since a vote would hide it.
-    ``comm_backend_name``: what carries LionCub's collectives, "torch" (torch.distributed: gloo on
-    CPU, NCCL on GPU) or "mpi" (mpi4py; the job must be an MPI job whose world is the data-parallel
-    group; install with ``pip install "ds_lioncub[mpi]"``). ``cuda_aware``: with "mpi", hand GPU
-    buffers straight to a CUDA-aware MPI instead of staging them through pinned host memory.
-    """
+    model_config = ConfigDict(use_attribute_docstrings=True)
 
     lr: float = Field(1e-4, ge=0, allow_inf_nan=False)
+    """Learning rate, the default of every param group. Lion wants 3-10x less than AdamW."""
+
     betas: tuple[float, float] = (0.9, 0.99)
+    """(beta1, beta2): beta1 mixes momentum and gradient into the update, beta2 is the momentum's EMA."""
+
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """Decoupled weight decay; Lion wants 3-10x more than AdamW (lr * wd is what matters)."""
+
     compression: Literal["none", "1bit", "kbit"] = "1bit"
-    bits: Literal[2, 4, 8] = 4
-    quantizer: Literal["sign", "l1"] = "sign"
-    aggregation: Literal["vote", "mean"] = "vote"
-    kbit_algorithm: Literal["allreduce", "alltoall"] = "allreduce"
-    tie_break: Literal["alternate", "positive"] = "alternate"
+    """"none": exact Lion on averaged gradients; "1bit": majority vote of the ranks' signs;
+    "kbit": sums of b-bit fields (see ``bits``, ``quantizer``, ``aggregation``, ``kbit_algorithm``)."""
+
+    bits: KbitWidth = 4
+    """Field width for "kbit": 2, 4 or 8 bits per element."""
+
+    quantizer: Quantizer = "sign"
+    """What a k-bit field carries: the local sign, or the L1-quantized update (``l1_clip``)."""
+
+    aggregation: Aggregation = "vote"
+    """k-bit only: apply the sign of the summed fields ("vote") or the normalised sum ("mean")."""
+
+    kbit_algorithm: KbitAlgorithm = "allreduce"
+    """One uint8 all-reduce (needs p <= 2**bits-1 for sign, (2**bits-1)//2 for l1), or all-to-all +
+    1-bit all-gather (any world size)."""
+
+    tie_break: TieBreak = "alternate"
+    """What an exact zero resolves to: +1 on odd steps and -1 on even ones, or always +1."""
+
     l1_clip: float = Field(2.0, gt=0, allow_inf_nan=False)
-    comm_dtype: Literal["fp32", "bf16"] = "fp32"
+    """tau: the L1 quantizer saturates at tau * mean|c|."""
+
+    comm_dtype: CommDtype = "fp32"
+    """Precision of the gradient all-reduce with compression "none"."""
+
     bucket_size: int = Field(1 << 23, ge=1024)
+    """Elements per communication bucket: bounds the optimizer's temporaries and sets how many
+    collectives a step issues (about 2 per bucket)."""
+
     check_finite: bool = True
+    """With compression, every step first agrees (one 4-byte all-reduce) that no rank has a NaN/inf
+    gradient, and raises on every rank otherwise, since a vote would hide it."""
+
     momentum_sync: MomentumSyncConfig = MomentumSyncConfig()
-    comm_backend_name: Literal["torch", "mpi"] = "torch"
+    """Selective momentum synchronisation (compressed modes only)."""
+
+    comm_backend_name: CommBackendName = "torch"
+    """What carries LionCub's collectives: "torch" (torch.distributed: gloo on CPU, NCCL on GPU) or
+    "mpi" (mpi4py; the job must be an MPI job whose world is the data-parallel group; install with
+    ``pip install "ds_lioncub[mpi]"``)."""
+
     cuda_aware: bool = False
+    """With "mpi", hand GPU buffers straight to a CUDA-aware MPI instead of staging them through
+    pinned host memory."""
 
     @field_validator("comm_backend_name", mode="before")
     @classmethod
@@ -131,6 +166,24 @@ class LionCubConfig(DeepSpeedConfigModel):
             raise ValueError("l1_clip only applies to quantizer='l1'; set quantizer='l1' or drop l1_clip")
         return self
 
+    def summary(self) -> str:
+        """The options that shape this mode's step, as ``name=value`` pairs (for the set-up log line)."""
+        names = ["compression", "lr", "betas", "weight_decay", "bucket_size"]
+        if self.compression == "none":
+            names.append("comm_dtype")
+        else:
+            names += ["tie_break", "check_finite"]
+        if self.compression == "kbit":
+            names += ["bits", "quantizer", "aggregation", "kbit_algorithm"] + (["l1_clip"] if self.quantizer == "l1" else [])
+        names.append("comm_backend_name")
+        if self.comm_backend_name == "mpi":
+            names.append("cuda_aware")
+        pairs = [f"{name}={getattr(self, name)!r}" for name in names]
+        if self.momentum_sync.interval:
+            sync = self.momentum_sync
+            pairs.append(f"momentum_sync=(interval={sync.interval}, layers={sync.layers!r}, dtype={sync.dtype!r})")
+        return ", ".join(pairs)
+
 
 def _describe(error: dict[str, Any]) -> str:
     location = ".".join(str(part) for part in error["loc"])
@@ -142,7 +195,8 @@ def _describe(error: dict[str, Any]) -> str:
 
 
 def parse_config(options: dict[str, Any]) -> LionCubConfig:
-    """Validate ``options`` into a :class:`LionCubConfig` or raise :class:`LionCubConfigError`."""
+    """Validate ``options`` into a :class:`LionCubConfig` or raise :class:`LionCubConfigError` naming
+    every problem, the valid options and the fix."""
     try:
         return LionCubConfig(**options)
     except ValidationError as error:
@@ -150,6 +204,8 @@ def parse_config(options: dict[str, Any]) -> LionCubConfig:
         problems = "; ".join(_describe(e) for e in errors)
         hint = ""
         if any(e["type"] == "extra_forbidden" for e in errors):
-            hint = f" Valid options: {', '.join(LionCubConfig.model_fields)}; momentum_sync takes " \
+            hint = (
+                f" Valid options: {', '.join(LionCubConfig.model_fields)}; momentum_sync takes "
                 f"{', '.join(MomentumSyncConfig.model_fields)}."
+            )
         raise LionCubConfigError(f"LionCub: invalid options: {problems}.{hint}") from None

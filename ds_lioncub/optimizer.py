@@ -1,44 +1,40 @@
 """LionCub: Lion whose update direction is agreed on by a compressed vote of the workers.
 
 Each rank keeps its own momentum and computes its own pre-sign update ``c``; the ranks then vote on
-(or average) ``sign(c)`` through the compressed backend, sending 1-8 bits per parameter, and every
-rank applies the same update, so parameters stay bitwise identical (DESIGN §2.1).
+(or average) ``sign(c)`` through an aggregation (:mod:`ds_lioncub.aggregation`), sending 1-8 bits
+per parameter, and every rank applies the same update, so parameters stay bitwise identical. With
+``compression="none"`` it is exact Lion on the mean gradient. Lion's equations are in
+:mod:`ds_lioncub.lion`; this module orchestrates: parameter groups, state, buckets, the step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ds_lioncub._logging import get_logger
+from ds_lioncub.aggregation import COMM_DTYPES, Aggregator, Bucket, ExactMean, build_aggregation
 from ds_lioncub.buckets import Piece, plan_buckets
-from ds_lioncub.comm.backend import CompressedBackend
-from ds_lioncub.comm.quantize import check_kbit_world_size
-from ds_lioncub.comm.transport import CommStats
-from ds_lioncub.config import LionCubConfig, LionCubConfigError, parse_config
+from ds_lioncub.comm.quantize import tie_sign
+from ds_lioncub.comm.transport import CommStats, Transport, make_transport
+from ds_lioncub.config import LionCubConfig, parse_config
+from ds_lioncub.errors import LionCubConfigError, NonFiniteGradientError, UnsupportedParameterError
+from ds_lioncub.lion import apply_update, lion_direction, update_momentum
 from ds_lioncub.param_selection import select_parameters
 
-_COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
+class Entry(NamedTuple):
+    """A parameter taking part in a step, with its gradient and momentum."""
 
-def lion_direction(
-    exp_avg: torch.Tensor, grad: torch.Tensor, beta1: float, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Lion's pre-sign update ``c = beta1 * m + (1 - beta1) * g`` in fp32 (into ``out`` if given)."""
-    if out is None:
-        out = torch.empty(exp_avg.shape, dtype=torch.float32, device=exp_avg.device)
-    return out.copy_(exp_avg).mul_(beta1).add_(grad, alpha=1 - beta1)
-
-
-def apply_update(param: torch.Tensor, direction: torch.Tensor, lr: float, weight_decay: float) -> None:
-    """``param = param * (1 - lr * wd) - lr * direction`` (decoupled weight decay), in place."""
-    if weight_decay != 0:
-        param.mul_(1 - lr * weight_decay)
-    param.add_(direction, alpha=-lr)
+    group: dict[str, Any]
+    param: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
 
 
 class LionCub(torch.optim.Optimizer):
@@ -54,11 +50,14 @@ class LionCub(torch.optim.Optimizer):
         module: the model; gives parameter names and lets ``momentum_sync.layers="auto"`` find the
             embeddings and output head.
         **options: see :class:`ds_lioncub.config.LionCubConfig` (compression, bits, quantizer,
-            aggregation, kbit_algorithm, tie_break, l1_clip, comm_dtype, bucket_size, momentum_sync,
-            comm_backend_name, cuda_aware).
+            aggregation, kbit_algorithm, tie_break, l1_clip, comm_dtype, bucket_size, check_finite,
+            momentum_sync, comm_backend_name, cuda_aware).
 
     A parameter whose gradient is None on a rank counts as a zero gradient there when the world has
     more than one rank (so every rank runs the same collectives, as DDP does); alone, it is skipped.
+
+    ``options`` holds the options as constructed; the live hyper-parameters are in
+    ``param_groups`` (a learning-rate scheduler changes those, not ``options.lr``).
     """
 
     def __init__(
@@ -72,10 +71,13 @@ class LionCub(torch.optim.Optimizer):
         module: nn.Module | None = None,
         **options: Any,
     ) -> None:
+        # torch.optim.Optimizer.__init__ calls add_param_group, which must know whether set-up is done.
+        self._ready = False
         self.options: LionCubConfig = parse_config({"lr": lr, "betas": betas, "weight_decay": weight_decay, **options})
         self.module = module
-        self.backend = self._make_backend(process_group)
-        # DeepSpeed's integration sets this when the engine has already averaged the gradients.
+        self.process_group = process_group
+        self.transport: Transport = self._make_transport(process_group)
+        # Whether the caller (DeepSpeed's engine) hands over gradients it has already averaged.
         self.gradients_are_averaged = False
         # Names and the momentum-sync selection are kept by flat position (group order, then
         # parameter order): DeepSpeed's mixed-precision wrapper swaps the parameters for fp32
@@ -85,8 +87,11 @@ class LionCub(torch.optim.Optimizer):
         self._states_only = False
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
         super().__init__(params, defaults)
-        self._check_world_size()
+        self._aggregator: Aggregator | None = build_aggregation(self.options, self.transport, False)
+        self._ready = True
         self._resolve_names()
+        self._logged_setting: tuple[int, str] | None = None
+        self._log_setting()
 
     # ------------------------------------------------------------------ set-up and validation
 
@@ -101,39 +106,57 @@ class LionCub(torch.optim.Optimizer):
         for name, param in zip(names, group["params"]):
             label = f"parameter {name!r}" if name else f"a parameter of shape {tuple(param.shape)}"
             if not param.is_floating_point():
-                raise TypeError(
+                raise UnsupportedParameterError(
                     f"LionCub: {label} has dtype {param.dtype}; only floating-point parameters can be "
                     f"optimized. Leave it out of the optimizer or set requires_grad=False."
                 )
             if param.is_sparse:
-                raise TypeError(f"LionCub: {label} is a sparse tensor; LionCub needs dense parameters.")
+                raise UnsupportedParameterError(
+                    f"LionCub: {label} is a sparse tensor; LionCub needs dense parameters."
+                )
             if not param.is_contiguous():
-                raise ValueError(
+                raise LionCubConfigError(
                     f"LionCub: {label} is not contiguous; LionCub updates flat views. "
                     f"Make it contiguous (param.data = param.data.contiguous()) before building the optimizer."
                 )
-        if hasattr(self, "backend"):
+        if self._ready:
             self._resolve_names()
 
-    def attach(self, process_group: dist.ProcessGroup | None, module: nn.Module | None) -> None:
-        """Communicate over ``process_group`` and take names from ``module`` (used by the DeepSpeed wiring).
+    def bind(
+        self, process_group: dist.ProcessGroup | None, module: nn.Module | None, *, gradients_averaged: bool
+    ) -> None:
+        """Communicate over ``process_group``, take names from ``module``, and say who averages gradients.
 
-        Must run while the optimizer still holds the module's own parameters, so names resolve.
+        ``gradients_averaged``: the caller averages the gradients before ``step`` (DeepSpeed's engine
+        with compression "none"), so exact Lion must not average them again. Used by the DeepSpeed
+        wiring; must run while the optimizer still holds the module's own parameters, so names
+        resolve. The transport is rebuilt only for a different group (an MPI transport's
+        construction is itself a collective).
         """
-        self.backend = self._make_backend(process_group)
+        if process_group is not self.process_group:
+            self.process_group = process_group
+            self.transport = self._make_transport(process_group)
         if module is not None:
             self.module = module
-        self._check_world_size()
+        self.gradients_are_averaged = gradients_averaged
+        self._aggregator = build_aggregation(self.options, self.transport, gradients_averaged)
         self._resolve_names()
+        self._log_setting()
 
-    def _make_backend(self, process_group: dist.ProcessGroup | None) -> CompressedBackend:
-        return CompressedBackend(process_group, self.options.comm_backend_name, self.options.cuda_aware)
+    def _log_setting(self) -> None:
+        """Log the resolved options once per (world, aggregation), on rank 0, as the step will run them."""
+        aggregation = type(self._aggregator).__name__ if self._aggregator is not None else "none (local gradients)"
+        setting = (self.transport.world_size, aggregation)
+        if self.transport.rank != 0 or setting == self._logged_setting:
+            return
+        self._logged_setting = setting
+        get_logger().info(
+            f"LionCub: {self.transport.world_size} rank(s) over {self.transport.name}, aggregation {aggregation}; "
+            f"{self.options.summary()}"
+        )
 
-    def _check_world_size(self) -> None:
-        if self.options.compression == "kbit":
-            check_kbit_world_size(
-                self.backend.world_size, self.options.bits, self.options.quantizer, self.options.kbit_algorithm
-            )
+    def _make_transport(self, process_group: dist.ProcessGroup | None) -> Transport:
+        return make_transport(process_group, self.options.comm_backend_name, self.options.cuda_aware)
 
     def _flat_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -151,6 +174,7 @@ class LionCub(torch.optim.Optimizer):
                 if name is None:
                     names = None
                     break
+                assert names is not None
                 names.append(name)
             if names is None:
                 break
@@ -158,11 +182,7 @@ class LionCub(torch.optim.Optimizer):
         sync = self.options.momentum_sync
         if sync.interval == 0:
             return
-        params = self._flat_params()
-        try:
-            selected = select_parameters(params, names, sync.layers, self.module)
-        except ValueError as error:
-            raise LionCubConfigError(str(error)) from None
+        selected = select_parameters(self._flat_params(), names, sync.layers, self.module)
         self._momentum_synced = {position for position, chosen in enumerate(selected) if chosen}
 
     @contextmanager
@@ -182,31 +202,58 @@ class LionCub(torch.optim.Optimizer):
 
     def comm_stats(self) -> CommStats:
         """Collectives issued and bytes sent / received by this rank's LionCub so far."""
-        return self.backend.comm_stats()
+        stats = self.transport.stats
+        return CommStats(stats.collectives, stats.bytes_sent, stats.bytes_received)
 
     @property
     def momentum_synced_parameters(self) -> list[torch.Tensor]:
         """The parameters whose ``exp_avg`` momentum sync averages."""
         return [p for position, p in enumerate(self._flat_params()) if position in self._momentum_synced]
 
+    def local_momentum_state(self) -> list[torch.Tensor | None]:
+        """This rank's ``exp_avg`` by flat parameter position (None: no state yet), for checkpoints."""
+        return [self.state[p].get("exp_avg") for p in self._flat_params()]
+
+    def load_local_momentum(self, momenta: list[torch.Tensor | None]) -> None:
+        """Set ``exp_avg`` by flat parameter position (``None`` leaves a parameter's state as it is).
+
+        Raises :class:`~ds_lioncub.errors.LionCubSetupError` when the count does not match.
+        """
+        from ds_lioncub.errors import LionCubSetupError
+
+        params = self._flat_params()
+        if len(momenta) != len(params):
+            raise LionCubSetupError(
+                f"LionCub: the checkpoint's per-rank momentum files hold {len(momenta)} tensors but the optimizer "
+                f"has {len(params)} parameters; the model or its parameter groups changed since saving."
+            )
+        for param, momentum in zip(params, momenta):
+            if momentum is None:
+                continue
+            state = self.state[param]
+            if "exp_avg" not in state:
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg"].copy_(momentum.view(param.shape))
+
     # ------------------------------------------------------------------ the step
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        entries = self._entries_with_gradients()
+        entries = self._participants()
         if self._states_only:
             return loss
         step = self.param_groups[0]["step"] + 1
-        if self.options.compression == "none":
-            self._exact_lion_step(entries)
+        aggregator = self._aggregator
+        if aggregator is None or aggregator.reduces_gradients:
+            self._exact_lion_step(entries, aggregator)
         else:
             if self.options.check_finite:
                 self._require_finite_gradients(entries, step)
-            self._compressed_step(entries, step)
+            self._compressed_step(entries, aggregator, positive_ties=tie_sign(step, self.options.tie_break) > 0)
         for group in self.param_groups:
             group["step"] = step
         interval = self.options.momentum_sync.interval
@@ -214,9 +261,14 @@ class LionCub(torch.optim.Optimizer):
             self._sync_momentum()
         return loss
 
-    def _entries_with_gradients(self) -> list[tuple[dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(group, param, grad, exp_avg) for every parameter that takes part in this step."""
-        alone = self.backend.world_size == 1
+    def _participants(self) -> list[Entry]:
+        """The parameters that take part in this step.
+
+        Two side effects: a parameter's ``exp_avg`` state is created (zeros) on its first step, and
+        a parameter without a gradient gets a zero gradient when the world has more than one rank
+        (every rank must run the same collectives); alone, it is skipped.
+        """
+        alone = self.transport.world_size == 1
         entries = []
         for group in self.param_groups:
             for param in group["params"]:
@@ -228,16 +280,16 @@ class LionCub(torch.optim.Optimizer):
                         continue
                     grad = torch.zeros_like(param)
                 if grad.is_sparse:
-                    raise TypeError("LionCub does not support sparse gradients; use a dense nn.Embedding (sparse=False).")
+                    raise UnsupportedParameterError(
+                        "LionCub does not support sparse gradients; use a dense nn.Embedding (sparse=False)."
+                    )
                 state = self.state[param]
                 if "exp_avg" not in state:
                     state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                entries.append((group, param, grad, state["exp_avg"]))
+                entries.append(Entry(group, param, grad, state["exp_avg"]))
         return entries
 
-    def _require_finite_gradients(
-        self, entries: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor]], step: int
-    ) -> None:
+    def _require_finite_gradients(self, entries: list[Entry], step: int) -> None:
         """Raise on every rank, before any state changes, if any rank has a NaN or inf gradient.
 
         A vote would silently turn a NaN into a -1 (or an L1 scale into garbage); exact Lion at least
@@ -245,18 +297,18 @@ class LionCub(torch.optim.Optimizer):
         """
         # A sum is NaN/inf exactly when some element is (short of an fp32 overflow of the sum, itself a
         # broken gradient): one read pass per tensor, no per-element temporary, one host sync.
-        sums = [grad.sum(dtype=torch.float32) for _, _, grad, _ in entries]
+        sums = [entry.grad.sum(dtype=torch.float32) for entry in entries]
         locally_finite = bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
-        bad = [] if locally_finite else [entry[1] for entry, total in zip(entries, sums) if not torch.isfinite(total)]
-        device = entries[0][2].device if entries else torch.device("cpu")
+        bad = [] if locally_finite else [entry.param for entry, total in zip(entries, sums) if not torch.isfinite(total)]
+        device = entries[0].grad.device if entries else torch.device("cpu")
         ranks_with_bad = torch.tensor([0 if locally_finite else 1], dtype=torch.int32, device=device)
-        self.backend.transport.all_reduce_sum(ranks_with_bad)
+        self.transport.all_reduce_sum(ranks_with_bad)
         count = int(ranks_with_bad.item())
         if count == 0:
             return
         here = ", ".join(self._label(param) for param in bad[:5]) or "none"
-        raise FloatingPointError(
-            f"LionCub: non-finite (NaN/inf) gradients on {count} of {self.backend.world_size} ranks at "
+        raise NonFiniteGradientError(
+            f"LionCub: non-finite (NaN/inf) gradients on {count} of {self.transport.world_size} ranks at "
             f"step {step}; the step was not applied on any rank (this rank's offending parameters: {here}). "
             f"Lower the learning rate, enable gradient clipping or loss scaling; check_finite=False turns "
             f"this check off."
@@ -268,100 +320,94 @@ class LionCub(torch.optim.Optimizer):
             return repr(self.param_names[position])
         return f"parameter #{position} of shape {tuple(param.shape)}"
 
-    def _exact_lion_step(self, entries: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-        world = self.backend.world_size
-        average = world > 1 and not self.gradients_are_averaged
-        comm_dtype = _COMM_DTYPES[self.options.comm_dtype]
-        for bucket in plan_buckets([e[1].numel() for e in entries], self.options.bucket_size):
-            grads = [entries[piece.index][2].reshape(-1)[piece.start : piece.start + piece.length] for piece in bucket]
-            if average:
-                summed = self.backend.transport.all_reduce_sum(torch.cat(grads).to(comm_dtype))
-                averaged = summed.float().div_(world)
-                grads = list(averaged.split([piece.length for piece in bucket]))
+    def _exact_lion_step(self, entries: list[Entry], mean: Aggregator | None) -> None:
+        """Exact Lion on each bucket's gradients, averaged over the ranks by ``mean`` unless it is None."""
+        for bucket in plan_buckets([entry.param.numel() for entry in entries], self.options.bucket_size):
+            grads = [_grad_piece(entries[piece.index].grad, piece) for piece in bucket]
+            if mean is not None:
+                sizes = [piece.length for piece in bucket]
+                averaged = mean.finish(mean.start(Bucket(torch.cat(grads), sizes, []), True))
+                grads = list(averaged.split(sizes))
             for piece, grad in zip(bucket, grads):
-                group, param, _, exp_avg = entries[piece.index]
-                param_slice, exp_avg_slice = self._slices(param, exp_avg, piece)
-                beta1, beta2 = group["betas"]
+                entry = entries[piece.index]
+                beta1, beta2 = entry.group["betas"]
+                exp_avg_slice = _piece_of(entry.exp_avg, piece)
                 direction = torch.sign(lion_direction(exp_avg_slice, grad, beta1))
-                apply_update(param_slice, direction, group["lr"], group["weight_decay"])
-                exp_avg_slice.mul_(beta2).add_(grad, alpha=1 - beta2)
+                apply_update(_piece_of(entry.param, piece), direction, entry.group["lr"], entry.group["weight_decay"])
+                update_momentum(exp_avg_slice, grad, beta2)
 
-    def _compressed_step(
-        self, entries: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor]], step: int
-    ) -> None:
-        options = self.options
-        use_l1 = options.compression == "kbit" and options.quantizer == "l1"
-        capacity = options.bucket_size
-        whole_means: dict[int, torch.Tensor] = {}
-        if use_l1:
+    def _compressed_step(self, entries: list[Entry], aggregator: Aggregator, positive_ties: bool) -> None:
+        capacity = self.options.bucket_size
+        whole_mean_abs: dict[int, torch.Tensor] = {}
+        if aggregator.needs_whole_tensor_mean_abs:
             # mu is the mean |c| of the whole tensor; tensors cut across buckets need it up front.
-            for index, (group, param, grad, exp_avg) in enumerate(entries):
-                if param.numel() > capacity:
-                    whole_means[index] = self._mean_abs_direction(exp_avg, grad, group["betas"][0], capacity)
-        for bucket in plan_buckets([e[1].numel() for e in entries], capacity):
-            lengths = [piece.length for piece in bucket]
-            update = torch.empty(sum(lengths), dtype=torch.float32, device=entries[bucket[0].index][1].device)
-            means = []
-            for piece, direction in zip(bucket, update.split(lengths)):
-                group, param, grad, exp_avg = entries[piece.index]
-                beta1, beta2 = group["betas"]
-                _, exp_avg_slice = self._slices(param, exp_avg, piece)
-                grad_slice = grad.reshape(-1)[piece.start : piece.start + piece.length]
-                lion_direction(exp_avg_slice, grad_slice, beta1, out=direction)
-                exp_avg_slice.mul_(beta2).add_(grad_slice, alpha=1 - beta2)
-                if use_l1:
-                    means.append(whole_means.get(piece.index, direction.abs().mean()))
-            if options.compression == "1bit":
-                # The vote overwrites the directions it was packed from: one bucket-sized buffer, not two.
-                delta = self.backend.vote_1bit(update, step, options.tie_break, out=update)
-            else:
-                delta = self.backend.vote_kbit(
-                    update,
-                    step,
-                    options.bits,
-                    quantizer=options.quantizer,
-                    aggregation=options.aggregation,
-                    algorithm=options.kbit_algorithm,
-                    tie_break=options.tie_break,
-                    l1_clip=options.l1_clip,
-                    segment_sizes=lengths,
-                    segment_means=torch.stack(means) if use_l1 else None,
-                )
-            for piece, piece_delta in zip(bucket, delta.split(lengths)):
-                group, param, _, exp_avg = entries[piece.index]
-                param_slice, _ = self._slices(param, exp_avg, piece)
-                apply_update(param_slice, piece_delta, group["lr"], group["weight_decay"])
-            # Drop this bucket's buffers (and the loop variables viewing them; buckets are never
-            # empty) before the next bucket allocates its own: a step holds one bucket's temporaries.
-            del update, delta, direction, piece_delta
+            for index, entry in enumerate(entries):
+                if entry.param.numel() > capacity:
+                    whole_mean_abs[index] = _mean_abs_direction(entry, capacity)
+        for bucket in plan_buckets([entry.param.numel() for entry in entries], capacity):
+            self._step_bucket(entries, bucket, aggregator, positive_ties, whole_mean_abs)
 
-    @staticmethod
-    def _mean_abs_direction(exp_avg: torch.Tensor, grad: torch.Tensor, beta1: float, chunk: int) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=exp_avg.device)
-        flat_m, flat_g = exp_avg.reshape(-1), grad.reshape(-1)
-        for start in range(0, flat_m.numel(), chunk):
-            total += lion_direction(flat_m[start : start + chunk], flat_g[start : start + chunk], beta1).abs().sum()
-        return total / flat_m.numel()
-
-    @staticmethod
-    def _slices(param: torch.Tensor, exp_avg: torch.Tensor, piece: Piece) -> tuple[torch.Tensor, torch.Tensor]:
-        end = piece.start + piece.length
-        return param.view(-1)[piece.start : end], exp_avg.view(-1)[piece.start : end]
+    def _step_bucket(
+        self,
+        entries: list[Entry],
+        bucket: list[Piece],
+        aggregator: Aggregator,
+        positive_ties: bool,
+        whole_mean_abs: dict[int, torch.Tensor],
+    ) -> None:
+        """One bucket of a compressed step; its buffers are freed on return, before the next bucket's."""
+        sizes = [piece.length for piece in bucket]
+        update = torch.empty(sum(sizes), dtype=torch.float32, device=entries[bucket[0].index].param.device)
+        for piece, direction in zip(bucket, update.split(sizes)):
+            entry = entries[piece.index]
+            beta1, beta2 = entry.group["betas"]
+            exp_avg_slice, grad_slice = _piece_of(entry.exp_avg, piece), _grad_piece(entry.grad, piece)
+            lion_direction(exp_avg_slice, grad_slice, beta1, out=direction)
+            update_momentum(exp_avg_slice, grad_slice, beta2)
+        mean_abs = [whole_mean_abs.get(piece.index) for piece in bucket] if aggregator.needs_whole_tensor_mean_abs else []
+        pending = aggregator.start(Bucket(update, sizes, mean_abs), positive_ties)
+        # The result overwrites the directions it was packed from: one bucket-sized buffer, not two.
+        delta = aggregator.finish(pending, out=update)
+        for piece, piece_delta in zip(bucket, delta.split(sizes)):
+            entry = entries[piece.index]
+            apply_update(_piece_of(entry.param, piece), piece_delta, entry.group["lr"], entry.group["weight_decay"])
 
     def _sync_momentum(self) -> None:
-        """Average ``exp_avg`` of the selected parameters over the ranks (DESIGN §2.6)."""
-        world = self.backend.world_size
-        if world == 1:
+        """Average ``exp_avg`` of the selected parameters over the ranks (every ``momentum_sync.interval`` steps)."""
+        if self.transport.world_size == 1:
             return
         momenta = [
             self.state[p]["exp_avg"]
             for position, p in enumerate(self._flat_params())
             if position in self._momentum_synced and "exp_avg" in self.state[p]
         ]
-        comm_dtype = _COMM_DTYPES[self.options.momentum_sync.dtype]
+        mean = ExactMean(self.transport, COMM_DTYPES[self.options.momentum_sync.dtype])
         for bucket in plan_buckets([m.numel() for m in momenta], self.options.bucket_size):
-            slices = [momenta[piece.index].view(-1)[piece.start : piece.start + piece.length] for piece in bucket]
-            summed = self.backend.transport.all_reduce_sum(torch.cat(slices).to(comm_dtype))
-            averaged = summed.float().div_(world)
-            for target, value in zip(slices, averaged.split([piece.length for piece in bucket])):
+            slices = [_piece_of(momenta[piece.index], piece) for piece in bucket]
+            sizes = [piece.length for piece in bucket]
+            averaged = mean.finish(mean.start(Bucket(torch.cat(slices), sizes, [])))
+            for target, value in zip(slices, averaged.split(sizes)):
                 target.copy_(value)
+
+
+def _piece_of(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The flat elements of ``tensor`` that ``piece`` covers, as a view to write through.
+
+    ``view`` (not ``reshape``): a non-contiguous tensor must fail loudly, not update a silent copy.
+    """
+    return tensor.view(-1)[piece.start : piece.start + piece.length]
+
+
+def _grad_piece(grad: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The elements of a gradient that ``piece`` covers; only read, so any layout will do."""
+    return grad.reshape(-1)[piece.start : piece.start + piece.length]
+
+
+def _mean_abs_direction(entry: Entry, chunk: int) -> torch.Tensor:
+    """mean |c| over the whole tensor, computed ``chunk`` elements at a time (temporaries stay bucket-sized)."""
+    beta1 = entry.group["betas"][0]
+    total = torch.zeros((), dtype=torch.float32, device=entry.exp_avg.device)
+    flat_m, flat_g = entry.exp_avg.reshape(-1), entry.grad.reshape(-1)
+    for start in range(0, flat_m.numel(), chunk):
+        total += lion_direction(flat_m[start : start + chunk], flat_g[start : start + chunk], beta1).abs().sum()
+    return total / flat_m.numel()

@@ -1,4 +1,4 @@
-"""Which parameters get their momentum synchronised (DESIGN §2.6).
+"""Which parameters get their momentum synchronised.
 
 Selection is by parameter name, as in ``module.named_parameters()``: a list of regexes (each
 searched in the name, so ``"lm_head"`` selects ``"lm_head.weight"``), ``"all"``, or ``"auto"``,
@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+from ds_lioncub.errors import LionCubConfigError
 
 
 def output_head_and_embeddings(module: nn.Module) -> list[torch.Tensor]:
@@ -33,20 +35,20 @@ def select_parameters(
 ) -> list[bool]:
     """For each of ``params``, whether ``layers`` selects it.
 
-    Raises ValueError when the selection needs names or a module that were not given.
+    Raises :class:`~ds_lioncub.errors.LionCubConfigError` when the selection needs names or a module that were not given.
     """
     if layers == "all":
         return [True] * len(params)
     if layers == "auto":
         if module is None:
-            raise ValueError(
+            raise LionCubConfigError(
                 "LionCub: momentum_sync layers='auto' needs the model to find its embeddings and output head; "
                 "pass module=model to LionCub (DeepSpeed passes the engine's module), or list the layers as regexes."
             )
         chosen = {id(t) for t in output_head_and_embeddings(module)}
         return [id(p) in chosen for p in params]
     if names is None:
-        raise ValueError(
+        raise LionCubConfigError(
             "LionCub: momentum_sync layers are regexes over parameter names, but the parameters have no names; "
             "pass model.named_parameters() (or module=model) to LionCub."
         )
@@ -54,7 +56,7 @@ def select_parameters(
     selection = [any(pattern.search(name) for pattern in patterns) for name in names]
     unmatched = [pattern.pattern for pattern in patterns if not any(pattern.search(name) for name in names)]
     if unmatched:
-        raise ValueError(
+        raise LionCubConfigError(
             f"LionCub: momentum_sync layers {unmatched} match no parameter name; names look like "
             f"{list(names)[:4]}. Fix the regexes."
         )

@@ -1,0 +1,136 @@
+"""Registration with DeepSpeed: the optimizer name, ZeRO's list of optimizers, five engine-method wrappers.
+
+- ``_configure_basic_optimizer``: builds LionCub from the ds_config params (validated by the same
+  model as the Python API) over the engine's data-parallel group, with the engine's module for names;
+- ``_do_optimizer_sanity_check`` (runs after the basic optimizer exists, before any wrapper): wires a
+  LionCub however it was made (config, object or callable) and refuses what cannot run, before
+  training starts (:func:`ds_lioncub.integration.wiring.wire_engine`);
+- ``_configure_fp16_optimizer``: the fp16/bf16 wrapper's state-creating dummy step must not move
+  the parameters;
+- ``save_checkpoint`` / ``load_checkpoint``: the per-rank momentum files
+  (:mod:`ds_lioncub.integration.checkpoint`).
+
+Wrapping is idempotent (a wrapped method carries its original), so :func:`register` may run twice.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from ds_lioncub.config import parse_config
+from ds_lioncub.integration import checkpoint
+from ds_lioncub.integration.wiring import wire_engine
+from ds_lioncub.optimizer import LionCub
+
+OPTIMIZER_NAME = "lioncub"
+_WRAPPED_MARK = "_lioncub_original"
+
+
+def find_lioncub(optimizer: Any) -> LionCub | None:
+    """The LionCub inside ``optimizer`` or any of DeepSpeed's wrappers around it."""
+    seen = 0
+    while optimizer is not None and seen < 8:
+        if isinstance(optimizer, LionCub):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+        seen += 1
+    return None
+
+
+def _wrap(cls: type, name: str, make_wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    current = getattr(cls, name)
+    if hasattr(current, _WRAPPED_MARK):
+        return
+    wrapper = functools.wraps(current)(make_wrapper(current))
+    setattr(wrapper, _WRAPPED_MARK, current)
+    setattr(cls, name, wrapper)
+
+
+def register() -> None:
+    """Make ``"type": "LionCub"`` known to DeepSpeed. Idempotent; other optimizers are untouched."""
+    from deepspeed.runtime import config as ds_config
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero import utils as zero_utils
+
+    if OPTIMIZER_NAME not in ds_config.DEEPSPEED_OPTIMIZERS:
+        ds_config.DEEPSPEED_OPTIMIZERS.append(OPTIMIZER_NAME)
+    # ZeRO checks the basic optimizer against this list; exact Lion (compression "none") runs on
+    # ZeRO's flat fp32 partitions, and the wiring refuses the compressed modes under ZeRO.
+    if LionCub not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
+        zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(LionCub)
+
+    _wrap(DeepSpeedEngine, "_configure_basic_optimizer", _wrap_configure_basic_optimizer)
+    _wrap(DeepSpeedEngine, "_do_optimizer_sanity_check", _wrap_optimizer_sanity_check)
+    _wrap(DeepSpeedEngine, "_configure_fp16_optimizer", _wrap_configure_fp16_optimizer)
+    _wrap(DeepSpeedEngine, "save_checkpoint", _wrap_save_checkpoint)
+    _wrap(DeepSpeedEngine, "load_checkpoint", _wrap_load_checkpoint)
+
+
+def _wrap_configure_basic_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
+    def configure_basic_optimizer(engine: Any, model_parameters: Any) -> Any:
+        if engine.optimizer_name() != OPTIMIZER_NAME:
+            return original(engine, model_parameters)
+        params = dict(engine.optimizer_params() or {})
+        parse_config(params)  # the same message on every rank, before anything is allocated
+        if model_parameters is None:
+            model_parameters = engine.module.parameters()
+        return LionCub(model_parameters, process_group=engine.seq_data_parallel_group, module=engine.module, **params)
+
+    return configure_basic_optimizer
+
+
+def _wrap_optimizer_sanity_check(original: Callable[..., Any]) -> Callable[..., Any]:
+    def do_optimizer_sanity_check(engine: Any, basic_optimizer: Any) -> Any:
+        if isinstance(basic_optimizer, LionCub):
+            wire_engine(engine, basic_optimizer)
+        return original(engine, basic_optimizer)
+
+    return do_optimizer_sanity_check
+
+
+def _wrap_configure_fp16_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
+    def configure_fp16_optimizer(engine: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        lioncub = find_lioncub(optimizer)
+        if lioncub is None:
+            return original(engine, optimizer, *args, **kwargs)
+        with lioncub.initialising_states():
+            return original(engine, optimizer, *args, **kwargs)
+
+    return configure_fp16_optimizer
+
+
+def _compressed_lioncub(engine: Any) -> LionCub | None:
+    """The engine's LionCub when its ranks' momenta differ (a compressed mode), else None."""
+    lioncub = find_lioncub(getattr(engine, "basic_optimizer", None))
+    if lioncub is None or lioncub.options.compression == "none":
+        return None
+    return lioncub
+
+
+def _wrap_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
+    def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        lioncub = _compressed_lioncub(engine)
+        if tag is None:
+            tag = f"global_step{engine.global_steps}"  # DeepSpeed's own default, fixed before saving
+        result = original(engine, save_dir, tag, *args, **kwargs)
+        if lioncub is not None:
+            checkpoint.save_local_momentum(lioncub, save_dir, str(tag))
+        return result
+
+    return save_checkpoint
+
+
+def _wrap_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
+    def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        result = original(engine, load_dir, tag, *args, **kwargs)
+        lioncub = _compressed_lioncub(engine)
+        load_path = result[0] if isinstance(result, tuple) else None
+        skip_optimizer = kwargs.get("load_module_only", False) or not kwargs.get("load_optimizer_states", True)
+        if lioncub is None or load_path is None or skip_optimizer:
+            return result
+        checkpoint.load_local_momentum(lioncub, load_dir, None if tag is None else str(tag))
+        return result
+
+    return load_checkpoint
