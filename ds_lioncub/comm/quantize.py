@@ -34,7 +34,11 @@ def tie_sign(step: int, tie_break: TieBreak) -> int:
 
 
 def sign_with_tie(x: torch.Tensor, step: int, tie_break: TieBreak) -> torch.Tensor:
-    """+1/-1 in ``x.dtype``; exact zeros follow the tie rule."""
+    """+1/-1 in ``x.dtype``; exact zeros follow the tie rule.
+
+    The tie rule in tensor form, for readers and tests; the collectives take the rule as one
+    ``positive_ties`` boolean and apply it while packing.
+    """
     if tie_sign(step, tie_break) > 0:
         positive = x >= 0
     else:
@@ -47,6 +51,9 @@ def quantize_l1(c: torch.Tensor, mean_abs: torch.Tensor | float, levels: int, cl
 
     Scaling by the mean absolute value (not the max) keeps most of a heavy-tailed update away from
     0; ``clip`` (tau) says at how many multiples of mu a coordinate saturates.
+
+    The readable reference form: the optimizer quantizes and packs in one pass with
+    :func:`ds_lioncub.comm.packing.pack_l1_fields`, which multiplies by the same :func:`l1_scale`.
     """
     mean_abs = torch.as_tensor(mean_abs, dtype=torch.float32, device=c.device)
     if not bool(mean_abs > 0):

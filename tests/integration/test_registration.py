@@ -1,0 +1,113 @@
+"""Registration with DeepSpeed: idempotent, and invisible to engines that use another optimizer.
+
+Each check runs a real ``deepspeed.initialize`` in a fresh single-rank interpreter (it initialises
+torch.distributed, which the in-process tests must not see).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+ENGINE_CHECK = textwrap.dedent(
+    """
+    import json, os, socket, sys
+    import torch
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    import deepspeed
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime import config as ds_config
+    from deepspeed.runtime.zero import utils as zero_utils
+    import ds_lioncub
+    from ds_lioncub.integration import find_lioncub, register
+
+    HOOKED = ["_configure_basic_optimizer", "_do_optimizer_sanity_check", "_configure_fp16_optimizer",
+              "save_checkpoint", "load_checkpoint"]
+    before = [getattr(DeepSpeedEngine, name) for name in HOOKED]
+    register(); register()
+    report = {
+        "same_methods_after_second_register": all(getattr(DeepSpeedEngine, n) is m for n, m in zip(HOOKED, before)),
+        "originals_kept": all(hasattr(m, "_lioncub_original") for m in before),
+        "name_registered_once": ds_config.DEEPSPEED_OPTIMIZERS.count("lioncub"),
+        "zero_list_once": zero_utils.ZERO_SUPPORTED_OPTIMIZERS.count(ds_lioncub.LionCub),
+    }
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+
+    def train(engine, net, optimizer=None):
+        x = torch.randn(1, 8, generator=torch.Generator().manual_seed(1))
+        for _ in range(3):
+            loss = net(x).square().sum()
+            if engine is None:
+                optimizer.zero_grad(); loss.backward(); optimizer.step()
+            else:
+                engine.backward(loss); engine.step()
+        return [p.detach().clone() for p in net.parameters()]
+
+    optimizer_block = json.loads(sys.argv[1])
+    config = {"train_batch_size": 1, "optimizer": optimizer_block}
+    net = model()
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+    report["basic_optimizer"] = type(engine.basic_optimizer).__name__
+    report["is_lioncub"] = find_lioncub(engine.optimizer) is not None
+    report["engine_allreduce"] = engine.enable_backward_allreduce
+    lioncub = find_lioncub(engine.optimizer)
+    report["gradients_averaged"] = None if lioncub is None else lioncub.gradients_are_averaged
+    trained = train(engine, engine.module)
+    if optimizer_block["type"] == "Adam":
+        plain = model()
+        reference = train(None, plain, torch.optim.Adam(plain.parameters(), lr=optimizer_block["params"]["lr"]))
+        report["equals_plain_torch_adam"] = all(torch.equal(a, b) for a, b in zip(trained, reference))
+    print("REPORT " + json.dumps(report))
+    """
+)
+
+
+def run_engine_check(optimizer_block: dict[str, object]) -> dict[str, object]:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", ENGINE_CHECK, json.dumps(optimizer_block)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
+    assert done.returncode == 0 and lines, f"exit {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return json.loads(lines[-1].removeprefix("REPORT "))
+
+
+@pytest.fixture(scope="module")
+def adam_engine() -> dict[str, object]:
+    return run_engine_check({"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True, "adam_w_mode": False}})
+
+
+def test_a_second_register_patches_nothing_more(adam_engine: dict[str, object]) -> None:
+    assert adam_engine["same_methods_after_second_register"] is True
+    assert adam_engine["originals_kept"] is True
+    assert adam_engine["name_registered_once"] == 1
+    assert adam_engine["zero_list_once"] == 1
+
+
+def test_an_engine_with_another_optimizer_trains_as_deepspeed_alone(adam_engine: dict[str, object]) -> None:
+    assert adam_engine["is_lioncub"] is False
+    assert adam_engine["basic_optimizer"] == "Adam"
+    assert adam_engine["engine_allreduce"] is True
+    assert adam_engine["equals_plain_torch_adam"] is True
+
+
+@pytest.mark.parametrize("compression,engine_allreduce", [("1bit", False), ("none", True)])
+def test_the_wiring_decides_who_averages_gradients(compression: str, engine_allreduce: bool) -> None:
+    report = run_engine_check({"type": "LionCub", "params": {"lr": 1e-3, "compression": compression}})
+    assert report["is_lioncub"] is True
+    assert report["engine_allreduce"] is engine_allreduce
+    assert report["gradients_averaged"] is (compression == "none")
