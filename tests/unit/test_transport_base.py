@@ -237,8 +237,8 @@ def test_all_gather_concatenates_every_rank_in_rank_order(p: int) -> None:
 
 @pytest.mark.parametrize("p", (2, 3, 4))
 def test_each_call_counts_one_collective_and_the_bandwidth_optimal_bytes(p: int) -> None:
-    def run(transport: ThreadTransport) -> list[tuple[int, int, int]]:
-        counts = []
+    def run(transport: ThreadTransport) -> list[tuple[int, ...]]:
+        counts: list[tuple[int, ...]] = []
         for call in (
             lambda: transport.all_to_all(torch.zeros(10 * p, dtype=torch.uint8)),  # 10p bytes
             lambda: transport.all_gather(torch.zeros(5, dtype=torch.int64)),  # 40 bytes

@@ -15,6 +15,14 @@ import torch
 from ds_lioncub.comm import CompressedBackend, wire
 from ds_lioncub.comm.kbit import KbitCodec
 from ds_lioncub.comm.transport import CommStats
+from ds_lioncub.comm.vocabulary import (
+    AGGREGATIONS,
+    KBIT_ALGORITHMS,
+    QUANTIZERS,
+    Aggregation,
+    KbitAlgorithm,
+    Quantizer,
+)
 
 WORLD_SIZES = (1, 2, 3, 4, 5, 8)
 
@@ -61,7 +69,7 @@ def simulate_ring_all_reduce(message_bytes: int, p: int) -> list[int]:
             sent[rank] += chunk_bytes[chunk]
             right = (rank + 1) % p
             contributions[right][chunk] |= contributions[rank][chunk]
-    owners = {}
+    owners: dict[int, int] = {}
     for rank in range(p):
         complete = [chunk for chunk in range(p) if contributions[rank][chunk] == set(range(p))]
         assert len(complete) == 1, "after the reduce-scatter each rank owns exactly one fully reduced chunk"
@@ -80,7 +88,7 @@ def simulate_pairwise_all_to_all(message_bytes: int, p: int) -> list[int]:
     assert message_bytes % p == 0
     chunk = message_bytes // p
     sent = [0] * p
-    received = [[None] * p for _ in range(p)]
+    received: list[list[int | None]] = [[None] * p for _ in range(p)]
     for rank in range(p):
         received[rank][rank] = rank  # its own chunk stays where it is
         for target in range(p):
@@ -179,7 +187,7 @@ def simulated_cost(issued: list[tuple[str, int]], p: int) -> int:
 def recording_backend(p: int) -> tuple[CompressedBackend, RecordingTransport]:
     backend = CompressedBackend()  # torch.distributed is not initialised here: a world of one ...
     transport = RecordingTransport(p)
-    backend.transport = transport  # type: ignore[assignment]  # ... that now reports p ranks
+    backend.transport = transport  # ... that now reports p ranks
     return backend, transport
 
 
@@ -203,9 +211,9 @@ def fields_fit(p: int, bits: int, quantizer: str, algorithm: str) -> bool:
 KBIT_CASES = [
     (bits, quantizer, algorithm, aggregation, p)
     for bits in (2, 4, 8)
-    for quantizer in ("sign", "l1")
-    for algorithm in ("allreduce", "alltoall")
-    for aggregation in ("vote", "mean")
+    for quantizer in QUANTIZERS
+    for algorithm in KBIT_ALGORITHMS
+    for aggregation in AGGREGATIONS
     for p in (1, 2, 3, 8)
     if fields_fit(p, bits, quantizer, algorithm)
 ]
@@ -213,14 +221,14 @@ KBIT_CASES = [
 
 @pytest.mark.parametrize(("bits", "quantizer", "algorithm", "aggregation", "p"), KBIT_CASES)
 def test_kbit_mode_costs_what_its_collectives_send(
-    bits: int, quantizer: str, algorithm: str, aggregation: str, p: int
+    bits: int, quantizer: Quantizer, algorithm: KbitAlgorithm, aggregation: Aggregation, p: int
 ) -> None:
     for numel in NUMELS:
         backend, transport = recording_backend(p)
         update = torch.randn(numel)
         backend.vote_kbit(update, step=1, bits=bits, quantizer=quantizer, aggregation=aggregation, algorithm=algorithm)
-        codec = KbitCodec.build(p, bits, quantizer, algorithm)  # type: ignore[arg-type]
-        got = wire.kbit_bytes(numel, codec, aggregation)  # type: ignore[arg-type]
+        codec = KbitCodec.build(p, bits, quantizer, algorithm)
+        got = wire.kbit_bytes(numel, codec, aggregation)
         assert got == simulated_cost(transport.issued, p), f"numel={numel}"
 
 
