@@ -93,24 +93,24 @@ class OpSpec:
         return f"{self.bits}-bit {self.quantizer} vote, {self.algorithm}"
 
     def payload_bytes(self, n: int, p: int) -> float:
-        """Bytes one rank must send (bandwidth-optimal algorithms, no headers)."""
-        if p == 1:
-            return 0.0
-        share = (p - 1) / p
-        padded = math.ceil(n / (8 * p)) * 8 * p
+        """Bytes one rank must send (bandwidth-optimal algorithms, no headers): ds_lioncub.comm.wire's model."""
+        from ds_lioncub.comm import wire
+        from ds_lioncub.comm.kbit import KbitCodec
+
         if self.kind in ("fp32", "bf16"):
-            return 2 * share * n * (4 if self.kind == "fp32" else 2)
+            return float(wire.dense_all_reduce_bytes(n, p, 4 if self.kind == "fp32" else 2))
         if self.kind == "1bit":
-            return 2 * share * padded / 8
-        if self.algorithm == "allreduce":
-            return 2 * share * math.ceil(n * self.bits / 8)
-        return share * padded * self.bits / 8 + share * padded / 8
+            return float(wire.vote_1bit_bytes(n, p))
+        codec = KbitCodec.build(p, self.bits, self.quantizer, self.algorithm)  # type: ignore[arg-type]
+        return float(wire.kbit_bytes(n, codec, "vote"))  # make_op runs vote_kbit with its default aggregation
 
     def supported(self, p: int) -> str | None:
         """Why this op cannot run at world size ``p`` (``None``: it can)."""
+        from ds_lioncub.comm.kbit import max_allreduce_world_size
+
         if self.kind != "kbit" or self.algorithm == "alltoall":
             return None
-        largest = 2**self.bits - 1 if self.quantizer == "sign" else (2**self.bits - 1) // 2
+        largest = max_allreduce_world_size(self.bits, self.quantizer)  # type: ignore[arg-type]
         return None if p <= largest else f"{self.bits}-bit {self.quantizer} all-reduce holds at most {largest} ranks"
 
 

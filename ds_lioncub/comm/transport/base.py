@@ -1,0 +1,196 @@
+"""What every transport shares: the interface, the traffic counters, and the collectives' common logic.
+
+:class:`TransportBase` implements the public collectives once. It handles the world of one (a copy,
+nothing counted), the byte accounting (:mod:`ds_lioncub.comm.wire`), and the floating-point sum in
+rank order. A subclass supplies only the raw data movement: ``_raw_all_to_all``, ``_raw_all_gather``
+and ``_raw_integer_all_reduce_sum``.
+
+Internal steps call the raw hooks, never the public methods. Benchmarks time a transport by
+replacing its public methods on the instance; a float sum that went through the public
+``all_to_all`` would then be timed twice and counted three times.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from ds_lioncub.comm import wire
+from ds_lioncub.errors import LionCubConfigError
+
+
+@dataclass
+class CommStats:
+    """Cumulative traffic of one rank: collectives issued and payload bytes sent / received."""
+
+    collectives: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def __sub__(self, other: CommStats) -> CommStats:
+        return CommStats(
+            self.collectives - other.collectives,
+            self.bytes_sent - other.bytes_sent,
+            self.bytes_received - other.bytes_received,
+        )
+
+
+class Transport(Protocol):
+    """What CompressedBackend needs from a transport."""
+
+    name: str
+    world_size: int
+    rank: int
+    stats: CommStats
+
+    def all_to_all(self, send: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather(self, send: torch.Tensor) -> torch.Tensor: ...
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+
+def sum_rows_in_rank_order(rows: torch.Tensor) -> torch.Tensor:
+    """((row0 + row1) + row2) + ...: each rank's contribution to one chunk, summed in rank order.
+
+    fp32/fp64 add in place into ``rows[0]``; fp16/bf16 accumulate in fp32 and round once. Every
+    transport reduces floating point this way, so their results agree bit for bit.
+    """
+    if rows.dtype in (torch.float32, torch.float64):
+        total = rows[0]
+        for row in rows[1:]:
+            total.add_(row)
+        return total
+    accumulated = rows[0].float()
+    for row in rows[1:]:
+        accumulated.add_(row)
+    return accumulated.to(rows.dtype)
+
+
+def torch_distributed_initialised(process_group: dist.ProcessGroup | None) -> bool:
+    """Whether torch.distributed is initialised; raises if ``process_group`` was given without it."""
+    initialised = dist.is_available() and dist.is_initialized()
+    if process_group is not None and not initialised:
+        raise LionCubConfigError(
+            "LionCub: a process_group was given but torch.distributed is not initialised. Initialise it first "
+            "(deepspeed.init_distributed() or torch.distributed.init_process_group()), or pass process_group=None."
+        )
+    return initialised
+
+
+class TransportBase:
+    """The public collectives over a subclass's raw hooks, with the world of one and the byte accounting.
+
+    Subclasses set ``name`` and call ``__init__`` with their world size and rank. The hooks get
+    flat contiguous tensors, already checked, and never run at world size 1:
+
+    - ``_raw_all_to_all(send, received)``: chunk j of ``send`` goes to rank j; ``received`` holds
+      the chunks from ranks 0..p-1 in order.
+    - ``_raw_all_gather(send, received)``: ``received`` is every rank's ``send`` in rank order.
+    - ``_raw_integer_all_reduce_sum(flat)``: in-place elementwise sum of an integer tensor.
+    - ``_workspace(slot, dtype, numel, device)``: scratch memory for the float sum (default: a new
+      tensor each call; a subclass may reuse buffers per ``slot``).
+    - ``_check_sum_dtype(dtype)``: raise for dtypes the transport cannot sum (default: accept all).
+    """
+
+    name: str
+
+    def __init__(self, world_size: int, rank: int) -> None:
+        self.world_size = world_size
+        self.rank = rank
+        self.stats = CommStats()
+
+    # ------------------------------------------------------------------ public collectives
+
+    def all_to_all(self, send: torch.Tensor) -> torch.Tensor:
+        """Rank j receives chunk j of every rank's ``send`` (numel divisible by p), rank-major, shaped like ``send``."""
+        if self.world_size == 1:
+            return send.clone()
+        if send.numel() % self.world_size:
+            raise ValueError(f"all_to_all: {send.numel()} elements do not split into {self.world_size} equal chunks")
+        flat = send.contiguous().view(-1)
+        received = torch.empty_like(flat)
+        self._raw_all_to_all(flat, received)
+        self._count(wire.all_to_all_bytes(_nbytes(send), self.world_size))
+        return received.view(send.shape)
+
+    def all_gather(self, send: torch.Tensor) -> torch.Tensor:
+        """Concatenation of every rank's ``send``, in rank order, as one flat tensor."""
+        if self.world_size == 1:
+            return send.clone()
+        flat = send.contiguous().view(-1)
+        received = flat.new_empty(flat.numel() * self.world_size)
+        self._raw_all_gather(flat, received)
+        self._count(wire.all_gather_bytes(_nbytes(send), self.world_size))
+        return received
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place elementwise sum over ranks, returned; floats in rank order (see :meth:`_ordered_float_sum`)."""
+        if self.world_size == 1:
+            return tensor
+        self._check_sum_dtype(tensor.dtype)
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        flat = work.view(-1)
+        if tensor.is_floating_point():
+            self._ordered_float_sum(flat)
+        else:
+            self._raw_integer_all_reduce_sum(flat)
+        if work is not tensor:
+            tensor.copy_(work)
+        self._count(wire.all_reduce_bytes(_nbytes(tensor), self.world_size))
+        return tensor
+
+    # ------------------------------------------------------------------ shared internals
+
+    def _ordered_float_sum(self, flat: torch.Tensor) -> None:
+        """Reduce-scatter by all-to-all, rank-order sum of each chunk on its owner, all-gather into ``flat``.
+
+        It moves the bytes of a ring all-reduce (plus the padding to p equal chunks, which the
+        counters leave out), and its result does not depend on the library's reduction order, so
+        all transports agree bit for bit at any world size.
+        """
+        p, numel = self.world_size, flat.numel()
+        if numel == 0:
+            return
+        chunk = math.ceil(numel / p)
+        send = flat
+        if chunk * p != numel:
+            send = self._workspace("padded", flat.dtype, chunk * p, flat.device)
+            send[:numel].copy_(flat)
+            send[numel:].zero_()
+        rows = self._workspace("rows", flat.dtype, chunk * p, flat.device)
+        self._raw_all_to_all(send, rows)
+        total = sum_rows_in_rank_order(rows.view(p, chunk))  # row r: rank r's values of this rank's chunk
+        self._raw_all_gather(total, send)
+        if send is not flat:
+            flat.copy_(send[:numel])
+
+    def _count(self, moved: int) -> None:
+        self.stats.collectives += 1
+        self.stats.bytes_sent += moved
+        self.stats.bytes_received += moved
+
+    # ------------------------------------------------------------------ hooks
+
+    def _workspace(self, slot: str, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def _check_sum_dtype(self, dtype: torch.dtype) -> None:
+        return None
+
+    def _raw_all_to_all(self, send: torch.Tensor, received: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _raw_all_gather(self, send: torch.Tensor, received: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _raw_integer_all_reduce_sum(self, flat: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -1,0 +1,335 @@
+"""TransportBase: the public collectives every transport inherits, checked on in-process worlds.
+
+A world of p ranks is simulated with p threads whose raw hooks meet at a barrier, so the base's own
+logic (the world of one, the rank-order float sum, padding, non-contiguous tensors, the byte
+accounting, and instrumenting by replacing public methods) is tested without a process group.
+Results are compared with sums written out here, byte counts with the counts of the algorithms'
+textbook descriptions.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_lioncub.comm.transport import (
+    TorchTransport,
+    TransportBase,
+    cuda_aware_conflict,
+    import_mpi,
+    make_transport,
+)
+from ds_lioncub.errors import LionCubConfigError, MissingDependencyError
+
+# ---------------------------------------------------------------------------------------------- thread world
+
+
+class ThreadWorld:
+    """p ranks as threads; ``exchange`` hands every rank a copy of what every rank posted."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._barrier = threading.Barrier(size, timeout=60)
+        self._posted: list[torch.Tensor | None] = [None] * size
+
+    def exchange(self, rank: int, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self._posted[rank] = tensor.clone()
+        self._barrier.wait()
+        everyone = [posted for posted in self._posted if posted is not None]
+        self._barrier.wait()  # nobody posts the next message before everyone has read this one
+        return everyone
+
+
+class ThreadTransport(TransportBase):
+    """Raw hooks over a :class:`ThreadWorld`; records which hooks ran and which workspaces were asked for."""
+
+    name = "threads"
+
+    def __init__(self, world: ThreadWorld, rank: int) -> None:
+        super().__init__(world.size, rank)
+        self.world = world
+        self.raw_calls: list[str] = []
+        self.workspaces: list[str] = []
+
+    def _raw_all_to_all(self, send: torch.Tensor, received: torch.Tensor) -> None:
+        self.raw_calls.append("all_to_all")
+        everyone = self.world.exchange(self.rank, send)
+        received.copy_(torch.cat([message.view(self.world_size, -1)[self.rank] for message in everyone]))
+
+    def _raw_all_gather(self, send: torch.Tensor, received: torch.Tensor) -> None:
+        self.raw_calls.append("all_gather")
+        received.copy_(torch.cat(self.world.exchange(self.rank, send)))
+
+    def _raw_integer_all_reduce_sum(self, flat: torch.Tensor) -> None:
+        self.raw_calls.append("integer_all_reduce")
+        everyone = self.world.exchange(self.rank, flat)
+        total = everyone[0].to(torch.int64)
+        for message in everyone[1:]:
+            total = total + message.to(torch.int64)
+        flat.copy_(total.to(flat.dtype))  # wraps around like an integer MPI_SUM / gloo SUM
+
+    def _workspace(self, slot: str, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
+        self.workspaces.append(slot)
+        return super()._workspace(slot, dtype, numel, device)
+
+
+def on_every_rank(p: int, run: Callable[[ThreadTransport], Any]) -> list[Any]:
+    """``run(transport)`` on p thread ranks; the results in rank order (an exception on any rank is re-raised)."""
+    world = ThreadWorld(p)
+    results: list[Any] = [None] * p
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            results[rank] = run(ThreadTransport(world, rank))
+        except BaseException as error:  # noqa: BLE001 - handed to the test thread
+            errors.append(error)
+            world._barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(p)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def rank_input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 + rank)
+    if dtype.is_floating_point:
+        return (torch.randn(numel, generator=generator, dtype=torch.float64) * 10 ** (rank % 3)).to(dtype)
+    return torch.randint(0, 100, (numel,), generator=generator).to(dtype)
+
+
+def rank_order_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
+    """((x0 + x1) + x2) + ...; fp16/bf16 accumulated in fp32 and rounded once."""
+    wide = inputs[0].dtype in (torch.float16, torch.bfloat16)
+    total = inputs[0].float() if wide else inputs[0].clone()
+    for x in inputs[1:]:
+        total = total + (x.float() if wide else x)
+    return total.to(inputs[0].dtype)
+
+
+# ---------------------------------------------------------------------------------------------- world of one
+
+
+class NoWireTransport(TransportBase):
+    """A world of one whose raw hooks fail the test if anything reaches them."""
+
+    name = "alone"
+
+    def _raw_all_to_all(self, send: torch.Tensor, received: torch.Tensor) -> None:
+        raise AssertionError("a world of one must not communicate")
+
+    _raw_all_gather = _raw_all_to_all
+
+    def _raw_integer_all_reduce_sum(self, flat: torch.Tensor) -> None:
+        raise AssertionError("a world of one must not communicate")
+
+
+def world_of_one_transports() -> list[TransportBase]:
+    transports: list[TransportBase] = [NoWireTransport(1, 0)]
+    if not dist.is_initialized():
+        transports.append(TorchTransport())
+    return transports
+
+
+@pytest.mark.parametrize("transport", world_of_one_transports(), ids=lambda t: t.name)
+def test_world_of_one_returns_copies_and_counts_nothing(transport: TransportBase) -> None:
+    assert transport.world_size == 1
+    for dtype in (torch.float32, torch.bfloat16, torch.uint8):
+        send = rank_input(0, 24, dtype).view(4, 6)
+        original = send.clone()
+        for collective in (transport.all_to_all, transport.all_gather):
+            received = collective(send)
+            assert torch.equal(received, original) and received.shape == send.shape
+            assert received.data_ptr() != send.data_ptr()
+            received.zero_()
+            assert torch.equal(send, original), "writing the output must not change the input"
+        assert transport.all_reduce_sum(send) is send
+        assert torch.equal(send, original)
+    assert (transport.stats.collectives, transport.stats.bytes_sent, transport.stats.bytes_received) == (0, 0, 0)
+
+
+# ---------------------------------------------------------------------------------------------- p ranks
+
+
+@pytest.mark.parametrize("p", (2, 3, 4))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("numel", (1, 5, 12, 1001))
+def test_float_sum_is_bit_identical_to_the_rank_order_sum_on_every_rank(
+    p: int, dtype: torch.dtype, numel: int
+) -> None:
+    def run(transport: ThreadTransport) -> torch.Tensor:
+        tensor = rank_input(transport.rank, numel, dtype)
+        assert transport.all_reduce_sum(tensor) is tensor
+        return tensor
+
+    expected = rank_order_sum([rank_input(rank, numel, dtype) for rank in range(p)])
+    for got in on_every_rank(p, run):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("p", (2, 3))
+def test_float_sum_of_a_non_contiguous_tensor_is_written_back_in_place(p: int) -> None:
+    def run(transport: ThreadTransport) -> torch.Tensor:
+        strided = rank_input(transport.rank, 48, torch.float32).view(6, 8).t()
+        transport.all_reduce_sum(strided)
+        return strided
+
+    expected = rank_order_sum([rank_input(rank, 48, torch.float32).view(6, 8).t() for rank in range(p)])
+    for got in on_every_rank(p, run):
+        assert not got.is_contiguous() and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("p", (2, 3))
+def test_float_sum_of_an_empty_tensor_moves_nothing_but_counts_one_collective(p: int) -> None:
+    def run(transport: ThreadTransport) -> tuple[list[str], int, int]:
+        transport.all_reduce_sum(torch.empty(0))
+        return transport.raw_calls, transport.stats.collectives, transport.stats.bytes_sent
+
+    assert on_every_rank(p, run) == [([], 1, 0)] * p
+
+
+@pytest.mark.parametrize("p", (2, 3, 4))
+@pytest.mark.parametrize("dtype", (torch.uint8, torch.int32, torch.int64))
+def test_integer_sum_goes_to_the_integer_hook(p: int, dtype: torch.dtype) -> None:
+    def run(transport: ThreadTransport) -> tuple[torch.Tensor, list[str]]:
+        tensor = rank_input(transport.rank, 37, dtype)
+        transport.all_reduce_sum(tensor)
+        return tensor, transport.raw_calls
+
+    inputs = [rank_input(rank, 37, dtype).to(torch.int64) for rank in range(p)]
+    expected = sum(inputs[1:], inputs[0]).to(dtype)
+    for got, calls in on_every_rank(p, run):
+        assert torch.equal(got, expected) and calls == ["integer_all_reduce"]
+
+
+@pytest.mark.parametrize("p", (2, 3, 4))
+def test_all_to_all_delivers_chunk_j_of_every_rank_to_rank_j_in_rank_order(p: int) -> None:
+    def message(rank: int) -> torch.Tensor:
+        return torch.arange(p * 3, dtype=torch.int32) + 100 * rank  # chunk j: 3 values j*3.. of this rank
+
+    results = on_every_rank(p, lambda transport: transport.all_to_all(message(transport.rank)))
+    for rank, got in enumerate(results):
+        assert torch.equal(got, torch.cat([message(sender)[3 * rank : 3 * rank + 3] for sender in range(p)]))
+
+
+def test_all_to_all_refuses_a_message_that_does_not_split_into_p_chunks() -> None:
+    with pytest.raises(ValueError, match="do not split into 3 equal chunks"):
+        on_every_rank(3, lambda transport: transport.all_to_all(torch.zeros(7)))
+
+
+@pytest.mark.parametrize("p", (2, 3, 4))
+def test_all_gather_concatenates_every_rank_in_rank_order(p: int) -> None:
+    results = on_every_rank(p, lambda transport: transport.all_gather(torch.full((2, 2), transport.rank)))
+    expected = torch.cat([torch.full((4,), rank) for rank in range(p)])
+    assert all(torch.equal(got, expected) for got in results)
+
+
+@pytest.mark.parametrize("p", (2, 3, 4))
+def test_each_call_counts_one_collective_and_the_bandwidth_optimal_bytes(p: int) -> None:
+    def run(transport: ThreadTransport) -> list[tuple[int, ...]]:
+        counts: list[tuple[int, ...]] = []
+        for call in (
+            lambda: transport.all_to_all(torch.zeros(10 * p, dtype=torch.uint8)),  # 10p bytes
+            lambda: transport.all_gather(torch.zeros(5, dtype=torch.int64)),  # 40 bytes
+            lambda: transport.all_reduce_sum(torch.zeros(25, dtype=torch.float32)),  # 100 bytes
+            lambda: transport.all_reduce_sum(torch.zeros(7, dtype=torch.uint8)),  # 7 bytes
+        ):
+            before = (transport.stats.collectives, transport.stats.bytes_sent, transport.stats.bytes_received)
+            call()
+            after = (transport.stats.collectives, transport.stats.bytes_sent, transport.stats.bytes_received)
+            counts.append(tuple(a - b for a, b in zip(after, before)))
+        return counts
+
+    # pairwise all-to-all: p - 1 chunks of 10 bytes; ring all-gather: p - 1 messages;
+    # ring all-reduce: 2 (p - 1) / p of the message, the mean over ranks rounded down.
+    expected = [
+        (1, 10 * (p - 1), 10 * (p - 1)),
+        (1, 40 * (p - 1), 40 * (p - 1)),
+        (1, 200 * (p - 1) // p, 200 * (p - 1) // p),
+        (1, 14 * (p - 1) // p, 14 * (p - 1) // p),
+    ]
+    assert on_every_rank(p, run) == [expected] * p
+
+
+@pytest.mark.parametrize("numel", (12, 13))
+def test_float_sum_pads_only_when_the_tensor_does_not_split_into_p_chunks(numel: int) -> None:
+    def run(transport: ThreadTransport) -> list[str]:
+        transport.all_reduce_sum(torch.ones(numel))
+        return transport.workspaces
+
+    padded = numel % 4 != 0
+    assert on_every_rank(4, run) == [["padded", "rows"] if padded else ["rows"]] * 4
+
+
+def test_replacing_the_public_methods_times_each_call_once_and_counts_it_once() -> None:
+    """What the benchmarks do: ``setattr(transport, name, timed(original))`` on the instance."""
+
+    def run(transport: ThreadTransport) -> tuple[dict[str, int], int, list[str]]:
+        calls = {"all_to_all": 0, "all_gather": 0, "all_reduce_sum": 0}
+        for name in calls:
+            original = getattr(transport, name)
+
+            def timed(tensor: torch.Tensor, name: str = name, original: Any = original) -> torch.Tensor:
+                calls[name] += 1
+                return original(tensor)
+
+            setattr(transport, name, timed)
+        transport.all_reduce_sum(torch.ones(10))
+        return calls, transport.stats.collectives, transport.raw_calls
+
+    for calls, collectives, raw_calls in on_every_rank(3, run):
+        assert calls == {"all_to_all": 0, "all_gather": 0, "all_reduce_sum": 1}
+        assert collectives == 1
+        assert raw_calls == ["all_to_all", "all_gather"]
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def test_cuda_aware_with_the_torch_backend_is_refused_with_the_configs_message() -> None:
+    from ds_lioncub import parse_config
+
+    message = cuda_aware_conflict("torch", True)
+    assert message is not None and not message.endswith(".") and not message.startswith("LionCub")
+    with pytest.raises(ValueError) as from_config:
+        parse_config({"cuda_aware": True})
+    assert message in str(from_config.value)
+    with pytest.raises(LionCubConfigError) as from_factory:
+        make_transport(None, "torch", cuda_aware=True)
+    assert str(from_factory.value) == f"LionCub: {message}."
+
+
+def test_cuda_aware_is_allowed_with_mpi_and_off_everywhere() -> None:
+    assert cuda_aware_conflict("mpi", True) is None
+    assert cuda_aware_conflict("torch", False) is None
+    assert cuda_aware_conflict("mpi", False) is None
+
+
+def test_an_unknown_backend_name_is_a_config_error_listing_the_known_ones() -> None:
+    with pytest.raises(LionCubConfigError, match=r"^LionCub: comm_backend_name must be one of \['torch', 'mpi'\]"):
+        make_transport(None, "nccl")
+
+
+@pytest.mark.skipif(dist.is_initialized(), reason="needs torch.distributed not initialised")
+def test_a_process_group_without_torch_distributed_is_a_config_error_that_names_the_fix() -> None:
+    with pytest.raises(LionCubConfigError, match=r"^LionCub: a process_group was given.*init_distributed"):
+        TorchTransport(process_group=object())  # type: ignore[arg-type]
+
+
+def test_missing_mpi4py_is_a_missing_dependency_error_that_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", None)
+    with pytest.raises(MissingDependencyError, match=r'^LionCub: .*needs mpi4py.*pip install "ds_lioncub\[mpi\]"'):
+        import_mpi()
+    assert issubclass(MissingDependencyError, ImportError)
