@@ -337,7 +337,7 @@ def format_tables(reports: Sequence[dict[str, Any]]) -> str:
 
 
 def target_lines(report: dict[str, Any]) -> list[str]:
-    """The issue-6 checks at the largest n: 1-bit speed-up over fp32, and its wire bytes vs the model."""
+    """The headline checks at the largest n: 1-bit speed-up over fp32, and its wire bytes vs the model."""
     results = report["results"]
     if not results:
         return []
@@ -355,10 +355,10 @@ def target_lines(report: dict[str, Any]) -> list[str]:
                      f"{fp['collective_s'] / one['collective_s']:.1f}x{wire}.")
     if "1bit" in at_n and measured:
         one, p = at_n["1bit"], report["p"]
-        formula = 2 * (p - 1) / p * n / 8
+        formula = one["payload"]  # ds_lioncub.comm.wire's bytes for the 1-bit vote
         expected = formula + header_overhead(formula, report["mtu"])
         lines.append(f"- n = {n:.0e}: 1-bit vote sent {one['tx_frames']:.0f} B/rank as {report['mtu']}-byte frames "
-                     f"(counters: {one['tx_counted']:.0f} B); 2(p-1)/p*n/8 = {formula:.0f} B, plus TCP/IP/Ethernet "
+                     f"(counters: {one['tx_counted']:.0f} B); 2(p-1)/p*n_pad/8 = {formula:.0f} B, plus TCP/IP/Ethernet "
                      f"headers {expected:.0f} B: {100 * (one['tx_frames'] / expected - 1):+.2f}% "
                      f"(target within 5%).")
     return lines

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ds_lioncub.comm.transport import cuda_aware_conflict
 from ds_lioncub.comm.vocabulary import (
     Aggregation,
     CommBackendName,
@@ -156,12 +157,9 @@ class LionCubConfig(DeepSpeedConfigModel):
                 "momentum_sync only applies to compressed modes: with compression='none' every rank's momentum "
                 "is already identical; drop momentum_sync or choose compression='1bit' or 'kbit'"
             )
-        if self.cuda_aware and self.comm_backend_name != "mpi":
-            raise ValueError(
-                f"cuda_aware=True only applies to comm_backend_name='mpi' (comm_backend_name is "
-                f"{self.comm_backend_name!r}, whose torch.distributed backend reads device memory itself); "
-                f"set comm_backend_name='mpi' or drop cuda_aware"
-            )
+        conflict = cuda_aware_conflict(self.comm_backend_name, self.cuda_aware)
+        if conflict is not None:
+            raise ValueError(conflict)
         if self.compression == "kbit" and self.quantizer == "sign" and "l1_clip" in given:
             raise ValueError("l1_clip only applies to quantizer='l1'; set quantizer='l1' or drop l1_clip")
         return self

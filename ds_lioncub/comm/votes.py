@@ -38,10 +38,7 @@ from ds_lioncub.comm.packing import (
 )
 from ds_lioncub.comm.transport import Transport
 
-
-def vote_padded_numel(numel: int, world_size: int) -> int:  # TODO(merge): comm.wire's
-    multiple = 8 * world_size
-    return (numel + multiple - 1) // multiple * multiple
+from ds_lioncub.comm.wire import vote_padded_numel
 
 
 @dataclass
