@@ -1,4 +1,4 @@
-"""Compressed collectives against fp32 / bf16 all-reduce on an emulated cluster (issue 6, part 2).
+"""Compressed collectives against fp32 / bf16 all-reduce on an emulated cluster.
 
 For each world size p and tensor size n it times, on every rank of a netcluster:
 
@@ -16,13 +16,13 @@ bytes each rank put on its link (from the interface counters, re-cut into MTU-si
 no headers), the ideal time (the busiest link direction's bytes / link rate) and the efficiency
 (ideal / measured). It also checks the 1-bit vote's wire bytes against 2(p-1)/p * n/8 plus headers.
 
-Run everything (needs root; builds one emulated cluster per world size)::
+Run everything from the repository root (needs root; builds one emulated cluster per world size)::
 
-    python benchmarks/bench_comm.py --world-sizes 2,4 --bandwidth 1gbit --max-n 1e8 --markdown out.md
+    python -m benchmarks.bench_comm --world-sizes 2,4 --bandwidth 1gbit --max-n 1e8 --markdown out.md
 
 or one world size under an existing harness invocation::
 
-    python -m benchmarks.netcluster --ranks 4 --bandwidth 1gbit -- python benchmarks/bench_comm.py --max-n 1e7
+    python -m benchmarks.netcluster --ranks 4 --bandwidth 1gbit -- python -m benchmarks.bench_comm --max-n 1e7
 
 The wire columns assume one rank per node (the driver's set-up): ranks that share a node
 (``--ranks-per-node`` > 1) share its counters, and their "per rank" bytes are the node's. Outside a
@@ -45,13 +45,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.collective_clock import CollectiveClock  # noqa: E402
-from benchmarks.netcluster.counters import TCP_FRAME_HEADERS, Counters, as_mtu_frames, read_sysfs  # noqa: E402
-from benchmarks.netcluster.units import format_rate, parse_count, parse_rate  # noqa: E402
+from benchmarks import REPO
+from benchmarks.collective_clock import CollectiveClock
+from benchmarks.netcluster.counters import TCP_FRAME_HEADERS, Counters, as_mtu_frames, read_sysfs
+from benchmarks.netcluster.units import format_rate, parse_count, parse_rate
 
 DEFAULT_OPS = ("fp32", "bf16", "1bit", "kbit:sign:4:allreduce", "kbit:sign:4:alltoall",
                "kbit:l1:8:allreduce", "kbit:l1:4:alltoall")

@@ -1,5 +1,4 @@
-#!/usr/bin/env python
-"""Packing-kernel benchmarks (issue 4): throughput next to a plain copy, and optimizer-step memory.
+"""Packing-kernel benchmarks: throughput next to a plain copy, and optimizer-step memory.
 
 Throughput: for n fp32 elements (1e6..1e8) it times, in the same run and interleaved round by round
 with ``torch.clone`` of the same n-element input (the copy every ratio refers to):
@@ -24,9 +23,11 @@ measured in a fresh subprocess per case as the rise of the process's peak RSS (V
 (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_) so that every temporary shows up. Two model sizes,
 each 1bit and 4-bit L1: the peak must stay flat as the model grows (bounded by the bucket).
 
-    python benchmarks/bench_packing.py                       # everything, prints tables
-    python benchmarks/bench_packing.py --write benchmarks/RESULTS.md
-    python benchmarks/bench_packing.py --sizes 1e6 --reps 3 --no-memory    # a quick look
+    python -m benchmarks.bench_packing                       # everything, prints tables
+    python -m benchmarks.bench_packing --write benchmarks/RESULTS.md
+    python -m benchmarks.bench_packing --sizes 1e6 --reps 3 --no-memory    # a quick look
+
+(from the repository root: the measurements then use this checkout's ds_lioncub).
 """
 
 from __future__ import annotations
@@ -44,13 +45,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
+from benchmarks import repo_environment
 
-SECTION = "## Packing kernels (issue 4)"
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before ds_lioncub (and DeepSpeed) is imported
+SECTION = "## Packing kernels"
 
 
 # ====================================================================== throughput
@@ -167,7 +167,7 @@ def throughput(sizes: list[int], threads: list[int], paths: list[str], p: int, r
                         flush=True,
                     )
             packing.set_packing_path(None)
-            del x, rows, chunk_rows, gathered
+            x = rows = chunk_rows = gathered = None  # free this size's inputs before the next size allocates
     return rows_out
 
 
@@ -218,7 +218,7 @@ def memory_worker(layers: int, width: int, bucket: int, path: str, compression: 
 def memory(models: list[tuple[int, int]], bucket: int, paths: list[str]) -> list[dict]:
     results = []
     env = {
-        **os.environ,
+        **repo_environment(),
         "MALLOC_MMAP_THRESHOLD_": "131072",  # big buffers via mmap, unmapped on free: RSS follows live memory
         "MALLOC_TRIM_THRESHOLD_": "131072",
         "OMP_NUM_THREADS": str(torch.get_num_threads()),
@@ -228,8 +228,8 @@ def memory(models: list[tuple[int, int]], bucket: int, paths: list[str]) -> list
     for compression, path, check_finite in cases:
         for layers, width in models:
             spec = json.dumps([layers, width, bucket, path, compression, check_finite])
-            done = subprocess.run([sys.executable, __file__, "--memory-worker", spec], env=env, capture_output=True,
-                                  text=True, check=False)
+            done = subprocess.run([sys.executable, "-m", "benchmarks.bench_packing", "--memory-worker", spec], env=env,
+                                  capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 raise RuntimeError(f"memory worker failed:\n{done.stdout}\n{done.stderr}")
             result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -252,7 +252,8 @@ def _machine() -> str:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_implementation()} {platform.python_version()}"
+    python = f"{platform.python_implementation()} {platform.python_version()}"
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {python}"
 
 
 def markdown(args: argparse.Namespace, rows: list[dict], mem: list[dict], notes: dict[str, str]) -> str:
@@ -370,7 +371,7 @@ def main() -> int:
 
     from ds_lioncub.comm import packing
 
-    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, REPO)] + sys.argv[1:])
+    command = "python -m benchmarks.bench_packing " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     notes = {
         "command": command,
         "date": time.strftime("%Y-%m-%d %H:%M"),

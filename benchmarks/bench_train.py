@@ -1,4 +1,4 @@
-"""Lion Cub against Lion end to end: the example GPT on an emulated cluster (issue 6, part 3).
+"""Lion Cub against Lion end to end: the example GPT on an emulated cluster.
 
 Trains the example GPT (examples/gpt.py) on N ranks, each in its own network namespace behind a
 rate-limited link (benchmarks/netcluster), once per method of benchmarks/train_methods.py: Lion with
@@ -11,11 +11,12 @@ Every method starts from the same weights and sees the same batches. Out come a 
 includes), the final validation loss of each method against its reference, and two plots: train
 loss vs step and vs training time::
 
-    sudo python benchmarks/bench_train.py --ranks 4 --bandwidth 1gbit --steps 200 --out-dir runs/train_1gbit
-    python benchmarks/bench_train.py --report-only --out-dir runs/train_1gbit     # tables and plots again
-    python benchmarks/bench_train.py --loopback --ranks 2 --steps 20 --out-dir /tmp/t   # no root: local ranks, no shaping
+    sudo python -m benchmarks.bench_train --ranks 4 --bandwidth 1gbit --steps 200 --out-dir runs/train_1gbit
+    python -m benchmarks.bench_train --report-only --out-dir runs/train_1gbit     # tables and plots again
+    python -m benchmarks.bench_train --loopback --ranks 2 --steps 20 --out-dir /tmp/t  # no root: local, unshaped
 
-Methods run one after another, each as a fresh set of processes in the same cluster.
+(from the repository root). Methods run one after another, each as a fresh set of processes in the same
+cluster, started by path (benchmarks/train_worker.py) with this checkout first on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -32,16 +32,12 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-for entry in (REPO, REPO / "examples"):
-    if str(entry) not in sys.path:
-        sys.path.insert(0, str(entry))
-
-from benchmarks.netcluster.signals import Interrupted, signals_as_exceptions  # noqa: E402
-from benchmarks.netcluster.system import NetclusterError, unavailable_reason  # noqa: E402
-from benchmarks.netcluster.units import format_rate, parse_rate  # noqa: E402
-from benchmarks.train_methods import Method, TrainSettings, select_methods  # noqa: E402
-from benchmarks.train_report import load_results, markdown_report, write_plots  # noqa: E402
+from benchmarks import REPO, repo_environment
+from benchmarks.netcluster.signals import Interrupted, signals_as_exceptions
+from benchmarks.netcluster.system import NetclusterError, unavailable_reason
+from benchmarks.netcluster.units import format_rate, parse_rate
+from benchmarks.train_methods import Method, TrainSettings, select_methods
+from benchmarks.train_report import load_results, markdown_report, write_plots
 
 WORKER = REPO / "benchmarks" / "train_worker.py"
 
@@ -84,19 +80,13 @@ def worker_command(args: argparse.Namespace, method: Method) -> list[str]:
     ]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run_loopback(command: list[str], ranks: int, log_dir: Path, timeout_s: float, port: int) -> int:
     """Ranks as plain local processes (no namespaces): for trying the benchmark without root."""
     log_dir.mkdir(parents=True, exist_ok=True)
     threads = str(max(1, (os.cpu_count() or 1) // ranks))
     procs = []
     for rank in range(ranks):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
+        env = {**repo_environment(), "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": threads,
                "PYTHONUNBUFFERED": "1"}
         log = (log_dir / f"rank{rank}.log").open("w")
@@ -129,7 +119,8 @@ def machine_notes(result: dict[str, Any]) -> str:
 
 def run_all(args: argparse.Namespace) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    from corpus import DEFAULT_MAX_BYTES, build_corpus
+    from examples.compare import free_port
+    from examples.corpus import DEFAULT_MAX_BYTES, build_corpus
 
     build_corpus(None, DEFAULT_MAX_BYTES, cache_dir=args.out_dir / "corpus_cache")  # once, before any rank
     for stale in args.method_list:

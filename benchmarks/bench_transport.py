@@ -1,4 +1,4 @@
-"""MPI transport against torch transport (issue 5): the same CompressedBackend operations, timed over each.
+"""MPI transport against torch transport: the same CompressedBackend operations, timed over each.
 
 Run under mpirun; every rank initialises torch.distributed (gloo, from the MPI rank and size) and
 times, for each transport, the same operations on the same inputs:
@@ -14,9 +14,9 @@ inside the transport's collectives (the rest is packing / counting), the bytes e
 (CommStats, identical for both transports by construction) and the effective bus bandwidth
 (bytes sent / time inside the transport). Results are checked to be identical across transports.
 
-    mpirun -np 2 python benchmarks/bench_transport.py --numel 1e7 --reps 10
+    mpirun -np 2 python -m benchmarks.bench_transport --numel 1e7 --reps 10
 
-(``pip install -e ".[mpi]"`` puts mpirun in the virtual environment.)
+(from the repository root; ``pip install -e ".[mpi]"`` puts mpirun in the virtual environment.)
 """
 
 from __future__ import annotations
@@ -27,17 +27,12 @@ import os
 import platform
 import socket
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported: it picks its accelerator then
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -16,7 +16,7 @@ differ only in how gradients (or updates) cross the network and in beta2 where t
 | ddp_powersgd | torch DDP | plain Lion, DDP's PowerSGD hook (rank-2 low-rank gradients) |
 
 The k-bit methods use ``kbit_algorithm="alltoall"``: on the emulated cluster it is the faster of the
-two (benchmarks/RESULTS.md, issue 6 part 2) and it computes the same vote. Gradient clipping is off
+two (benchmarks/RESULTS.md, compressed collectives) and it computes the same vote. Gradient clipping is off
 everywhere (DeepSpeed's default is 1.0): DDP has none, and Lion's update is a sign anyway.
 """
 
@@ -91,7 +91,7 @@ METHODS: tuple[Method, ...] = (
 )
 METHODS_BY_NAME: dict[str, Method] = {method.name: method for method in METHODS}
 
-# The issue's quality targets: these end within QUALITY_TOLERANCE of their reference's loss.
+# Quality targets: these methods must end within QUALITY_TOLERANCE of their reference's validation loss.
 QUALITY_TARGETS: tuple[str, ...] = ("lioncub_4bit_sign", "lioncub_8bit_l1")
 QUALITY_TOLERANCE = 0.02
 

@@ -3,7 +3,9 @@
 Started once per rank with the torch.distributed environment set (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT: netcluster sets them, see benchmarks/netcluster/README.md)::
 
-    python benchmarks/train_worker.py --methods lion_fp32,lioncub_1bit --steps 50 --out-dir runs/
+    PYTHONPATH=. python benchmarks/train_worker.py --methods lion_fp32,lioncub_1bit --steps 50 --out-dir runs/
+
+bench_train.py starts it by path, with this checkout first on PYTHONPATH (benchmarks.repo_environment).
 
 Rank 0 writes ``<out-dir>/<method>.json`` per method. Each step is split like the paper's
 Table A.1:
@@ -32,7 +34,6 @@ import inspect
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -40,27 +41,22 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-for entry in (REPO, REPO / "examples"):
-    if str(entry) not in sys.path:
-        sys.path.insert(0, str(entry))
+import deepspeed
+import deepspeed.comm as ds_comm
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
 
-import deepspeed  # noqa: E402
-import deepspeed.comm as ds_comm  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-
-import ds_lioncub  # noqa: E402,F401  (registers "type": "LionCub")
-from benchmarks.collective_clock import CollectiveClock  # noqa: E402
-from benchmarks.netcluster.counters import read_sysfs  # noqa: E402
-from benchmarks.plain_lion import PlainLion  # noqa: E402
-from benchmarks.train_methods import Method, TrainSettings, ds_config, select_methods  # noqa: E402
-from corpus import DEFAULT_MAX_BYTES, Corpus, load_corpus  # noqa: E402
-from ds_lioncub.deepspeed_integration import find_lioncub  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
-from train_gpt import checked_parameters, evaluate, fp32_loss, get_batch, params_in_sync  # noqa: E402
+import ds_lioncub  # noqa: F401  (registers "type": "LionCub")
+from benchmarks.collective_clock import CollectiveClock
+from benchmarks.netcluster.counters import read_sysfs
+from benchmarks.plain_lion import PlainLion
+from benchmarks.train_methods import Method, TrainSettings, ds_config, select_methods
+from ds_lioncub.deepspeed_integration import find_lioncub
+from examples.corpus import DEFAULT_MAX_BYTES, Corpus, load_corpus
+from examples.gpt import GPT, GPTConfig
+from examples.train_gpt import checked_parameters, evaluate, fp32_loss, get_batch, params_in_sync
 
 COLUMNS = ("forward_s", "backward_s", "update_s", "comm_s", "total_s", "loss", "tx_bytes", "rx_bytes")
 DDP_CALIBRATION_STEPS = 5

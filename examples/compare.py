@@ -1,10 +1,10 @@
 """Lion (fp32 all-reduce) vs Lion Cub 1-bit, 4-bit sign and 8-bit L1, as real DeepSpeed jobs.
 
-    python examples/compare.py                 # defaults: 2 CPU ranks, 2-4 minutes on 2 busy cores
-    python examples/compare.py --steps 600 --d-model 256 --out-dir runs/
-    python examples/compare.py --as-is         # each ds_config exactly as written in configs/
+    python -m examples.compare                 # defaults: 2 CPU ranks, 2-4 minutes on 2 busy cores
+    python -m examples.compare --steps 600 --d-model 256 --out-dir runs/
+    python -m examples.compare --as-is         # each ds_config exactly as written in configs/
 
-Each config runs examples/train_gpt.py under the deepspeed launcher
+(from the repository root). Each config runs examples/train_gpt.py under the deepspeed launcher
 (python -m deepspeed.launcher.runner --num_gpus N) as a fresh job, with the same seed, steps, model
 and corpus (built once and shared, so every run trains on identical bytes).
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from corpus import DEFAULT_MAX_BYTES, build_corpus
+from examples.corpus import DEFAULT_MAX_BYTES, build_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_SCRIPT = REPO / "examples" / "train_gpt.py"
@@ -104,10 +104,11 @@ def common_config(original: dict[str, Any], args: argparse.Namespace) -> dict[st
 
 
 def free_port() -> int:
-    # Each run gets its own rendezvous port: a previous job's port may still be in TIME_WAIT.
+    """A TCP port free on this machine now: each job gets its own rendezvous port (a previous job's port may
+    still be in TIME_WAIT). The tests and benchmarks that start jobs use this one too."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
 def run_method(method: Method, config_path: Path, common: list[str], args: argparse.Namespace,

@@ -5,7 +5,7 @@ has them, they are real text with long-range structure, and reading them is dete
 relative paths) for a given Python version. A user file can be passed instead. Tokens are bytes
 (vocabulary 256), so no tokenizer has to be downloaded or trained.
 
-Run as a script to write the corpus to a file:  python examples/corpus.py --out /tmp/corpus.bin
+Run as a module to write the corpus to a file:  python -m examples.corpus --out /tmp/corpus.bin
 """
 
 from __future__ import annotations
@@ -132,8 +132,8 @@ def train_val_split(
     if not any(is_val) or all(is_val):  # too little data for blocks: fall back to a tail split
         n_val = max(1, int(len(data) * val_fraction))
         return data[:-n_val], data[-n_val:]
-    train = torch.cat([b for b, v in zip(blocks, is_val) if not v])
-    val = torch.cat([b for b, v in zip(blocks, is_val) if v])
+    train = torch.cat([b for b, v in zip(blocks, is_val, strict=True) if not v])
+    val = torch.cat([b for b, v in zip(blocks, is_val, strict=True) if v])
     return train, val
 
 

@@ -1,7 +1,11 @@
 """Train the example GPT as a DeepSpeed job: Lion / Lion Cub come from the ds_config.
 
-    deepspeed --num_gpus 2 examples/train_gpt.py --deepspeed_config configs/lioncub_1bit.json --steps 150
-    python examples/compare.py          # four configs side by side, same seed, steps and model
+    PYTHONPATH=. deepspeed --num_gpus 2 examples/train_gpt.py --deepspeed_config configs/lioncub_1bit.json --steps 150
+    python -m examples.compare          # four configs side by side, same seed, steps and model
+
+Run from the repository root. The launcher starts this file by path on every rank, and the ranks
+import ``examples.gpt``, ``examples.corpus`` and this checkout's ds_lioncub through PYTHONPATH
+(``python -m examples.compare`` sets it for the runs it starts).
 
 `import ds_lioncub` registers "type": "LionCub", so the optimizer, its compression, the precision,
 the micro-batch size, gradient accumulation and the lr scheduler are all the ds_config's; this
@@ -33,16 +37,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 
-from corpus import DEFAULT_MAX_BYTES, Corpus, load_corpus
-from gpt import GPT, GPTConfig
-
-try:
-    import ds_lioncub  # registers "type": "LionCub" with DeepSpeed
-except ImportError:  # running from a checkout without `pip install -e .`: use the repo's package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import ds_lioncub
+import ds_lioncub  # noqa: F401  (registers "type": "LionCub" with DeepSpeed)
 from ds_lioncub.comm.transport import CommStats
 from ds_lioncub.deepspeed_integration import find_lioncub
+from examples.corpus import DEFAULT_MAX_BYTES, Corpus, load_corpus
+from examples.gpt import GPT, GPTConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -2,7 +2,7 @@
 
 Examples::
 
-    python -m benchmarks.netcluster --ranks 4 --bandwidth 1gbit -- python benchmarks/bench_comm.py
+    python -m benchmarks.netcluster --ranks 4 --bandwidth 1gbit -- python -m benchmarks.bench_comm
     python -m benchmarks.netcluster --ranks 2 --bandwidth 100mbit --latency 0.2ms --json run.json -- python train.py
     python -m benchmarks.netcluster --cleanup          # remove clusters left by killed runs
     python -m benchmarks.netcluster --check            # can this machine run it?

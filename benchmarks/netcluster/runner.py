@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from benchmarks import repo_environment
 from benchmarks.netcluster.counters import Counters, read_in_netns
 from benchmarks.netcluster.signals import shielded
 from benchmarks.netcluster.topology import Cluster
@@ -87,11 +88,12 @@ class RunResult:
 def rank_environment(
     cluster: Cluster, rank: int, ranks_per_node: int, master_port: int, base: Mapping[str, str]
 ) -> dict[str, str]:
-    """The environment of ``rank``: ``base`` plus the torch.distributed and netcluster variables."""
+    """The environment of ``rank``: ``base`` plus the torch.distributed and netcluster variables, and the
+    repository root first on PYTHONPATH (a rank started by path imports this checkout's packages)."""
     world_size = cluster.spec.nodes * ranks_per_node
     node, local_rank = divmod(rank, ranks_per_node)
     link = cluster.spec.link
-    env = dict(base)
+    env = repo_environment(base)
     env.update({
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),
@@ -219,7 +221,7 @@ def run_command(
             ranks.append(_Rank(rank, node, argv, rank_env, shown, lock, log_path))
         while True:
             codes = [rank.poll() for rank in ranks]
-            failed = [rank for rank, code in zip(ranks, codes) if code not in (None, 0)]
+            failed = [rank for rank, code in zip(ranks, codes, strict=True) if code not in (None, 0)]
             if failed:
                 failed_rank = min(failed, key=lambda r: (r.ended or 0.0, r.rank)).rank
                 break
@@ -251,6 +253,6 @@ def run_command(
     return RunResult(
         command=list(command), nodes=cluster.spec.nodes, ranks_per_node=ranks_per_node,
         rate_bps=cluster.spec.link.rate_bps, delay_s=cluster.spec.link.delay_s, exit_code=exit_code,
-        elapsed_s=elapsed, ranks=results, wire=[a - b for a, b in zip(after, before)],
+        elapsed_s=elapsed, ranks=results, wire=[a - b for a, b in zip(after, before, strict=True)],
         failed_rank=failed_rank, timed_out=timed_out,
     )

@@ -1,8 +1,9 @@
 """One rank of a `deepspeed`-launched job that trains the example GPT with every ready config.
 
-Usage: deepspeed --num_gpus N ds_engine_scenarios.py --out DIR --phase main|resume [--deepspeed_config F]
+Usage, from the repository root with it on PYTHONPATH (tests.support.launch.run_deepspeed starts it so):
+  deepspeed --num_gpus N tests/workers/ds_engine_scenarios.py --out DIR --phase main|resume [--deepspeed_config F]
 Each rank saves what it saw (losses, parameters, momenta, learning rates, collective counts,
-error messages) to DIR/<phase>-rank<R>.pt; tests/test_deepspeed_engine.py checks them.
+error messages) to DIR/<phase>-rank<R>.pt; tests/integration/test_deepspeed_engine.py checks them.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +19,12 @@ import deepspeed.comm as ds_comm
 import torch
 import torch.distributed as dist
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "examples"))
+import ds_lioncub
+from ds_lioncub import LionCub
+from ds_lioncub.deepspeed_integration import find_lioncub
+from examples.gpt import GPT, GPTConfig
 
-import ds_lioncub  # noqa: E402
-from ds_lioncub import LionCub  # noqa: E402
-from ds_lioncub.deepspeed_integration import find_lioncub  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 CONFIGS = sorted((REPO / "configs").glob("*.json"))
 MODEL = GPTConfig(vocab_size=256, max_seq_len=32, n_layer=1, n_head=2, d_model=32)

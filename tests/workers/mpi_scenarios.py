@@ -9,7 +9,8 @@ Usage:
   deepspeed --launcher mpich --force_multi ... mpi_scenarios.py OUT_DIR engine
       the DeepSpeed engine part only, in a job started by the deepspeed launcher's MPI mode.
 
-Each rank saves a dict to OUT_DIR/<phase>-rank<R>.pt; tests/test_mpi.py does the checking.
+Run from the repository root with it on PYTHONPATH (tests/integration/test_mpi.py starts both). Each rank
+saves a dict to OUT_DIR/<phase>-rank<R>.pt; tests/integration/test_mpi.py does the checking.
 """
 
 from __future__ import annotations
@@ -20,22 +21,17 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import deepspeed
 import torch
 import torch.distributed as dist
+from mpi4py import MPI
 
-TESTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(TESTS))
-sys.path.insert(0, str(TESTS / "workers"))
-
-import deepspeed  # noqa: E402
-import mpi_cases as mc  # noqa: E402
-import run_scenarios as rs  # noqa: E402
-import scenarios as sc  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-
-from ds_lioncub import LionCub  # noqa: E402
-from ds_lioncub.comm import CompressedBackend, MpiTransport, TorchTransport  # noqa: E402
-from ds_lioncub.deepspeed_integration import find_lioncub  # noqa: E402
+from ds_lioncub import LionCub
+from ds_lioncub.comm import CompressedBackend, MpiTransport, TorchTransport
+from ds_lioncub.deepspeed_integration import find_lioncub
+from tests.support import mpi_cases as mc
+from tests.support import scenarios as sc
+from tests.workers import run_scenarios as rs
 
 BACKENDS = ("torch", "mpi")
 
@@ -106,7 +102,7 @@ def run_training(rank: int, world_size: int) -> dict[str, Any]:
             results[f"{backend_name}:train-transport/{mode}"] = optimizer.backend.comm_backend_name
             for name, param in params.items():
                 results[f"{backend_name}:train-param/{mode}/{name}"] = param.detach().clone()
-                results[f"{backend_name}:train-exp-avg/{mode}/{name}"] = optimizer.state[param]["exp_avg"].clone()
+                results[f"{backend_name}:train-exp-avg/{mode}/final/{name}"] = optimizer.state[param]["exp_avg"].clone()
     # A NaN on the last rank stops every rank, agreed over MPI.
     params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
     optimizer = LionCub(list(params.items()), compression="1bit", comm_backend_name="mpi")

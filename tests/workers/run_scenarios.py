@@ -1,7 +1,8 @@
-"""One rank of a gloo job that runs every scenario of tests/scenarios.py and saves what it got.
+"""One rank of a gloo job that runs every scenario of tests/support/scenarios.py and saves what it got.
 
-Usage: python run_scenarios.py RANK WORLD_SIZE STORE_FILE OUT_DIR. The checking happens in the test
-process, against the brute-force references; this worker only records results.
+Usage: PYTHONPATH=<repo> python tests/workers/run_scenarios.py RANK WORLD_SIZE STORE_FILE OUT_DIR (started by
+tests.support.launch.run_ranks). The checking happens in the test process, against the brute-force
+references (tests/support/checks.py); this worker only records results.
 """
 
 from __future__ import annotations
@@ -12,12 +13,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import scenarios as sc  # noqa: E402
-
-from ds_lioncub import LionCub  # noqa: E402
-from ds_lioncub.comm import CompressedBackend, legacy_padded_numel  # noqa: E402
+from ds_lioncub import LionCub
+from ds_lioncub.comm import CompressedBackend, legacy_padded_numel
+from tests.support import scenarios as sc
 
 
 def run_votes(backend: CompressedBackend, rank: int) -> dict[str, object]:

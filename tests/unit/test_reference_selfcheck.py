@@ -1,14 +1,11 @@
-"""Hand-worked checks of tests/reference.py, so that the references themselves can be trusted."""
+"""Hand-worked checks of tests/support/reference.py, so that the references themselves can be trusted."""
 
-import sys
-from pathlib import Path
+from __future__ import annotations
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))  # import the sibling module however pytest is run
-
-from reference import (  # noqa: E402
+from tests.support.reference import (
     brute_force_vote_1bit,
     brute_force_vote_kbit,
     l1_quantize,
@@ -163,10 +160,10 @@ def test_simulation_with_identical_grads_is_exact_lion(world_size: int, mode: di
     ref_m = [torch.zeros_like(t) for t in init]
     for t in range(1, 5):
         reference_lion_step(ref, _grads(0, t, ref, True), ref_m, lr(t), (0.9, 0.99), 0.1)
-    for a, b in zip(params, ref):
+    for a, b in zip(params, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for m_rank in exp_avgs:
-        for a, b in zip(m_rank, ref_m):
+        for a, b in zip(m_rank, ref_m, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 

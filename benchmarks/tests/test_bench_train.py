@@ -1,9 +1,10 @@
-"""bench_train.py's own logic: method configs, the baseline Lion, the report arithmetic, one real run.
+"""bench_train.py's own logic: method configs, the baseline Lion, the report arithmetic, two real runs.
 
 The arithmetic is checked against plain loops written here; the end-to-end run trains three methods
-on two local gloo ranks (``--loopback``: the emulated cluster needs root) and checks that the step
-breakdown adds up, that collectives were timed, and that DDP + PlainLion lands where DeepSpeed +
-LionCub's exact Lion does (two independent implementations of the same training).
+on two local gloo ranks (``--loopback``) and checks that the step breakdown adds up, that collectives
+were timed, and that DDP + PlainLion lands where DeepSpeed + LionCub's exact Lion does (two independent
+implementations of the same training). A second run in the emulated cluster (root) checks the bytes on
+the wire.
 """
 
 from __future__ import annotations
@@ -13,19 +14,16 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from benchmarks import train_report  # noqa: E402
-from benchmarks.plain_lion import PlainLion  # noqa: E402
-from benchmarks.train_methods import METHODS, METHODS_BY_NAME, TrainSettings, ds_config, select_methods  # noqa: E402
-from ds_lioncub.config import parse_config  # noqa: E402
-from reference import reference_lion_step  # noqa: E402
-
+from benchmarks import REPO, train_report
+from benchmarks.plain_lion import PlainLion
+from benchmarks.train_methods import METHODS, METHODS_BY_NAME, TrainSettings, ds_config, select_methods
+from ds_lioncub.config import parse_config
+from tests.support.reference import reference_lion_step
 
 # ---------------------------------------------------------------------------------------------- methods
 
@@ -70,11 +68,11 @@ def test_plain_lion_matches_the_reference_lion() -> None:
     optimizer = PlainLion(trained, lr=0.01, betas=(0.9, 0.95), weight_decay=0.3)
     for _ in range(4):
         grads = [torch.randn(shape, generator=gen) for shape in shapes]
-        for param, grad in zip(trained, grads):
+        for param, grad in zip(trained, grads, strict=True):
             param.grad = grad.clone()
         optimizer.step()
         reference_lion_step(reference_params, grads, reference_momenta, 0.01, (0.9, 0.95), 0.3)
-    for param, expected in zip(trained, reference_params):
+    for param, expected in zip(trained, reference_params, strict=True):
         torch.testing.assert_close(param.detach(), expected, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="lr > 0"):
         PlainLion(trained, lr=0.0)
@@ -166,11 +164,12 @@ def test_load_results_names_the_missing_method(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------- a real run
 
 
-def test_loopback_run_of_three_methods(tmp_path: Path) -> None:
+@pytest.mark.distributed
+def test_loopback_run_of_three_methods(tmp_path: Path, packing_op_build: tuple[Any, Any]) -> None:
     """Two gloo ranks, a tiny GPT, 4 steps each of exact Lion (DeepSpeed), DDP + PlainLion, Lion Cub 1-bit."""
     pytest.importorskip("matplotlib", reason="the report's plots need matplotlib (pip install -e '.[bench]')")
     out = tmp_path / "run"
-    command = [sys.executable, str(REPO / "benchmarks" / "bench_train.py"), "--loopback", "--ranks", "2",
+    command = [sys.executable, "-m", "benchmarks.bench_train", "--loopback", "--ranks", "2",
                "--steps", "4", "--methods", "lion_fp32,ddp_bf16,lioncub_1bit", "--d-model", "32", "--n-layer", "1",
                "--n-head", "2", "--micro-batch", "2", "--seq-len", "16", "--eval-windows", "8", "--lr", "1e-3",
                "--out-dir", str(out)]
@@ -201,15 +200,13 @@ def test_loopback_run_of_three_methods(tmp_path: Path) -> None:
     assert (out / "loss_vs_step.png").stat().st_size > 0
 
 
-def test_emulated_cluster_run_puts_the_expected_bytes_on_the_wire(tmp_path: Path) -> None:
+@pytest.mark.netns
+def test_emulated_cluster_run_puts_the_expected_bytes_on_the_wire(
+    tmp_path: Path, packing_op_build: tuple[Any, Any]
+) -> None:
     """Two ranks behind 1 Gbit/s links: the per-step wire counters see fp32 all-reduce vs 1-bit vote bytes."""
-    from benchmarks.netcluster import unavailable_reason
-
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"netcluster cannot run here: {reason}")
     out = tmp_path / "run"
-    command = [sys.executable, str(REPO / "benchmarks" / "bench_train.py"), "--ranks", "2", "--bandwidth", "1gbit",
+    command = [sys.executable, "-m", "benchmarks.bench_train", "--ranks", "2", "--bandwidth", "1gbit",
                "--steps", "3", "--methods", "lion_fp32,lioncub_1bit", "--d-model", "128", "--n-layer", "2",
                "--n-head", "4", "--micro-batch", "2", "--seq-len", "16", "--eval-windows", "8", "--out-dir", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)

@@ -1,7 +1,7 @@
 """Bit packing (ds_lioncub.comm.packing) against plain Python loops over the documented layout.
 
-Layout (API.md): signs, element 8*i + j is bit j of byte i (LSB first), 1 means +1, padding bits 0;
-b-bit fields, element (8//b)*i + j occupies bits [j*b, (j+1)*b) of byte i.
+The layout every packing path and both transports share: signs, element 8*i + j is bit j of byte i (LSB
+first), 1 means +1, padding bits 0; b-bit fields, element (8//b)*i + j occupies bits [j*b, (j+1)*b) of byte i.
 """
 
 from __future__ import annotations
@@ -109,9 +109,13 @@ def test_unpack_signs_matches_loop(n: int, dtype: torch.dtype) -> None:
     assert out.float().tolist() == [float(v) for v in loop_unpack_signs(packed.tolist(), n)]
 
 
-@pytest.mark.parametrize("path", ["compiled", "torch"])
+@pytest.mark.parametrize("path", [pytest.param("compiled", marks=pytest.mark.compiled), "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_unpack_signs_into_out_overwrites_the_packed_tensor(path: str, dtype: torch.dtype) -> None:
+def test_unpack_signs_into_out_overwrites_the_packed_tensor(
+    path: str, dtype: torch.dtype, request: pytest.FixtureRequest
+) -> None:
+    if path == "compiled":
+        request.getfixturevalue("cpu_op")  # the session's build, or its error
     n = 1001
     x = signed_input(n, seed=11).to(dtype)
     expected = [float(v) for v in loop_unpack_signs(loop_pack_signs(x.float().tolist(), True), n)]

@@ -27,7 +27,8 @@ SYNC_INTERVAL = 2
 SYNC_LAYERS = ["^w2$"]
 
 
-def _generator(*key: int) -> torch.Generator:
+def seeded_generator(*key: int) -> torch.Generator:
+    """A CPU generator seeded from ``key`` (scenario number, size, rank, step, ...): inputs are pure functions of it."""
     seed = 0
     for part in key:
         seed = seed * 1_000_003 + part
@@ -36,12 +37,12 @@ def _generator(*key: int) -> torch.Generator:
 
 def vote_input(size: int, rank: int, step: int) -> Tensor:
     """Values in {-1, 0, +1}: local zeros and vote ties are common, as the tie rule needs."""
-    return torch.randint(-1, 2, (size,), generator=_generator(1, size, rank, step)).float()
+    return torch.randint(-1, 2, (size,), generator=seeded_generator(1, size, rank, step)).float()
 
 
 def laplace_input(size: int, rank: int, step: int) -> Tensor:
     """A heavy-tailed update, like Lion's pre-sign update, with a few exact zeros."""
-    gen = _generator(2, size, rank, step)
+    gen = seeded_generator(2, size, rank, step)
     uniform = torch.rand(size, generator=gen, dtype=torch.float64) - 0.5
     values = -torch.sign(uniform) * torch.log1p(-2 * uniform.abs())
     values[torch.rand(size, generator=gen) < 0.02] = 0.0
@@ -49,7 +50,7 @@ def laplace_input(size: int, rank: int, step: int) -> Tensor:
 
 
 def legacy_input(rank: int, call: int) -> Tensor:
-    return torch.randn(LEGACY_SHAPE, generator=_generator(3, rank, call))
+    return torch.randn(LEGACY_SHAPE, generator=seeded_generator(3, rank, call))
 
 
 def kbit_cases(world_size: int) -> list[dict[str, object]]:
@@ -70,12 +71,12 @@ def case_name(case: dict[str, object]) -> str:
 
 
 def init_params() -> dict[str, Tensor]:
-    gen = _generator(4)
+    gen = seeded_generator(4)
     return {name: torch.randn(shape, generator=gen) * 0.1 for name, shape in PARAM_SHAPES.items()}
 
 
 def batch(rank: int, step: int) -> tuple[Tensor, Tensor]:
-    gen = _generator(5, rank, step)
+    gen = seeded_generator(5, rank, step)
     x = torch.randn(16, PARAM_SHAPES["w1"][0], generator=gen)
     y = torch.randn(16, PARAM_SHAPES["w2"][1], generator=gen)
     return x, y
@@ -92,7 +93,7 @@ def model_grads(params: list[Tensor], rank: int, step: int) -> list[Tensor]:
     """Gradients of :func:`loss_of` for params given in PARAM_SHAPES order (for the references)."""
     with torch.enable_grad():
         leaves = [p.detach().clone().requires_grad_(True) for p in params]
-        loss = loss_of(dict(zip(PARAM_SHAPES, leaves)), rank, step)
+        loss = loss_of(dict(zip(PARAM_SHAPES, leaves, strict=True)), rank, step)
         return list(torch.autograd.grad(loss, leaves))
 
 
@@ -120,7 +121,7 @@ def training_modes(world_size: int) -> dict[str, dict[str, object]]:
 def simulate_training(world_size: int, steps: int, **options: object) -> tuple[list[Tensor], list[list[Tensor]]]:
     """The brute-force reference (reference.simulate_lioncub) on this module's model, gradients and
     training hyper-parameters: what every rank's LionCub must end with after ``steps`` steps."""
-    from reference import simulate_lioncub  # tests only; the workers never need it
+    from tests.support.reference import simulate_lioncub  # tests only; the workers never need it
 
     return simulate_lioncub(
         list(init_params().values()),
@@ -130,5 +131,22 @@ def simulate_training(world_size: int, steps: int, **options: object) -> tuple[l
         lr=TRAIN_LR,
         betas=TRAIN_BETAS,
         weight_decay=TRAIN_WEIGHT_DECAY,
+        **options,
+    )
+
+
+def simulate_mode(world_size: int, options: dict[str, object]) -> tuple[list[Tensor], list[list[Tensor]]]:
+    """:func:`simulate_training` for :data:`TRAIN_STEPS` steps of one of :func:`training_modes`' option sets
+    (its LionCub options translated into the reference's arguments)."""
+    options = dict(options)
+    sync = options.pop("momentum_sync", None)
+    algorithm = options.pop("kbit_algorithm", "allreduce")
+    options.pop("comm_dtype", None)
+    return simulate_training(
+        world_size,
+        TRAIN_STEPS,
+        kbit_algorithm=algorithm,
+        momentum_sync_interval=sync["interval"] if sync else 0,
+        momentum_sync_params=[list(PARAM_SHAPES).index("w2")] if sync else None,
         **options,
     )

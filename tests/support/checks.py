@@ -1,42 +1,55 @@
-"""CompressedBackend on 1-4 real gloo ranks, checked against brute-force references."""
+"""Checks of a multi-rank job's results against the brute-force references, shared by every transport's tests.
+
+A job's results are one dict per rank, keyed by scenario. The gloo jobs (tests/workers/run_scenarios.py)
+and the MPI jobs (tests/workers/mpi_scenarios.py, once per transport) record the same scenarios under the
+same keys, so tests/distributed and tests/integration/test_mpi.py run the same assertions on them.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Collection
+from typing import Any
 
-import pytest
 import torch
 
-import scenarios as sc
-from reference import (
+from tests.support import scenarios as sc
+from tests.support.reference import (
     brute_force_vote_1bit,
     brute_force_vote_kbit,
     max_world_size_allreduce,
     reference_compressed_allreduce,
 )
 
+Ranks = list[dict[str, Any]]
+PARAM_NAMES = list(sc.PARAM_SHAPES)
 
-def _same_on_every_rank(ranks: list[dict[str, object]], key: str) -> torch.Tensor:
+
+def same_on_every_rank(ranks: Ranks, key: str) -> torch.Tensor:
+    """``ranks[0][key]``, after asserting that every rank holds the same bits."""
     first = ranks[0][key]
     for rank, results in enumerate(ranks[1:], start=1):
         assert torch.equal(results[key], first), f"{key}: rank {rank} differs from rank 0"
     return first
 
 
-def test_vote_1bit_equals_brute_force(ranks: list[dict[str, object]]) -> None:
+# ---------------------------------------------------------------------------------------------- CompressedBackend
+
+
+def vote_1bit_equals_brute_force(ranks: Ranks) -> None:
     p = len(ranks)
     for size in sc.VOTE_SIZES:
         for step in sc.STEPS:
             for tie_break in ("alternate", "positive"):
                 key = f"1bit/{size}/{step}/{tie_break}"
-                got = _same_on_every_rank(ranks, key)
+                got = same_on_every_rank(ranks, key)
                 inputs = [sc.vote_input(size, rank, step) for rank in range(p)]
                 expected = brute_force_vote_1bit(inputs, step, tie_break)
                 assert got.dtype == torch.float32 and got.shape == (size,)
                 assert torch.equal(got, expected), key
 
 
-def test_vote_1bit_ties_do_occur_and_follow_the_step(ranks: list[dict[str, object]]) -> None:
+def vote_1bit_ties_follow_the_step(ranks: Ranks) -> None:
     """The inputs really exercise ties: a coordinate where every rank sends 0 follows the step's rule."""
     p = len(ranks)
     inputs = [sc.vote_input(1000, rank, 2) for rank in range(p)]
@@ -46,16 +59,16 @@ def test_vote_1bit_ties_do_occur_and_follow_the_step(ranks: list[dict[str, objec
     assert torch.all(ranks[0]["1bit/1000/2/positive"][all_zero] == 1)
 
 
-def test_vote_1bit_bf16_keeps_dtype(ranks: list[dict[str, object]]) -> None:
+def vote_1bit_bf16_keeps_dtype(ranks: Ranks) -> None:
     p = len(ranks)
     for size in sc.VOTE_SIZES:
-        got = _same_on_every_rank(ranks, f"1bit-bf16/{size}")
+        got = same_on_every_rank(ranks, f"1bit-bf16/{size}")
         inputs = [sc.laplace_input(size, rank, 1).bfloat16() for rank in range(p)]
         assert got.dtype == torch.bfloat16
         assert torch.equal(got, brute_force_vote_1bit(inputs, 1, "alternate"))
 
 
-def test_vote_1bit_sends_two_phases_of_packed_bits(ranks: list[dict[str, object]]) -> None:
+def vote_1bit_sends_two_phases_of_packed_bits(ranks: Ranks) -> None:
     """Per rank: (p-1)/p * n_pad/8 bytes in the all-to-all plus the same in the all-gather."""
     p = len(ranks)
     for size in (1000, 4099):
@@ -66,7 +79,7 @@ def test_vote_1bit_sends_two_phases_of_packed_bits(ranks: list[dict[str, object]
         assert stats.collectives == (0 if p == 1 else 2)
 
 
-def test_vote_kbit_equals_brute_force_or_refuses_before_communicating(ranks: list[dict[str, object]]) -> None:
+def vote_kbit_equals_brute_force_or_refuses_before_communicating(ranks: Ranks) -> None:
     p = len(ranks)
     checked = refused = 0
     for case in sc.kbit_cases(p):
@@ -83,13 +96,13 @@ def test_vote_kbit_equals_brute_force_or_refuses_before_communicating(ranks: lis
                 assert stats.collectives == 0
                 refused += 1
                 continue
-            got = _same_on_every_rank(ranks, f"kbit/{name}/{step}")
+            got = same_on_every_rank(ranks, f"kbit/{name}/{step}")
             inputs = [sc.laplace_input(sc.KBIT_SIZE, rank, step) for rank in range(p)]
             segments = list(sc.KBIT_SEGMENTS) if case["quantizer"] == "l1" else None
             expected = brute_force_vote_kbit(inputs, step, segment_sizes=segments, **case)
             # Exact: votes are ±1 and means are ratios of small integers rounded once.
             assert torch.equal(got, expected), f"{name} step {step}"
-            small = _same_on_every_rank(ranks, f"kbit-small/{name}")
+            small = same_on_every_rank(ranks, f"kbit-small/{name}")
             small_expected = brute_force_vote_kbit([sc.laplace_input(5, r, 3) for r in range(p)], 3, **case)
             assert torch.equal(small, small_expected), f"{name} with 5 elements"
             checked += 1
@@ -98,17 +111,17 @@ def test_vote_kbit_equals_brute_force_or_refuses_before_communicating(ranks: lis
         assert refused > 0
 
 
-def test_vote_kbit_allreduce_sends_one_packed_sum(ranks: list[dict[str, object]]) -> None:
+def vote_kbit_allreduce_sends_one_packed_sum(ranks: Ranks) -> None:
+    """One uint8 all-reduce of the packed 4-bit fields (a world of more than one rank)."""
     p = len(ranks)
-    if p == 1:
-        pytest.skip("a world of one sends nothing")
+    assert p > 1, "a world of one sends nothing"
     stats = ranks[0]["kbit-stats/4-sign-vote-allreduce/1"]
     packed = math.ceil(sc.KBIT_SIZE * 4 / 8)
     assert stats.collectives == 1
     assert stats.bytes_sent == 2 * (p - 1) * packed // p
 
 
-def test_compressed_allreduce_matches_reference_simulation(ranks: list[dict[str, object]]) -> None:
+def compressed_allreduce_matches_reference_simulation(ranks: Ranks) -> None:
     """Three consecutive calls, so the worker and server error buffers carry over."""
     p = len(ranks)
     numel = torch.Size(sc.LEGACY_SHAPE).numel()
@@ -128,4 +141,62 @@ def test_compressed_allreduce_matches_reference_simulation(ranks: list[dict[str,
             torch.testing.assert_close(out, outs[rank], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(got[f"legacy/{call}/worker_error"], worker_errors[rank], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(got[f"legacy/{call}/server_error"], server_errors[rank], rtol=1e-5, atol=1e-6)
-        _same_on_every_rank(ranks, f"legacy/{call}/out")
+        same_on_every_rank(ranks, f"legacy/{call}/out")
+
+
+# Every backend check (the k-bit all-reduce byte count needs a world of more than one rank).
+BACKEND_CHECKS: tuple[Callable[[Ranks], None], ...] = (
+    vote_1bit_equals_brute_force,
+    vote_1bit_ties_follow_the_step,
+    vote_1bit_bf16_keeps_dtype,
+    vote_1bit_sends_two_phases_of_packed_bits,
+    vote_kbit_equals_brute_force_or_refuses_before_communicating,
+    vote_kbit_allreduce_sends_one_packed_sum,
+    compressed_allreduce_matches_reference_simulation,
+)
+
+
+# ---------------------------------------------------------------------------------------------- LionCub training
+
+# Modes whose parameters equal the simulation bit for bit whatever the order of floating-point sums:
+# signs, votes and integer field sums (the mean modes divide sums, the "none" modes average gradients).
+ORDER_FREE_MODES = frozenset(
+    {"none-fp32", "1bit", "1bit-positive", "4bit-sign", "8bit-l1", "4bit-l1-alltoall", "2bit-sign", "1bit-sync"}
+)
+
+
+def parameters_identical_on_every_rank(ranks: Ranks) -> None:
+    for mode in sc.training_modes(len(ranks)):
+        for name in PARAM_NAMES:
+            key = f"train-param/{mode}/{name}"
+            for rank, results in enumerate(ranks[1:], start=1):
+                assert torch.equal(results[key], ranks[0][key]), f"{key}: rank {rank} differs"
+
+
+def training_matches_brute_force_simulation(ranks: Ranks, exact_modes: Collection[str] | None) -> None:
+    """Every mode's parameters (rank 0) and every rank's final momenta against :func:`scenarios.simulate_mode`.
+
+    ``exact_modes``: the modes compared bit for bit, parameters only; the others within an ulp's tolerance
+    (summation order), momenta always with a tolerance. ``None``: everything bit for bit (a transport that
+    sums floats in the simulation's rank order). bf16 gradient averaging is left out: the simulation averages
+    in fp32.
+    """
+    p = len(ranks)
+    init = sc.init_params()
+    for mode, options in sc.training_modes(p).items():
+        if mode == "none-bf16":
+            continue
+        expected_params, expected_momenta = sc.simulate_mode(p, options)
+        for index, name in enumerate(PARAM_NAMES):
+            got = ranks[0][f"train-param/{mode}/{name}"]
+            assert not torch.equal(got, init[name]), f"{mode}: {name} never moved"
+            if exact_modes is None or mode in exact_modes:
+                assert torch.equal(got, expected_params[index]), f"{mode}: {name}"
+            else:  # averaged gradients or means: the summation order may differ by an ulp
+                torch.testing.assert_close(got, expected_params[index], rtol=1e-5, atol=1e-6)
+            for rank in range(p):
+                momentum = ranks[rank][f"train-exp-avg/{mode}/final/{name}"]
+                if exact_modes is None:
+                    assert torch.equal(momentum, expected_momenta[rank][index]), f"{mode}: rank {rank} {name}"
+                else:
+                    torch.testing.assert_close(momentum, expected_momenta[rank][index], rtol=1e-5, atol=1e-7)

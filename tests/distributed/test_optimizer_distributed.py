@@ -2,61 +2,30 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
-import scenarios as sc
-from reference import reference_lion_step
+from tests.support import checks
+from tests.support import scenarios as sc
+from tests.support.reference import reference_lion_step
+
+pytestmark = pytest.mark.distributed
 
 PARAM_NAMES = list(sc.PARAM_SHAPES)
-EXACT_MODES = {"none-fp32", "1bit", "1bit-positive", "4bit-sign", "8bit-l1", "4bit-l1-alltoall", "2bit-sign", "1bit-sync"}
 
 
-def _simulate(p: int, options: dict[str, object]) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
-    options = dict(options)
-    sync = options.pop("momentum_sync", None)
-    algorithm = options.pop("kbit_algorithm", "allreduce")
-    options.pop("comm_dtype", None)
-    return sc.simulate_training(
-        p,
-        sc.TRAIN_STEPS,
-        kbit_algorithm=algorithm,
-        momentum_sync_interval=sync["interval"] if sync else 0,
-        momentum_sync_params=[PARAM_NAMES.index("w2")] if sync else None,
-        **options,
-    )
+def test_parameters_bitwise_identical_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    checks.parameters_identical_on_every_rank(ranks)
 
 
-def test_parameters_bitwise_identical_on_every_rank(ranks: list[dict[str, object]]) -> None:
-    for mode in sc.training_modes(len(ranks)):
-        for name in PARAM_NAMES:
-            key = f"train-param/{mode}/{name}"
-            for rank, results in enumerate(ranks[1:], start=1):
-                assert torch.equal(results[key], ranks[0][key]), f"{key}: rank {rank} differs"
+def test_training_matches_brute_force_simulation(ranks: list[dict[str, Any]]) -> None:
+    # bf16 gradient averaging is checked against fp32 below.
+    checks.training_matches_brute_force_simulation(ranks, exact_modes=checks.ORDER_FREE_MODES)
 
 
-def test_training_matches_brute_force_simulation(ranks: list[dict[str, object]]) -> None:
-    p = len(ranks)
-    init = sc.init_params()
-    for mode, options in sc.training_modes(p).items():
-        if mode == "none-bf16":
-            continue  # the simulation averages in fp32; bf16 averaging is checked against fp32 below
-        expected_params, expected_momenta = _simulate(p, options)
-        for index, name in enumerate(PARAM_NAMES):
-            got = ranks[0][f"train-param/{mode}/{name}"]
-            assert not torch.equal(got, init[name]), f"{mode}: {name} never moved"
-            if mode in EXACT_MODES:
-                assert torch.equal(got, expected_params[index]), f"{mode}: {name}"
-            else:  # averaged gradients or means: the summation order may differ by an ulp
-                torch.testing.assert_close(got, expected_params[index], rtol=1e-5, atol=1e-6)
-            for rank in range(p):
-                torch.testing.assert_close(
-                    ranks[rank][f"train-exp-avg/{mode}/final/{name}"], expected_momenta[rank][index],
-                    rtol=1e-5, atol=1e-7,
-                )
-
-
-def test_bf16_gradient_averaging_stays_close_to_fp32(ranks: list[dict[str, object]]) -> None:
+def test_bf16_gradient_averaging_stays_close_to_fp32(ranks: list[dict[str, Any]]) -> None:
     for name in PARAM_NAMES:
         bf16 = ranks[0][f"train-param/none-bf16/{name}"]
         fp32 = ranks[0][f"train-param/none-fp32/{name}"]
@@ -65,7 +34,7 @@ def test_bf16_gradient_averaging_stays_close_to_fp32(ranks: list[dict[str, objec
         assert (bf16 == fp32).float().mean() > 0.9
 
 
-def test_world_of_one_follows_single_process_lion(ranks: list[dict[str, object]]) -> None:
+def test_world_of_one_follows_single_process_lion(ranks: list[dict[str, Any]]) -> None:
     if len(ranks) != 1:
         pytest.skip("the plain Lion trajectory is the world-size-1 case")
     params = [t.clone() for t in sc.init_params().values()]
@@ -79,7 +48,7 @@ def test_world_of_one_follows_single_process_lion(ranks: list[dict[str, object]]
             assert torch.equal(ranks[0][f"train-param/{mode}/{name}"], params[index]), f"{mode}: {name}"
 
 
-def test_momentum_sync_equalises_selected_layers_on_sync_steps_only(ranks: list[dict[str, object]]) -> None:
+def test_momentum_sync_equalises_selected_layers_on_sync_steps_only(ranks: list[dict[str, Any]]) -> None:
     p = len(ranks)
     if p == 1:
         pytest.skip("momentum is trivially equal on one rank")
@@ -91,7 +60,7 @@ def test_momentum_sync_equalises_selected_layers_on_sync_steps_only(ranks: list[
             assert equal == (synced and name == "w2"), f"step {step} {name}: equal={equal}"
 
 
-def test_collectives_per_step_are_bounded_by_buckets(ranks: list[dict[str, object]]) -> None:
+def test_collectives_per_step_are_bounded_by_buckets(ranks: list[dict[str, Any]]) -> None:
     p = len(ranks)
     total = sum(torch.Size(shape).numel() for shape in sc.PARAM_SHAPES.values())
     # At most one extra bucket per tensor boundary beyond ceil(total / bucket), 2 collectives each.
@@ -104,7 +73,7 @@ def test_collectives_per_step_are_bounded_by_buckets(ranks: list[dict[str, objec
             assert 2 * -(-total // sc.BUCKET_SIZE) + 1 <= one_bit <= 2 * bucket_bound + 1
 
 
-def test_kbit_too_narrow_for_the_world_fails_at_construction(ranks: list[dict[str, object]]) -> None:
+def test_kbit_too_narrow_for_the_world_fails_at_construction(ranks: list[dict[str, Any]]) -> None:
     messages = {results["construct-error"] for results in ranks}
     assert len(messages) == 1
     message = messages.pop()
@@ -114,7 +83,7 @@ def test_kbit_too_narrow_for_the_world_fails_at_construction(ranks: list[dict[st
         assert "at most 1 workers" in message and "kbit_algorithm='alltoall'" in message
 
 
-def test_nan_gradient_on_one_rank_stops_every_rank_before_any_change(ranks: list[dict[str, object]]) -> None:
+def test_nan_gradient_on_one_rank_stops_every_rank_before_any_change(ranks: list[dict[str, Any]]) -> None:
     p = len(ranks)
     messages = {results["nan-error"] for results in ranks}
     assert all(message is not None for message in messages)

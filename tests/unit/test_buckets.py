@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -72,5 +73,5 @@ def test_random_plans_cover_every_element_once(seed: int) -> None:
     buckets = plan_buckets(numels, capacity)
     check_plan(numels, capacity, buckets)
     # Greedy packing: a bucket closes only when the next piece would not fit.
-    for bucket, following in zip(buckets, buckets[1:]):
+    for bucket, following in itertools.pairwise(buckets):
         assert sum(piece.length for piece in bucket) + following[0].length > capacity

@@ -1,15 +1,15 @@
-"""The compiled packing kernels (ops/csrc, issue 4) against the pure torch path, bit for bit.
+"""The compiled packing kernels (ops/csrc) against the pure torch path, bit for bit.
 
-The CPU op is built once per checkout (JIT, cached under build/torch_extensions; conftest.py builds it
-before any test). A failed build FAILS these tests: a compiler is always present where they run.
-CUDA tests are marked ``gpu`` and skip, with the reason, where there is no CUDA device.
+The CPU op is built once per checkout (JIT, cached under build/torch_extensions) by the ``cpu_op`` fixture
+(conftest.py at the repository root), the first time a test asks for it. A failed build FAILS these tests:
+a compiler is always present where they run. CUDA tests are marked ``gpu`` and skip, with the reason,
+where there is no CUDA device. The op builder and report are in test_op_builder.py, the choice of path
+in test_dispatch.py.
 """
 
 from __future__ import annotations
 
-import io
-import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,7 +17,6 @@ import torch
 import ds_lioncub.comm.packing as packing
 from ds_lioncub.comm.backend import CompressedBackend
 from ds_lioncub.comm.quantize import l1_scale, quantize_l1
-from ds_lioncub.op_builder import LionCubPackingCPUBuilder, LionCubPackingCUDABuilder, get_logger
 
 SIZES = (0, 1, 7, 8, 9, 31, 32, 33, 63, 64, 65, 127, 1000, 4099)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -25,20 +24,6 @@ WIDTHS = (1, 2, 4, 8)
 LARGE = (1 << 20) + 13  # several parallel tasks, and a ragged end
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
-
-
-@pytest.fixture(scope="module")
-def cpu_op(packing_op_build):
-    module, error = packing_op_build
-    if error is not None:
-        pytest.fail(f"the CPU packing op did not build: {type(error).__name__}: {error}", pytrace=False)
-    return module
-
-
-@pytest.fixture(autouse=True)
-def _reset_path() -> Iterator[None]:
-    yield
-    packing.set_packing_path(None)
 
 
 def on_both_paths(fn: Callable[..., torch.Tensor], *args, **kwargs) -> torch.Tensor:
@@ -76,96 +61,6 @@ def signed_values(n: int, seed: int, dtype: torch.dtype = torch.float32) -> torc
 def random_bytes(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n,), generator=g, dtype=torch.int64).to(torch.uint8)
-
-
-# ------------------------------------------------------------------ the builder and the report
-
-
-def test_cpu_builder_loads_with_a_unique_name(cpu_op) -> None:
-    from deepspeed.ops.op_builder.all_ops import ALL_OPS
-
-    builder = LionCubPackingCPUBuilder()
-    assert builder.name == "lioncub_packing_cpu" and builder.name not in ALL_OPS
-    assert LionCubPackingCUDABuilder().name not in ALL_OPS
-    assert builder.load() is cpu_op  # cached: one load per process
-    assert builder.load_source.startswith(("prebuilt", "JIT cache", "JIT build"))
-    assert cpu_op.device == "cpu" and cpu_op.simd()
-    for source in builder.sources() + builder.include_paths():
-        from pathlib import Path
-
-        assert Path(builder.deepspeed_src_path(source)).exists(), source
-
-
-@pytest.mark.skipif(torch.version.cuda is not None, reason="torch is a CUDA build here")
-def test_cuda_builder_says_why_it_cannot_build_on_a_cpu_torch() -> None:
-    builder = LionCubPackingCUDABuilder()
-    assert not builder.is_compatible()
-    assert "CPU-only" in builder.error_log
-
-
-def test_report_shows_the_active_path(cpu_op) -> None:
-    from ds_lioncub.report import report
-
-    text = report(build=True, color=False)
-    line = next(line for line in text.splitlines() if line.startswith("active path (cpu)"))
-    assert "COMPILED" in line and "lioncub_packing_cpu" in line
-    assert "requested mode" in text and "op lioncub_packing_cuda" in text
-
-
-def test_report_follows_the_environment_variable(cpu_op, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    from ds_lioncub.report import main
-
-    monkeypatch.setenv(packing.PACKING_ENV, "torch")
-    assert main(["--no-color"]) == 0
-    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("active path (cpu)"))
-    assert "TORCH" in line and "DS_LIONCUB_PACKING=torch" in line
-
-
-# ------------------------------------------------------------------ dispatch
-
-
-def test_default_path_is_compiled_and_logged_once(cpu_op, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(packing.PACKING_ENV, raising=False)
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    get_logger().addHandler(handler)
-    try:
-        packing._chosen.clear()
-        assert packing.packing_path("cpu").path == "compiled"
-        assert packing.packing_path("cpu").path == "compiled"
-    finally:
-        get_logger().removeHandler(handler)
-    assert stream.getvalue().count("packing on cpu tensors: compiled path") == 1
-
-
-@pytest.mark.parametrize("mode", ["torch", "compiled", "auto"])
-def test_environment_variable_selects_the_path(cpu_op, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
-    monkeypatch.setenv(packing.PACKING_ENV, mode.upper())  # case does not matter
-    expected = "torch" if mode == "torch" else "compiled"
-    choice = packing.packing_path("cpu")
-    assert choice.path == expected
-    if mode != "auto":
-        assert f"DS_LIONCUB_PACKING={mode}" in choice.reason
-
-
-def test_bad_environment_variable_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(packing.PACKING_ENV, "fastest")
-    with pytest.raises(ValueError, match="auto.*compiled.*cupy.*torch"):
-        packing.pack_signs(torch.ones(3))
-    with pytest.raises(ValueError, match="fastest"):
-        packing.set_packing_path("fastest")
-
-
-def test_forcing_an_unavailable_path_raises_and_auto_falls_back() -> None:
-    packing.set_packing_path("compiled")
-    with pytest.raises(RuntimeError, match="compiled packing op is unavailable"):
-        packing.packing_path("meta")
-    packing.set_packing_path("cupy")
-    cpu_choice = packing.packing_path("cpu")  # cupy is for CUDA tensors: CPU tensors go to torch
-    assert cpu_choice.path == "torch" and "CUDA tensors only" in cpu_choice.reason
-    packing.set_packing_path("auto")
-    meta_choice = packing.packing_path("meta")
-    assert meta_choice.path == "torch" and "same bits" in meta_choice.reason
 
 
 # ------------------------------------------------------------------ signs
@@ -344,7 +239,7 @@ def test_pack_l1_fields_equals_quantize_l1(cpu_op) -> None:
     c = signed_values(5000, seed=4).nan_to_num(0.0, 3.0, -3.0)
     sizes = [1000, 0, 2500, 1500]
     means = [c[0:1000].abs().mean(), torch.tensor(0.0), c[1000:3500].abs().mean(), c[3500:].abs().mean()]
-    q = torch.cat([quantize_l1(c[s : s + n], m, levels, clip) for s, n, m in zip([0, 1000, 1000, 3500], sizes, means)])
+    q = torch.cat([quantize_l1(c[s : s + n], m, levels, clip) for s, n, m in zip([0, 1000, 1000, 3500], sizes, means, strict=True)])
     expected = packing.pack_fields((q + levels).to(torch.uint8), bits)
     scales = torch.stack([l1_scale(m, levels, clip) for m in means])
     for path in ("compiled", "torch"):
@@ -384,14 +279,6 @@ def test_backend_results_do_not_depend_on_the_path(cpu_op) -> None:
 
 
 # ------------------------------------------------------------------ CUDA (skipped without a GPU)
-
-
-@pytest.fixture(scope="module")
-def cuda_op():
-    builder = LionCubPackingCUDABuilder()
-    if not builder.is_compatible():
-        pytest.fail(f"CUDA device present but the CUDA op cannot build: {builder.error_log}", pytrace=False)
-    return builder.load()
 
 
 def on_cuda_and_cpu_torch(fn: Callable[..., torch.Tensor], *args, **kwargs) -> None:

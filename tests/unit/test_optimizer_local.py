@@ -1,23 +1,21 @@
 """LionCub in one process (torch.distributed not initialised: a world of one).
 
 At p = 1 the vote of one worker is its own sign (zeros by the tie rule), so every mode can be checked
-against a hand-written Lion loop here; the legacy compressed_allreduce is checked against hand-worked
-values of DESIGN §2.7.
+against a hand-written Lion loop here. CompressedBackend's legacy compressed_allreduce at a world of one
+is in tests/unit/test_backend_local.py.
 """
 
 from __future__ import annotations
 
 import io
-import math
 from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
 
-from ds_lioncub import CompressedBackend, LionCub, LionCubConfigError
-from ds_lioncub.comm import legacy_padded_numel
-from reference import simulate_lioncub, tie_value
+from ds_lioncub import LionCub, LionCubConfigError
+from tests.support.reference import simulate_lioncub, tie_value
 
 # ------------------------------------------------------------------ helpers
 
@@ -49,7 +47,7 @@ def lion_loop(
     momenta = [torch.zeros_like(t) for t in init]
     for step in range(1, steps + 1):
         grads = make_grads(step, [tuple(t.shape) for t in init])
-        for param, m, g, (lr, (b1, b2), wd) in zip(params, momenta, grads, hypers):
+        for param, m, g, (lr, (b1, b2), wd) in zip(params, momenta, grads, hypers, strict=True):
             c = m * b1 + g * (1 - b1)
             if compression == "none":
                 direction = torch.sign(c)
@@ -68,7 +66,7 @@ def run_optimizer(
     after_step: Callable[[], None] = lambda: None,
 ) -> None:
     for step in range(first_step, first_step + steps):
-        for param, grad in zip(params, make_grads(step, [tuple(p.shape) for p in params])):
+        for param, grad in zip(params, make_grads(step, [tuple(p.shape) for p in params]), strict=True):
             param.grad = grad
         optimizer.step()
         after_step()
@@ -167,12 +165,12 @@ GROUP_HYPERS: list[Hyper] = [(0.01, (0.9, 0.99), 0.1), (0.003, (0.5, 0.9), 0.0),
 def test_param_groups_honour_their_hyper_parameters(compression: str) -> None:
     init = [p.detach().clone() for p in fresh_params(SHAPES)]
     params = [nn.Parameter(t.clone()) for t in init]
-    groups = [{"params": [p], "lr": lr, "betas": betas, "weight_decay": wd} for p, (lr, betas, wd) in zip(params, GROUP_HYPERS)]
+    groups = [{"params": [p], "lr": lr, "betas": betas, "weight_decay": wd} for p, (lr, betas, wd) in zip(params, GROUP_HYPERS, strict=True)]
     # The defaults differ from every group: falling back to them would change the result.
     optimizer = LionCub(groups, lr=0.5, betas=(0.1, 0.2), weight_decay=0.7, compression=compression)
     run_optimizer(optimizer, params, steps=8)
     expected = lion_loop(init, GROUP_HYPERS, steps=8, compression=compression)
-    for got, want in zip(params, expected):
+    for got, want in zip(params, expected, strict=True):
         torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-6)
 
 
@@ -186,7 +184,7 @@ def test_step_lr_scheduler_changes_applied_lr(compression: str) -> None:
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.02 * 0.5**3)
     hypers: list[Hyper] = [(0.02, (0.9, 0.99), 0.1)] * len(SHAPES)
     expected = lion_loop(init, hypers, 7, compression, lr_at=lambda step, lr: lr * 0.5 ** ((step - 1) // 2))
-    for got, want in zip(params, expected):
+    for got, want in zip(params, expected, strict=True):
         torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-6)
 
 
@@ -217,7 +215,7 @@ def test_state_dict_round_trip_continues_identically(options: dict[str, object])
     reloaded.load_state_dict(torch.load(buffer))
     assert reloaded.param_groups[0]["step"] == 3  # the tie rule depends on the step: it must survive
     run_optimizer(reloaded, resumed, steps=3, first_step=4)
-    for got, want in zip(resumed, straight):
+    for got, want in zip(resumed, straight, strict=True):
         assert torch.equal(got, want)
 
 
@@ -245,10 +243,10 @@ def test_small_buckets_match_one_bucket_for_l1() -> None:
         params = [nn.Parameter(t.clone()) for t in init]
         optimizer = LionCub(params, lr=0.01, bucket_size=bucket_size, **options)
         for step in range(1, 5):
-            for param, grad in zip(params, grads(0, step, [])):
+            for param, grad in zip(params, grads(0, step, []), strict=True):
                 param.grad = grad
             optimizer.step()
-        for got, want in zip(params, expected):
+        for got, want in zip(params, expected, strict=True):
             torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-6, msg=f"bucket_size={bucket_size}")
 
 
@@ -287,63 +285,3 @@ def test_parameter_without_gradient_is_skipped(compression: str) -> None:
     assert "exp_avg" not in optimizer.state[unused]
     torch.testing.assert_close(used.detach(), torch.full((4,), 1.0 * (1 - 0.05) - 0.1))
     assert "exp_avg" in optimizer.state[used]
-
-
-# ------------------------------------------------------------------ legacy compressed_allreduce (DESIGN §2.7)
-
-
-def test_legacy_padded_numel_hand_values() -> None:
-    # numel rounded up to p * lcm(p, 8)
-    assert legacy_padded_numel(6, 1) == 8
-    assert legacy_padded_numel(8, 1) == 8
-    assert legacy_padded_numel(10, 3) == 72
-    assert legacy_padded_numel(33, 4) == 64
-    assert legacy_padded_numel(1, 8) == 64
-
-
-@pytest.mark.parametrize("worker_numel", [12, 8, 4])
-def test_legacy_bad_worker_error_size(worker_numel: int) -> None:
-    # 12 is not a multiple of 8; 8 and 4 are smaller than the 10-element buffer.
-    with pytest.raises(ValueError) as raised:
-        CompressedBackend().compressed_allreduce(torch.ones(10), torch.zeros(worker_numel), torch.zeros(worker_numel), 0)
-    message = str(raised.value)
-    assert str(worker_numel) in message and "10" in message, message
-
-
-def test_legacy_bad_server_error_size() -> None:
-    with pytest.raises(ValueError) as raised:
-        CompressedBackend().compressed_allreduce(torch.ones(10), torch.zeros(16), torch.zeros(8), 0)
-    message = str(raised.value)
-    assert "16" in message and "8" in message, message
-
-
-def test_legacy_world_of_one_hand_worked() -> None:
-    # buffer (6 values, shape 2x3) padded to 8: x = [3, -1, 0, 2, -4, 1, 0, 0]; |x|^2 = 31.
-    buffer = torch.tensor([[3.0, -1.0, 0.0], [2.0, -4.0, 1.0]])
-    worker_error, server_error = torch.zeros(8), torch.zeros(8)
-    x = [3.0, -1.0, 0.0, 2.0, -4.0, 1.0, 0.0, 0.0]
-    scale = math.sqrt(31 / 8)
-    signs = [1.0 if v >= 0 else -1.0 for v in x]  # sgn(0) = +1
-    out = CompressedBackend().compressed_allreduce(buffer, worker_error, server_error, 0)
-    assert out is buffer and out.shape == (2, 3)
-    # One worker: y = scale * signs, whose own scale is `scale` again, so the server error is 0.
-    torch.testing.assert_close(out.view(-1), torch.tensor([scale * s for s in signs[:6]]))
-    torch.testing.assert_close(worker_error, torch.tensor([v - scale * s for v, s in zip(x, signs)]))
-    torch.testing.assert_close(server_error, torch.zeros(8), atol=1e-6, rtol=0)
-
-
-def test_legacy_world_of_one_with_carried_errors() -> None:
-    buffer = torch.tensor([1.0, -2.0, 0.5, 0.0, 4.0, -1.0, 2.0, -3.0, 0.25, 1.0])  # padded to 16
-    worker_error = torch.linspace(-1.0, 1.0, 16)
-    server_error = torch.linspace(0.5, -0.5, 16)
-    x = [b + e for b, e in zip(buffer.tolist() + [0.0] * 6, worker_error.tolist())]
-    w_scale = math.sqrt(sum(v * v for v in x) / 16)
-    w_signs = [1.0 if v >= 0 else -1.0 for v in x]
-    y = [w_scale * s + e for s, e in zip(w_signs, server_error.tolist())]
-    s_scale = math.sqrt(sum(v * v for v in y) / 16)
-    s_signs = [1.0 if v >= 0 else -1.0 for v in y]
-
-    CompressedBackend().compressed_allreduce(buffer, worker_error, server_error, 0)
-    torch.testing.assert_close(buffer, torch.tensor([s_scale * s for s in s_signs[:10]]))
-    torch.testing.assert_close(worker_error, torch.tensor([v - w_scale * s for v, s in zip(x, w_signs)]))
-    torch.testing.assert_close(server_error, torch.tensor([v - s_scale * s for v, s in zip(y, s_signs)]))

@@ -1,9 +1,12 @@
 """Option validation: every bad value, unknown key and conflict gives a LionCubConfigError that names the
-option and the value and says how to fix it; valid configurations parse to what was asked for."""
+option and the value and says how to fix it; valid configurations parse to what was asked for; the ready
+ds_config files in configs/ select LionCub."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +15,7 @@ import torch
 import ds_lioncub
 from ds_lioncub import LionCub, LionCubConfigError, parse_config
 
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 KBIT = {"compression": "kbit"}
 KBIT_L1 = {"compression": "kbit", "quantizer": "l1"}
 
@@ -64,7 +68,7 @@ def test_non_finite_hyper_parameters_rejected(options: dict[str, Any], value: st
 
 
 def test_config_error_is_a_value_error() -> None:
-    # API.md promises ValueError; LionCubConfigError must stay a subclass so callers can catch either.
+    # The documented contract is ValueError; LionCubConfigError must stay a subclass so callers can catch either.
     assert issubclass(ds_lioncub.LionCubConfigError, ValueError)
 
 
@@ -173,3 +177,28 @@ def test_valid_configs_parse(options: dict[str, Any]) -> None:
             assert tuple(got) == tuple(value)
         else:
             assert got == value
+
+
+def test_transport_options() -> None:
+    from ds_lioncub import LionCubConfigError, parse_config
+    from ds_lioncub.comm import make_transport
+
+    assert parse_config({}).comm_backend_name == "torch" and parse_config({}).cuda_aware is False
+    config = parse_config({"comm_backend_name": "mpi", "cuda_aware": True})
+    assert config.comm_backend_name == "mpi" and config.cuda_aware is True
+    with pytest.raises(LionCubConfigError, match=r"comm_backend_name='openmpi': Input should be 'torch' or 'mpi'"):
+        parse_config({"comm_backend_name": "openmpi"})
+    with pytest.raises(LionCubConfigError, match=r"comm_backend_name='nccl': must be 'torch' or 'mpi'.*'torch' uses"):
+        parse_config({"comm_backend_name": "nccl"})
+    with pytest.raises(LionCubConfigError, match=r"cuda_aware=True only applies to comm_backend_name='mpi'"):
+        parse_config({"cuda_aware": True})
+    with pytest.raises(ValueError, match=r"cuda_aware=True only applies"):
+        make_transport(None, "torch", cuda_aware=True)
+    with pytest.raises(ValueError, match=r"comm_backend_name must be one of \['torch', 'mpi'\]"):
+        make_transport(None, "nccl")
+
+
+def test_config_files_are_valid_json_with_lioncub() -> None:
+    for path in CONFIGS.glob("*.json"):
+        config = json.loads(path.read_text())
+        assert config["optimizer"]["type"].lower() == "lioncub", path.name

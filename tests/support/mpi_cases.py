@@ -1,4 +1,4 @@
-"""Inputs of the MPI-transport jobs (tests/workers/mpi_scenarios.py), shared with tests/test_mpi.py.
+"""Inputs of the MPI-transport jobs (tests/workers/mpi_scenarios.py), shared with tests/integration/test_mpi.py.
 
 Every input is a pure function of (case, rank), so the test process can rebuild what each rank sent.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-import scenarios as sc
+from tests.support import scenarios as sc
 
 # torch.int16 is left out: gloo cannot sum it (the MPI transport can).
 DTYPES: dict[str, torch.dtype] = {
@@ -28,18 +28,11 @@ ENGINE_STEPS = 6
 ENGINE_OPTIONS = {"compression": "1bit", "comm_backend_name": "mpi", "bucket_size": sc.BUCKET_SIZE}
 
 
-def _generator(*key: int) -> torch.Generator:
-    seed = 0
-    for part in key:
-        seed = seed * 1_000_003 + part
-    return torch.Generator().manual_seed(seed % (2**62))
-
-
 def transport_input(kind: int, dtype_name: str, size: int, rank: int) -> Tensor:
     """Floats spread over seven decades (so the summation order shows in the last bits); integers
     spanning their type (uint8 sums of three ranks wrap, as gloo's do)."""
     dtype = DTYPES[dtype_name]
-    gen = _generator(7, kind, list(DTYPES).index(dtype_name), size, rank)
+    gen = sc.seeded_generator(7, kind, list(DTYPES).index(dtype_name), size, rank)
     if dtype.is_floating_point:
         scale = 10.0 ** torch.randint(-3, 4, (size,), generator=gen).double()
         return (torch.randn(size, generator=gen, dtype=torch.float64) * scale).to(dtype)
@@ -65,7 +58,7 @@ def rank_order_sum(inputs: list[Tensor]) -> Tensor:
 
 
 class Mlp(nn.Module):
-    """tests/scenarios.py's two-layer MLP as a module, so the DeepSpeed engine can train it."""
+    """tests/support/scenarios.py's two-layer MLP as a module, so the DeepSpeed engine can train it."""
 
     def __init__(self) -> None:
         super().__init__()

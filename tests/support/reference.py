@@ -2,8 +2,10 @@
 
 Every function here takes the inputs of ALL ranks at once (one tensor per rank) and computes, by
 brute force, what every rank must end up with. Nothing is bit-packed and nothing is communicated:
-the point is to be obviously correct (spec: /tmp/spec/API.md, algorithms: DESIGN.md 2.1-2.7), so
-that a bug in the packed/distributed implementation cannot hide in a shared helper.
+the point is to be obviously correct, written from the algorithms' definitions (the tie rule, the 1-bit
+majority vote, k-bit sign and L1 fields with vote or mean, Lion's update, momentum sync, DeepSpeed's
+legacy error-compensated 1-bit all-reduce) rather than from the library, so that a bug in the
+packed/distributed implementation cannot hide in a shared helper.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def max_world_size_allreduce(bits: int, quantizer: str) -> int:
 def l1_quantize(c: Tensor, levels: int, clip: float, mean_abs: float | Tensor | None = None) -> Tensor:
     """int32 q = clamp(round(c / mu * L / clip), -L, L), mu = mean|c| unless given; mu == 0 -> 0.
 
-    Evaluated literally in c's floating dtype (fp32 at least), left to right as the spec writes it,
+    Evaluated literally in c's floating dtype (fp32 at least), left to right as the formula is written,
     because exact half-integer boundaries are decided by that rounding; float64 would not match.
     """
     work = c if c.dtype in (torch.float32, torch.float64) else c.float()
@@ -176,7 +178,7 @@ def brute_force_vote_kbit(
 
 
 # ----------------------------------------------------------------------------------------------
-# legacy error-compensated 1-bit allreduce (DESIGN 2.7, DeepSpeed <= 0.19.7 semantics)
+# legacy error-compensated 1-bit allreduce (DeepSpeed <= 0.19.7 compressed_allreduce semantics)
 # ----------------------------------------------------------------------------------------------
 
 def _sgn_zero_positive(x: Tensor) -> Tensor:
@@ -334,10 +336,10 @@ def simulate_lioncub(
             params = rank_params
         else:
             # c from each rank's own (pre-update) momentum, flattened over params in order.
-            flat_c = [torch.cat([_pre_sign_update(m, g, beta1).flatten() for m, g in zip(exp_avgs[rank], grads[rank])])
+            flat_c = [torch.cat([_pre_sign_update(m, g, beta1).flatten() for m, g in zip(exp_avgs[rank], grads[rank], strict=True)])
                       if params else torch.zeros(0) for rank in range(p)]
             for rank in range(p):
-                for m, g in zip(exp_avgs[rank], grads[rank]):
+                for m, g in zip(exp_avgs[rank], grads[rank], strict=True):
                     _update_momentum(m, g, beta2)
             if compression == "1bit":
                 delta = brute_force_vote_1bit(flat_c, step, tie_break)
@@ -345,7 +347,7 @@ def simulate_lioncub(
                 delta = brute_force_vote_kbit(flat_c, step, bits, quantizer, aggregation, kbit_algorithm,
                                               tie_break, l1_clip, numels)
             start = 0
-            for t, size in zip(params, numels):
+            for t, size in zip(params, numels, strict=True):
                 _apply_update(t, delta[start:start + size].reshape(t.shape), step_lr, weight_decay)
                 start += size
 

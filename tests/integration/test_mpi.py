@@ -1,14 +1,15 @@
-"""The MPI transport (issue 5): comm_backend_name="mpi" against the torch transport and the references.
+"""The MPI transport: comm_backend_name="mpi" against the torch transport and the references.
 
 Three launches: `mpirun -np 2` and `mpirun -np 3` each run tests/workers/mpi_scenarios.py, where
 torch.distributed (gloo, set up by deepspeed.init_distributed() from MPI) and MPI carry the same
 operations on the same inputs in one job; a 2-rank job started by the deepspeed launcher in MPI
-mode (`--launcher mpich --force_multi`) trains a DeepSpeed engine over MPI. The rest runs in this
-process without initialising MPI.
+mode (`--launcher mpich --force_multi`) trains a DeepSpeed engine over MPI. The MPI set-up checks
+that need no job are in tests/unit/test_mpi_setup.py.
 
-Float sums are the one place the transports may differ: the MPI transport sums in rank order, gloo
-around its ring. With 2 ranks both are a0 + a1; with 3 they are compared with a tolerance, and the
-MPI result is checked bit for bit against the rank-order sum (and so the brute-force simulation).
+Float sums: both transports sum in rank order (an all-to-all, a per-chunk sum on its owner, an
+all-gather), so every operation must agree bit for bit between them; float sums are also checked to lie
+within the rounding bound of the exact sum, and the MPI results bit for bit against the rank-order sum
+(and so the brute-force simulation).
 """
 
 from __future__ import annotations
@@ -25,11 +26,10 @@ from typing import Any
 import pytest
 import torch
 
-import mpi_cases as mc
-import scenarios as sc
-import test_backend_distributed as backend_checks
-import test_optimizer_distributed as optimizer_checks
-from launch import REPO, free_port
+from tests.support import checks
+from tests.support import mpi_cases as mc
+from tests.support import scenarios as sc
+from tests.support.launch import REPO, free_port, worker_environment
 
 WORKER = REPO / "tests" / "workers" / "mpi_scenarios.py"
 INSTALL = 'pip install -e ".[mpi]" (`make test` installs the extra)'
@@ -43,11 +43,13 @@ def _mpirun() -> str | None:
 MPIRUN = _mpirun()
 HAVE_MPI = MPIRUN is not None and importlib.util.find_spec("mpi4py") is not None
 needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason=f"mpi4py or mpirun is not installed: {INSTALL}")
+pytestmark = pytest.mark.mpi
+TRANSPORTS = ("torch", "mpi")
 
 
 def _environment() -> dict[str, str]:
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PATH": path}
+    return worker_environment(DS_ACCELERATOR="cpu", PATH=path)
 
 
 def _run(command: list[str], result_files: list[Path], timeout_s: float, ok_codes: tuple[int, ...] = (0,)) -> None:
@@ -68,7 +70,9 @@ def _run(command: list[str], result_files: list[Path], timeout_s: float, ok_code
 
 
 @pytest.fixture(scope="module", params=(2, 3), ids=lambda p: f"mpirun-np{p}")
-def mpi_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def mpi_ranks(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, packing_op_build: tuple[Any, Any]
+) -> list[dict[str, Any]]:
     if not HAVE_MPI:
         pytest.skip(f"mpi4py or mpirun is not installed: {INSTALL}")
     p = request.param
@@ -155,7 +159,7 @@ def test_sums_are_rank_order_sums_identical_on_every_rank(mpi_ranks: list[dict[s
             for size in mc.ALL_REDUCE_SIZES:
                 expected = mc.rank_order_sum([mc.transport_input(3, dtype_name, size, r) for r in range(p)])
                 got = over_mpi[f"reduce/{dtype_name}/{size}"]
-                assert got.dtype == expected.dtype and torch.equal(got, expected), f"{dtype_name}/{size}"
+                assert got.dtype == expected.dtype and torch.equal(got, expected), f"rank {rank}: {dtype_name}/{size}"
                 assert over_mpi[f"reduce-in-place/{dtype_name}/{size}"] is True
         strided = mc.rank_order_sum([mc.transport_input(3, "float32", 64, r).view(8, 8).t() for r in range(p)])
         assert torch.equal(over_mpi["reduce-strided"], strided)
@@ -186,38 +190,22 @@ def test_byte_accounting_is_the_torch_transports(mpi_ranks: list[dict[str, Any]]
 
 
 @needs_mpi
-def test_mpi_backend_equals_brute_force(mpi_ranks: list[dict[str, Any]]) -> None:
-    """tests/test_backend_distributed.py's checks, on what the MPI transport computed."""
-    over_mpi = [_transport(results, "mpi") for results in mpi_ranks]
-    backend_checks.test_vote_1bit_equals_brute_force(over_mpi)
-    backend_checks.test_vote_1bit_ties_do_occur_and_follow_the_step(over_mpi)
-    backend_checks.test_vote_1bit_bf16_keeps_dtype(over_mpi)
-    backend_checks.test_vote_1bit_sends_two_phases_of_packed_bits(over_mpi)
-    backend_checks.test_vote_kbit_equals_brute_force_or_refuses_before_communicating(over_mpi)
-    backend_checks.test_vote_kbit_allreduce_sends_one_packed_sum(over_mpi)
-    backend_checks.test_compressed_allreduce_matches_reference_simulation(over_mpi)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_backend_equals_brute_force(mpi_ranks: list[dict[str, Any]], transport: str) -> None:
+    """tests/distributed/test_backend_distributed.py's checks, on what each transport computed in this job."""
+    over_transport = [_transport(results, transport) for results in mpi_ranks]
+    for check in checks.BACKEND_CHECKS:
+        check(over_transport)
 
 
 @needs_mpi
-def test_mpi_training_identical_on_ranks_and_equal_to_simulation(mpi_ranks: list[dict[str, Any]]) -> None:
-    p = len(mpi_ranks)
-    over_mpi = [_transport(results, "mpi") for results in mpi_ranks]
-    init = sc.init_params()
-    for mode, options in sc.training_modes(p).items():
-        for name in sc.PARAM_SHAPES:
-            key = f"train-param/{mode}/{name}"
-            for rank in range(1, p):
-                assert torch.equal(over_mpi[rank][key], over_mpi[0][key]), f"{key}: rank {rank} differs"
-        if mode == "none-bf16":
-            continue  # the simulation averages in fp32; bf16 is compared with the torch transport above
-        expected_params, expected_momenta = optimizer_checks._simulate(p, options)
-        for index, name in enumerate(sc.PARAM_SHAPES):
-            got = over_mpi[0][f"train-param/{mode}/{name}"]
-            assert not torch.equal(got, init[name]), f"{mode}: {name} never moved"
-            # Exact in every mode: MPI sums floats in the simulation's (rank) order.
-            assert torch.equal(got, expected_params[index]), f"{mode}: {name}"
-            for rank in range(p):
-                assert torch.equal(over_mpi[rank][f"train-exp-avg/{mode}/{name}"], expected_momenta[rank][index])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_training_identical_on_ranks_and_equal_to_simulation(mpi_ranks: list[dict[str, Any]], transport: str) -> None:
+    over_transport = [_transport(results, transport) for results in mpi_ranks]
+    checks.parameters_identical_on_every_rank(over_transport)
+    # Exact in every mode: both transports sum floats in the simulation's (rank) order. bf16 averaging is
+    # compared between the transports above.
+    checks.training_matches_brute_force_simulation(over_transport, exact_modes=None)
 
 
 @needs_mpi
@@ -273,7 +261,7 @@ def test_cuda_aware_on_mpi_without_cuda_is_refused(mpi_ranks: list[dict[str, Any
 
 
 @pytest.fixture(scope="module")
-def launcher_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def launcher_ranks(tmp_path_factory: pytest.TempPathFactory, packing_op_build: tuple[Any, Any]) -> list[dict[str, Any]]:
     if not HAVE_MPI:
         pytest.skip(f"mpi4py or mpirun is not installed: {INSTALL}")
     out = tmp_path_factory.mktemp("deepspeed-mpich")
@@ -285,73 +273,16 @@ def launcher_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, A
         "--force_multi", "--no_ssh_check", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
         str(WORKER), str(out), "engine",
     ]
-    # The launcher may abort with 250 at exit after the work is done (DESIGN.md §3); results decide.
+    # The launcher may abort with 250 at exit after the work is done ("terminate called without an active
+    # exception", see tests/support/launch.run_deepspeed); the results decide.
     _run(command, files, timeout_s=600, ok_codes=(0, 250))
     return [torch.load(path, weights_only=False) for path in files]
 
 
 @needs_mpi
+@pytest.mark.deepspeed
 def test_deepspeed_launcher_in_mpi_mode(launcher_ranks: list[dict[str, Any]]) -> None:
     for rank, results in enumerate(launcher_ranks):
         env = results["engine/env"]
         assert env["PMI_RANK"] == str(rank) and env["RANK"] == str(rank), env  # an MPI job, ranks mapped by DeepSpeed
     _check_engine(launcher_ranks)
-
-
-# ---------------------------------------------------------------------------------------------- in this process
-
-
-def test_rank_layout_check() -> None:
-    from ds_lioncub.comm.transport import MpiSetupError, check_rank_layout
-
-    check_rank_layout([None, None, None])  # torch.distributed off everywhere
-    check_rank_layout([(0, 3, 0), (1, 3, 1), (2, 3, 2)])
-    check_rank_layout([(0, 2, 4), (1, 2, 5)])  # a torch group of other global ranks, in MPI's order
-    with pytest.raises(MpiSetupError, match=r"same order.*0->1 \(global 1\), 1->0 \(global 0\).*PMI_RANK"):
-        check_rank_layout([(1, 2, 1), (0, 2, 0)])
-    with pytest.raises(MpiSetupError, match=r"MPI sees a world of 1 .* group has 4 ranks.*not started by mpirun"):
-        check_rank_layout([(2, 4, 2)])
-    with pytest.raises(MpiSetupError, match=r"MPI world has 4 ranks and the data-parallel torch group 2"):
-        check_rank_layout([(0, 2, 0), (1, 2, 1), (0, 2, 2), (1, 2, 3)])
-    with pytest.raises(MpiSetupError, match=r"not on MPI ranks \[1\]"):
-        check_rank_layout([(0, 2, 0), None])
-
-
-@pytest.fixture
-def no_mpi4py(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "mpi4py", None)
-    monkeypatch.setitem(sys.modules, "mpi4py.MPI", None)
-
-
-def test_missing_mpi4py_names_the_fix(no_mpi4py: None) -> None:
-    from ds_lioncub import CompressedBackend, LionCub
-    from ds_lioncub.comm import MpiTransport
-
-    for build in (
-        lambda: MpiTransport(),
-        lambda: CompressedBackend(comm_backend_name="mpi"),
-        lambda: LionCub([torch.nn.Parameter(torch.zeros(3))], comm_backend_name="mpi"),
-    ):
-        with pytest.raises(ImportError, match=r'needs mpi4py.*pip install "ds_lioncub\[mpi\]"'):
-            build()
-    # The default transport never touches mpi4py.
-    assert CompressedBackend().comm_backend_name == "torch"
-
-
-def test_config_options() -> None:
-    from ds_lioncub import LionCubConfigError, parse_config
-    from ds_lioncub.comm import make_transport
-
-    assert parse_config({}).comm_backend_name == "torch" and parse_config({}).cuda_aware is False
-    config = parse_config({"comm_backend_name": "mpi", "cuda_aware": True})
-    assert config.comm_backend_name == "mpi" and config.cuda_aware is True
-    with pytest.raises(LionCubConfigError, match=r"comm_backend_name='openmpi': Input should be 'torch' or 'mpi'"):
-        parse_config({"comm_backend_name": "openmpi"})
-    with pytest.raises(LionCubConfigError, match=r"comm_backend_name='nccl': must be 'torch' or 'mpi'.*'torch' uses"):
-        parse_config({"comm_backend_name": "nccl"})
-    with pytest.raises(LionCubConfigError, match=r"cuda_aware=True only applies to comm_backend_name='mpi'"):
-        parse_config({"cuda_aware": True})
-    with pytest.raises(ValueError, match=r"cuda_aware=True only applies"):
-        make_transport(None, "torch", cuda_aware=True)
-    with pytest.raises(ValueError, match=r"comm_backend_name must be one of \['torch', 'mpi'\]"):
-        make_transport(None, "nccl")

@@ -1,6 +1,7 @@
 """ds_lioncub.comm.quantize: tie rule, L1 quantizer, level counts, world-size checks, field widths.
 
-Expected values are hand-worked or come from the formulas in DESIGN §2.2/§2.4 and tests/reference.py.
+Expected values are hand-worked or come from the formulas (tie rule, L1 quantizer, levels and world-size
+limits) as tests/support/reference.py writes them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ds_lioncub.comm.quantize import (
     sign_with_tie,
     tie_sign,
 )
-from reference import l1_quantize, max_world_size_allreduce, maxnorm_quantize, tie_value
+from tests.support.reference import l1_quantize, max_world_size_allreduce, maxnorm_quantize, tie_value
 
 # ------------------------------------------------------------------ tie rule
 

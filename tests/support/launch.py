@@ -1,23 +1,31 @@
-"""Starting real multi-process gloo jobs from a test, with a hard time limit (a hang fails, never blocks)."""
+"""Starting real multi-process jobs from a test (plain gloo ranks, the deepspeed launcher), with a hard time limit
+(a hang fails, never blocks)."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from examples.compare import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def worker_environment(**extra: str) -> dict[str, str]:
+    """This process's environment for a job's ranks: this checkout first on PYTHONPATH (the ranks import
+    ds_lioncub, tests.support and examples from it, whatever is pip-installed), one thread per rank."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
 
 
 def run_ranks(script: Path, world_size: int, work_dir: Path, timeout_s: float = 240.0) -> list[dict[str, object]]:
     """Run ``script RANK WORLD STORE OUT`` as ``world_size`` processes; return each rank's saved results."""
     work_dir.mkdir(parents=True, exist_ok=True)
     store = work_dir / "store"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = worker_environment()
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(rank), str(world_size), str(store), str(work_dir)],
@@ -36,18 +44,12 @@ def run_ranks(script: Path, world_size: int, work_dir: Path, timeout_s: float = 
     except subprocess.TimeoutExpired:
         for proc in procs:
             proc.kill()
-        raise AssertionError(f"{script.name} with {world_size} ranks did not finish in {timeout_s} s (hang?)")
+        raise AssertionError(f"{script.name} with {world_size} ranks did not finish in {timeout_s} s (hang?)") from None
     failed = [(rank, proc.returncode, outputs[rank]) for rank, proc in enumerate(procs) if proc.returncode != 0]
     if failed:
         rank, code, out = failed[0]
         raise AssertionError(f"rank {rank} of {world_size} exited with {code}:\n{out[-4000:]}")
     return [torch.load(work_dir / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_deepspeed(
@@ -63,7 +65,7 @@ def run_deepspeed(
         sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_ranks),
         "--master_port", str(free_port()), str(script), *script_args,
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(environment or {})}
+    env = worker_environment(**(environment or {}))
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
     except subprocess.TimeoutExpired as error:

@@ -1,0 +1,1 @@
+"""Multi-rank gloo jobs: CompressedBackend and LionCub on 1-4 real ranks."""

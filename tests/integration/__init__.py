@@ -1,0 +1,1 @@
+"""Jobs started by the real launchers: the deepspeed launcher and mpirun."""

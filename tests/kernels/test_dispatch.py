@@ -1,0 +1,57 @@
+"""Which packing path runs: compiled op by default (logged once), DS_LIONCUB_PACKING and set_packing_path to
+force one, a clear error when the forced one cannot run, and auto's fallback to the exact torch path."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+import torch
+
+import ds_lioncub.comm.packing as packing
+from ds_lioncub.op_builder import get_logger
+
+
+def test_default_path_is_compiled_and_logged_once(cpu_op, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(packing.PACKING_ENV, raising=False)
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    get_logger().addHandler(handler)
+    try:
+        packing._chosen.clear()
+        assert packing.packing_path("cpu").path == "compiled"
+        assert packing.packing_path("cpu").path == "compiled"
+    finally:
+        get_logger().removeHandler(handler)
+    assert stream.getvalue().count("packing on cpu tensors: compiled path") == 1
+
+
+@pytest.mark.parametrize("mode", ["torch", "compiled", "auto"])
+def test_environment_variable_selects_the_path(cpu_op, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    monkeypatch.setenv(packing.PACKING_ENV, mode.upper())  # case does not matter
+    expected = "torch" if mode == "torch" else "compiled"
+    choice = packing.packing_path("cpu")
+    assert choice.path == expected
+    if mode != "auto":
+        assert f"DS_LIONCUB_PACKING={mode}" in choice.reason
+
+
+def test_bad_environment_variable_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(packing.PACKING_ENV, "fastest")
+    with pytest.raises(ValueError, match="auto.*compiled.*cupy.*torch"):
+        packing.pack_signs(torch.ones(3))
+    with pytest.raises(ValueError, match="fastest"):
+        packing.set_packing_path("fastest")
+
+
+def test_forcing_an_unavailable_path_raises_and_auto_falls_back() -> None:
+    packing.set_packing_path("compiled")
+    with pytest.raises(RuntimeError, match="compiled packing op is unavailable"):
+        packing.packing_path("meta")
+    packing.set_packing_path("cupy")
+    cpu_choice = packing.packing_path("cpu")  # cupy is for CUDA tensors: CPU tensors go to torch
+    assert cpu_choice.path == "torch" and "CUDA tensors only" in cpu_choice.reason
+    packing.set_packing_path("auto")
+    meta_choice = packing.packing_path("meta")
+    assert meta_choice.path == "torch" and "same bits" in meta_choice.reason

@@ -1,0 +1,1 @@
+"""What the tests share: brute-force references, scenario inputs, job launchers and result checks."""
