@@ -132,7 +132,7 @@ def train(method: Method, settings: TrainSettings, steps: int, corpus: Corpus, e
         lioncub = find_lioncub(engine.optimizer)
         if lioncub is not None:
             for name in ("all_to_all", "all_gather", "all_reduce_sum"):
-                clock.wrap(lioncub.backend.transport, name)
+                clock.wrap(lioncub.transport, name)
 
         def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return fp32_loss(engine(x)[0], y)

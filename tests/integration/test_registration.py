@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.deepspeed  # real deepspeed.initialize in a fresh interpreter per check
+
 REPO = Path(__file__).resolve().parents[2]
 
 ENGINE_CHECK = textwrap.dedent(

@@ -13,7 +13,7 @@ import torch
 from ds_lioncub.aggregation import Bucket, ExactMean, KbitVote, OneBitVote, build_aggregation
 from ds_lioncub.comm.transport import TorchTransport
 from ds_lioncub.config import parse_config
-from reference import brute_force_vote_1bit, brute_force_vote_kbit, l1_quantize, tie_value
+from tests.support.reference import brute_force_vote_1bit, brute_force_vote_kbit, l1_quantize, tie_value
 
 PIECES = [700, 3, 0, 300]  # no 1-element piece: its |c| / mu == 1 puts L1 exactly on a rounding tie
 

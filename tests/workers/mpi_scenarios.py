@@ -99,7 +99,7 @@ def run_training(rank: int, world_size: int) -> dict[str, Any]:
                 sc.loss_of(params, rank, step).backward()
                 optimizer.step()
             results[f"{backend_name}:train-stats/{mode}"] = optimizer.comm_stats()
-            results[f"{backend_name}:train-transport/{mode}"] = optimizer.backend.comm_backend_name
+            results[f"{backend_name}:train-transport/{mode}"] = optimizer.transport.name
             for name, param in params.items():
                 results[f"{backend_name}:train-param/{mode}/{name}"] = param.detach().clone()
                 results[f"{backend_name}:train-exp-avg/{mode}/final/{name}"] = optimizer.state[param]["exp_avg"].clone()
@@ -156,7 +156,7 @@ def run_engine(rank: int) -> dict[str, Any]:
         engine.step()
         losses.append(loss.item())
     return {
-        "engine/transport": lioncub.backend.comm_backend_name,
+        "engine/transport": lioncub.transport.name,
         "engine/enable_backward_allreduce": engine.enable_backward_allreduce,
         "engine/collectives": lioncub.comm_stats().collectives,
         "engine/losses": losses,
