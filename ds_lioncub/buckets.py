@@ -11,9 +11,9 @@ from typing import NamedTuple
 
 
 class Piece(NamedTuple):
-    """Elements ``[start, start + length)`` of the flattened tensor number ``index``."""
+    """Elements ``[start, start + length)`` of the flattened tensor number ``tensor_index``."""
 
-    index: int
+    tensor_index: int
     start: int
     length: int
 

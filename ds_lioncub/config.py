@@ -11,6 +11,7 @@ import re
 from typing import Any, Literal
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic_core import ErrorDetails
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ds_lioncub.comm.transport import cuda_aware_conflict
@@ -183,7 +184,7 @@ class LionCubConfig(DeepSpeedConfigModel):
         return ", ".join(pairs)
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: ErrorDetails) -> str:
     location = ".".join(str(part) for part in error["loc"])
     if error["type"] == "extra_forbidden":
         return f"unknown option {location!r}"

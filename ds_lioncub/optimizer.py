@@ -96,7 +96,7 @@ class LionCub(torch.optim.Optimizer):
     # ------------------------------------------------------------------ set-up and validation
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        hyper = {key: param_group[key] for key in ("lr", "betas", "weight_decay") if key in param_group}
+        hyper: dict[str, Any] = {key: param_group[key] for key in ("lr", "betas", "weight_decay") if key in param_group}
         parse_config({**self.defaults, **hyper})
         current_step = self.param_groups[0]["step"] if self.param_groups else 0
         param_group.setdefault("step", current_step)
@@ -323,13 +323,13 @@ class LionCub(torch.optim.Optimizer):
     def _exact_lion_step(self, entries: list[Entry], mean: Aggregator | None) -> None:
         """Exact Lion on each bucket's gradients, averaged over the ranks by ``mean`` unless it is None."""
         for bucket in plan_buckets([entry.param.numel() for entry in entries], self.options.bucket_size):
-            grads = [_grad_piece(entries[piece.index].grad, piece) for piece in bucket]
+            grads = [_grad_piece(entries[piece.tensor_index].grad, piece) for piece in bucket]
             if mean is not None:
                 sizes = [piece.length for piece in bucket]
                 averaged = mean.finish(mean.start(Bucket(torch.cat(grads), sizes, []), True))
                 grads = list(averaged.split(sizes))
             for piece, grad in zip(bucket, grads):
-                entry = entries[piece.index]
+                entry = entries[piece.tensor_index]
                 beta1, beta2 = entry.group["betas"]
                 exp_avg_slice = _piece_of(entry.exp_avg, piece)
                 direction = torch.sign(lion_direction(exp_avg_slice, grad, beta1))
@@ -357,19 +357,19 @@ class LionCub(torch.optim.Optimizer):
     ) -> None:
         """One bucket of a compressed step; its buffers are freed on return, before the next bucket's."""
         sizes = [piece.length for piece in bucket]
-        update = torch.empty(sum(sizes), dtype=torch.float32, device=entries[bucket[0].index].param.device)
+        update = torch.empty(sum(sizes), dtype=torch.float32, device=entries[bucket[0].tensor_index].param.device)
         for piece, direction in zip(bucket, update.split(sizes)):
-            entry = entries[piece.index]
+            entry = entries[piece.tensor_index]
             beta1, beta2 = entry.group["betas"]
             exp_avg_slice, grad_slice = _piece_of(entry.exp_avg, piece), _grad_piece(entry.grad, piece)
             lion_direction(exp_avg_slice, grad_slice, beta1, out=direction)
             update_momentum(exp_avg_slice, grad_slice, beta2)
-        mean_abs = [whole_mean_abs.get(piece.index) for piece in bucket] if aggregator.needs_whole_tensor_mean_abs else []
+        mean_abs = [whole_mean_abs.get(piece.tensor_index) for piece in bucket] if aggregator.needs_whole_tensor_mean_abs else []
         pending = aggregator.start(Bucket(update, sizes, mean_abs), positive_ties)
         # The result overwrites the directions it was packed from: one bucket-sized buffer, not two.
         delta = aggregator.finish(pending, out=update)
         for piece, piece_delta in zip(bucket, delta.split(sizes)):
-            entry = entries[piece.index]
+            entry = entries[piece.tensor_index]
             apply_update(_piece_of(entry.param, piece), piece_delta, entry.group["lr"], entry.group["weight_decay"])
 
     def _sync_momentum(self) -> None:
@@ -383,7 +383,7 @@ class LionCub(torch.optim.Optimizer):
         ]
         mean = ExactMean(self.transport, COMM_DTYPES[self.options.momentum_sync.dtype])
         for bucket in plan_buckets([m.numel() for m in momenta], self.options.bucket_size):
-            slices = [_piece_of(momenta[piece.index], piece) for piece in bucket]
+            slices = [_piece_of(momenta[piece.tensor_index], piece) for piece in bucket]
             sizes = [piece.length for piece in bucket]
             averaged = mean.finish(mean.start(Bucket(torch.cat(slices), sizes, [])))
             for target, value in zip(slices, averaged.split(sizes)):

@@ -75,6 +75,7 @@ def l1_segment_scales(
     start = 0
     for index, size in enumerate(sizes):
         segment = flat[start : start + size]
+        mean_abs: torch.Tensor | float
         if segment_means is None:
             mean_abs = segment.float().abs().mean() if size else torch.zeros(())
         else:

@@ -52,12 +52,12 @@ def check_plan(numels: list[int], capacity: int, buckets: list[list[Piece]]) -> 
         assert sum(piece.length for piece in bucket) <= capacity
         for piece in bucket:
             assert piece.length > 0
-            if numels[piece.index] <= capacity:
+            if numels[piece.tensor_index] <= capacity:
                 # small tensors travel whole
-                assert (piece.start, piece.length) == (0, numels[piece.index])
+                assert (piece.start, piece.length) == (0, numels[piece.tensor_index])
             for element in range(piece.start, piece.start + piece.length):
-                covered[piece.index][element] += 1
-            order.append((piece.index, piece.start))
+                covered[piece.tensor_index][element] += 1
+            order.append((piece.tensor_index, piece.start))
     for index, counts in enumerate(covered):
         assert all(count == 1 for count in counts), f"tensor {index}: coverage {counts}"
     # Pieces come in flat order (tensor by tensor, front to back), so concatenating the buckets
