@@ -60,6 +60,21 @@ class MomentumSyncConfig(DeepSpeedConfigModel):
         return layers
 
 
+class HybridConfig(DeepSpeedConfigModel):
+    """Compressed LionCub under DeepSpeed ZeRO-1/2: shard inside a node, vote across nodes.
+
+    N ranks run as M nodes of G ranks. Inside a node ZeRO averages gradients and partitions the
+    optimizer state in full precision; each node is one Lion Cub worker, and rank (k, j) votes on
+    shard j with the ranks (k', j) of the other nodes. The engine's data-parallel world stays N.
+    """
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    node_size: int | None = Field(None, ge=1)
+    """G, the ranks per node. Default: the launcher's ranks per machine (LOCAL_WORLD_SIZE, LOCAL_SIZE,
+    OMPI_COMM_WORLD_LOCAL_SIZE or MPI_LOCALNRANKS); set it to emulate nodes on one machine."""
+
+
 class LionCubConfig(DeepSpeedConfigModel):
     """LionCub's options: the ``"params"`` of ``"optimizer": {"type": "LionCub"}`` and ``LionCub(**options)``."""
 
@@ -120,6 +135,9 @@ class LionCubConfig(DeepSpeedConfigModel):
     """With "mpi", hand GPU buffers straight to a CUDA-aware MPI instead of staging them through
     pinned host memory."""
 
+    hybrid: HybridConfig | None = None
+    """Options of compressed LionCub under ZeRO stage 1 or 2 (used there even when not given)."""
+
     @field_validator("comm_backend_name", mode="before")
     @classmethod
     def _known_backend(cls, name: Any) -> Any:
@@ -157,6 +175,11 @@ class LionCubConfig(DeepSpeedConfigModel):
             raise ValueError(
                 "momentum_sync only applies to compressed modes: with compression='none' every rank's momentum "
                 "is already identical; drop momentum_sync or choose compression='1bit' or 'kbit'"
+            )
+        if self.compression == "none" and self.hybrid is not None:
+            raise ValueError(
+                "hybrid only applies to compressed modes under ZeRO stage 1 or 2 (with compression='none' ZeRO "
+                "shards exact Lion over the whole world); drop hybrid or choose compression='1bit' or 'kbit'"
             )
         conflict = cuda_aware_conflict(self.comm_backend_name, self.cuda_aware)
         if conflict is not None:
@@ -205,6 +228,6 @@ def parse_config(options: dict[str, Any]) -> LionCubConfig:
         if any(e["type"] == "extra_forbidden" for e in errors):
             hint = (
                 f" Valid options: {', '.join(LionCubConfig.model_fields)}; momentum_sync takes "
-                f"{', '.join(MomentumSyncConfig.model_fields)}."
+                f"{', '.join(MomentumSyncConfig.model_fields)}; hybrid takes {', '.join(HybridConfig.model_fields)}."
             )
         raise LionCubConfigError(f"LionCub: invalid options: {problems}.{hint}") from None

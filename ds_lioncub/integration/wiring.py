@@ -18,6 +18,11 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
     """Decide who communicates, and refuse what LionCub cannot do under this engine config."""
     compression = optimizer.options.compression
     stage = int(engine.zero_optimization_stage())
+    if optimizer.options.hybrid is not None and stage == 0:
+        raise LionCubConfigError(
+            "LionCub: hybrid applies under ZeRO stage 1 or 2 (shard inside a node, vote across nodes); at stage 0 "
+            "every rank is a voter already. Drop hybrid, or set zero_optimization.stage to 1 or 2."
+        )
     if compression != "none" and stage >= 1:
         raise LionCubConfigError(
             f"LionCub: compression={compression!r} does not run under ZeRO stage {stage} yet (LionCub's "
