@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -361,3 +362,216 @@ def simulate_lioncub(
                     exp_avgs[rank][i].copy_(total / p)
 
     return params, exp_avgs
+
+
+# ----------------------------------------------------------------------------------------------
+# compressed LionCub under ZeRO-1/2 as a hybrid: shard inside a node, vote across nodes
+# ----------------------------------------------------------------------------------------------
+
+HybridGradsFn = Callable[[int, int, int, list[Tensor]], list[Tensor]]
+
+
+@dataclass
+class HybridRun:
+    """What every rank of a simulated hybrid job must hold.
+
+    Rank (k, j) = global rank k*G + j holds shard j of every group: elements [j*P_i, (j+1)*P_i) of
+    ``masters[i]`` and of its node's momentum ``momenta[k][i]``, with P_i = ``partition_sizes[i]``.
+
+    Attributes:
+        params_per_step: the model parameters (the same on every rank) after each engine step.
+        masters: per group, the padded flat fp32 master vector; the padding moves too.
+        momenta: ``momenta[k][i]``: node k's padded flat momentum of group i.
+        lioncub_steps: LionCub's step count after each engine step (a skipped step does not count).
+        skipped: per engine step, whether every rank skipped it (a non-finite gradient somewhere).
+        partition_sizes: P_i, the shard length of group i.
+        node_grad_norms: per engine step, each node's gradient norm before clipping (NaN when skipped
+            or when clipping is off).
+    """
+
+    params_per_step: list[list[Tensor]]
+    masters: list[Tensor]
+    momenta: list[list[Tensor]]
+    lioncub_steps: list[int]
+    skipped: list[bool]
+    partition_sizes: list[int]
+    node_grad_norms: list[list[float]]
+
+    def shard(self, vector: Tensor, group: int, local_index: int) -> Tensor:
+        """Shard ``local_index`` of a padded flat vector of ``group``."""
+        size = self.partition_sizes[group]
+        return vector[local_index * size:(local_index + 1) * size]
+
+
+def _node_gradient(
+    micro_grads: list[list[list[Tensor]]], node: int, node_size: int, accumulate_after_reduce: bool
+) -> list[Tensor]:
+    """Node ``node``'s gradient from ``micro_grads[rank][micro][param]`` (already divided by the accumulation steps).
+
+    ZeRO's reduction inside the node: every rank's gradient divided by G, then summed in rank order.
+    ``accumulate_after_reduce`` False: each rank first sums its micro-batches, the node reduces once;
+    True: the node reduces every micro-batch and sums the reduced micro-batches.
+    """
+    ranks = range(node * node_size, (node + 1) * node_size)
+    micros = len(micro_grads[ranks[0]])
+    count = len(micro_grads[ranks[0]][0])
+
+    def reduce(per_rank: list[list[Tensor]]) -> list[Tensor]:
+        out = []
+        for i in range(count):
+            total = torch.zeros(per_rank[0][i].shape, dtype=torch.float32)
+            for grads in per_rank:
+                total += grads[i].float() / node_size
+            out.append(total)
+        return out
+
+    def accumulate(per_micro: list[list[Tensor]]) -> list[Tensor]:
+        out = [per_micro[0][i].float().clone() for i in range(count)]
+        for grads in per_micro[1:]:
+            for i in range(count):
+                out[i] += grads[i].float()
+        return out
+
+    if accumulate_after_reduce:
+        return accumulate([reduce([micro_grads[r][m] for r in ranks]) for m in range(micros)])
+    return reduce([accumulate(micro_grads[r]) for r in ranks])
+
+
+def _flatten_padded(tensors: list[Tensor], padding: int) -> Tensor:
+    """The tensors flattened in order into one fp32 vector with ``padding`` zeros at the end."""
+    parts = [t.detach().float().reshape(-1) for t in tensors]
+    return torch.cat([*parts, torch.zeros(padding, dtype=torch.float32)])
+
+
+@torch.no_grad()
+def simulate_hybrid(
+    init_params: list[Tensor],
+    grads_fn: HybridGradsFn,
+    nodes: int,
+    node_size: int,
+    steps: int,
+    *,
+    groups_padding: Sequence[int],
+    param_groups: Sequence[Sequence[int]] | None = None,
+    gradient_accumulation_steps: int = 1,
+    accumulate_after_reduce: bool = False,
+    gradient_clipping: float = 0.0,
+    lr: float | Callable[[int], float] = 1e-4,
+    betas: tuple[float, float] = (0.9, 0.99),
+    weight_decay: float | Sequence[float] = 0.0,
+    compression: str = "1bit",
+    bits: int = 4,
+    quantizer: str = "sign",
+    aggregation: str = "vote",
+    kbit_algorithm: str = "allreduce",
+    tie_break: str = "alternate",
+    l1_clip: float = 2.0,
+    momentum_sync_interval: int = 0,
+) -> HybridRun:
+    """Simulate compressed LionCub under ZeRO-1/2 on ``nodes`` x ``node_size`` ranks for ``steps`` engine steps.
+
+    Ranks are node-major: node k holds ranks [k*G, (k+1)*G). Per engine step:
+
+    1. every rank's gradient: grads_fn(rank, step, micro, params) is the gradient of one micro-batch's
+       loss at the current parameters (which it receives as clones); it is divided by the accumulation
+       steps, as DeepSpeed scales the loss;
+    2. node k's gradient: the ranks' gradients divided by G and summed in rank order (``_node_gradient``);
+    3. a non-finite gradient on any rank skips the step on every rank: nothing moves, LionCub's step
+       count stays;
+    4. with ``gradient_clipping`` > 0 each node scales its gradient by 1 / max(1, (norm + 1e-6) / clip),
+       norm = the L2 norm of the node's gradient over all parameters;
+    5. per param group (``param_groups``: parameter indices in order, default one group of all), the
+       gradient is flattened with ``groups_padding[i]`` zeros at the end into the group's padded flat
+       vector, whose G equal shards are what ZeRO gives the node's ranks (geometry is an input here);
+    6. per node, per element: c = b1*m + (1-b1)*g and m = b2*m + (1-b2)*g with the node's momentum;
+    7. the nodes aggregate their c as ranks do at stage 0 (the 1-bit vote, k-bit sign or L1 with vote or
+       mean; ``"none"`` is exact Lion and needs one node), with the L1 scale mu taken over each whole
+       shard, padding included: vote and quantize per shard;
+    8. every copy of the shard applies x = x*(1 - lr*wd) - lr*Delta, padding elements included;
+    9. every ``momentum_sync_interval`` LionCub steps the nodes' momenta are replaced by their mean
+       (fp32, summed in node order).
+
+    ``lr`` may be a callable of the engine step (a schedule's value at that step); ``weight_decay`` a
+    sequence, one per param group.
+    """
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+    if compression == "none" and nodes != 1:
+        raise ValueError("exact Lion under ZeRO has one node (ZeRO shards over the whole world)")
+    beta1, beta2 = betas
+    groups = [list(range(len(init_params)))] if param_groups is None else [list(g) for g in param_groups]
+    if sorted(i for g in groups for i in g) != list(range(len(init_params))):
+        raise ValueError(f"param_groups {groups} must hold every parameter index exactly once")
+    if len(groups_padding) != len(groups):
+        raise ValueError("need one padding per param group")
+    decays = [float(weight_decay)] * len(groups) if isinstance(weight_decay, int | float) else list(weight_decay)
+    if len(decays) != len(groups):
+        raise ValueError("need one weight decay per param group")
+    params = [t.detach().float().clone() for t in init_params]
+    masters = [_flatten_padded([params[i] for i in g], pad) for g, pad in zip(groups, groups_padding, strict=True)]
+    for master in masters:
+        if master.numel() % node_size != 0:
+            raise ValueError(f"a padded group of {master.numel()} elements does not split into {node_size} shards")
+    partition_sizes = [m.numel() // node_size for m in masters]
+    momenta = [[torch.zeros_like(m) for m in masters] for _ in range(nodes)]
+    world = nodes * node_size
+    run = HybridRun([], masters, momenta, [], [], partition_sizes, [])
+    lioncub_step = 0
+
+    for step in range(1, steps + 1):
+        micro_grads = [
+            [
+                [g.detach().float() * (1.0 / gradient_accumulation_steps)
+                 for g in grads_fn(rank, step, micro, [t.clone() for t in params])]
+                for micro in range(gradient_accumulation_steps)
+            ]
+            for rank in range(world)
+        ]
+        node_grads = [_node_gradient(micro_grads, k, node_size, accumulate_after_reduce) for k in range(nodes)]
+        finite = all(bool(torch.isfinite(g).all()) for grads in node_grads for g in grads)
+        norms = [math.nan] * nodes
+        if not finite:
+            run.skipped.append(True)
+            run.lioncub_steps.append(lioncub_step)
+            run.params_per_step.append([t.clone() for t in params])
+            run.node_grad_norms.append(norms)
+            continue
+        if gradient_clipping > 0:
+            for k, grads in enumerate(node_grads):
+                norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1).double() for g in grads])).float()
+                norms[k] = float(norm)
+                coefficient = torch.clamp((norm + 1e-6) / gradient_clipping, min=1.0)
+                for g in grads:
+                    g.mul_(1.0 / coefficient)
+        lioncub_step += 1
+        step_lr = lr(step) if callable(lr) else lr
+        for i, (group, pad) in enumerate(zip(groups, groups_padding, strict=True)):
+            flat_grads = [_flatten_padded([grads[p] for p in group], pad) for grads in node_grads]
+            flat_c = [_pre_sign_update(momenta[k][i], flat_grads[k], beta1) for k in range(nodes)]
+            for k in range(nodes):
+                _update_momentum(momenta[k][i], flat_grads[k], beta2)
+            if compression == "none":
+                delta = torch.sign(flat_c[0])
+            elif compression == "1bit":
+                delta = brute_force_vote_1bit(flat_c, lioncub_step, tie_break)
+            else:
+                delta = brute_force_vote_kbit(flat_c, lioncub_step, bits, quantizer, aggregation, kbit_algorithm,
+                                              tie_break, l1_clip, [partition_sizes[i]] * node_size)
+            _apply_update(masters[i], delta, step_lr, decays[i])
+            start = 0
+            for p in group:
+                size = params[p].numel()
+                params[p] = masters[i][start:start + size].reshape(params[p].shape).clone()
+                start += size
+        if momentum_sync_interval > 0 and lioncub_step % momentum_sync_interval == 0:
+            for i in range(len(groups)):
+                total = torch.zeros_like(masters[i])
+                for k in range(nodes):
+                    total += momenta[k][i]
+                for k in range(nodes):
+                    momenta[k][i].copy_(total / nodes)
+        run.skipped.append(False)
+        run.node_grad_norms.append(norms)
+        run.lioncub_steps.append(lioncub_step)
+        run.params_per_step.append([t.clone() for t in params])
+    return run

@@ -1,0 +1,517 @@
+"""Compressed LionCub under ZeRO-1/2 as a hybrid (shard inside a node, vote across nodes), with the real launcher.
+
+Two launches of 4 CPU ranks as 2 nodes x 2 (tests/workers/hybrid_scenarios.py): the main one trains every
+scenario of tests.support.hybrid_cases, saves a checkpoint and builds every refused configuration; the
+second resumes the checkpoint and tries to load it at other node sizes. The references are the plain-torch
+simulation (tests.support.reference.simulate_hybrid, fed the partition geometry ZeRO reports), the stage-0
+simulation, the uninterrupted run for the resume, WarmupLR's formula, and the layout of nodes and shards
+(docs/design.md, section 13: invariants).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from tests.support.hybrid_cases import (
+    BETAS,
+    BIAS_WEIGHT_DECAY,
+    BINDING_CLIP,
+    CHECKPOINT_AT,
+    CHECKPOINTED,
+    LR,
+    NAN_RANK,
+    NAN_STEP,
+    NODE_SIZE,
+    NODES,
+    OTHER_TOPOLOGIES,
+    REFUSED,
+    STEPS,
+    TRAINED_BY_NAME,
+    WARMUP,
+    WEIGHT_DECAY,
+    WORLD,
+    HybridCase,
+    build_model,
+    loss_of,
+)
+from tests.support.launch import REPO, run_deepspeed
+from tests.support.reference import HybridRun, simulate_hybrid, simulate_lioncub
+
+pytestmark = pytest.mark.deepspeed
+
+WORKER = REPO / "tests" / "workers" / "hybrid_scenarios.py"
+Records = list[dict[str, Any]]
+
+# Scenarios whose every parameter, every step, must equal the simulation bit for bit.
+BITWISE = [
+    "zero1_1bit",
+    "zero2_1bit",
+    "zero2_kbit_sign_4bit_allreduce",
+    "zero2_kbit_l1_8bit_alltoall",
+    "zero1_kbit_l1_4bit_allreduce_mean",
+    "zero2_1bit_positive_ties",
+    "zero2_1bit_binding_clip",
+    "zero2_1bit_nan_on_one_rank",
+    "zero2_1bit_warmup_lr",
+    "zero1_1bit_accumulation2",
+    "zero2_1bit_accumulation2",
+    "zero2_1bit_two_param_groups",
+    "zero2_1bit_momentum_sync_all",
+    "zero2_1bit_node_size1",
+    "zero2_1bit_node_size4",
+]
+# Momenta also bitwise, except where the reduction order is not the simulation's: a clip coefficient from
+# a norm summed in another order, or a node of 4 ranks whose sum order the collective library chooses.
+MOMENTA_CLOSE = {"zero2_1bit_binding_clip", "zero2_1bit_node_size4"}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory, packing_op_build: tuple[Any, Any]) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("zero_hybrid")
+    main_files = [out / f"main-rank{rank}.pt" for rank in range(WORLD)]
+    run_deepspeed(WORKER, WORLD, ["--out", str(out), "--phase", "main"], main_files, timeout_s=600)
+    resume_files = [out / f"resume-rank{rank}.pt" for rank in range(WORLD)]
+    run_deepspeed(WORKER, WORLD, ["--out", str(out), "--phase", "resume"], resume_files, timeout_s=300)
+    return {
+        "main": [torch.load(path, weights_only=False) for path in main_files],
+        "resume": [torch.load(path, weights_only=False) for path in resume_files],
+        "checkpoint": out / "ckpt",
+    }
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+def _ok(records: Records, what: str) -> Records:
+    """The per-rank records of a scenario that ran; fails with rank 0's error (and traceback) otherwise."""
+    for rank, record in enumerate(records):
+        if record.get("error") is not None:
+            pytest.fail(f"{what} raised on rank {rank}: {record['error']}\n{record.get('traceback', '')[-3000:]}")
+    return records
+
+
+def _trained(launched: dict[str, Any], name: str) -> Records:
+    return _ok([results[f"trained/{name}"] for results in launched["main"]], name)
+
+
+def _node(rank: int, node_size: int) -> int:
+    return rank // node_size
+
+
+def _local(rank: int, node_size: int) -> int:
+    return rank % node_size
+
+
+def _node_size(case: HybridCase) -> int:
+    return case.node_size if case.node_size is not None else WORLD
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """The ranks run with one thread; so do the simulation's forward and backward passes (same kernels)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _gradients(case: HybridCase) -> Callable[[int, int, int, list[Tensor]], list[Tensor]]:
+    """Rank ``rank``'s gradient of one micro-batch's loss at ``params``, computed here from the same inputs."""
+
+    def grads(rank: int, step: int, micro: int, params: list[Tensor]) -> list[Tensor]:
+        model = build_model()
+        with torch.no_grad():
+            for target, value in zip(model.parameters(), params, strict=True):
+                target.copy_(value)
+        with _one_thread(), torch.enable_grad():
+            loss_of(model, rank, step, micro, case.nan_at).backward()
+        return [p.grad.detach().clone() for p in model.parameters()]
+
+    return grads
+
+
+def _geometry(records: Records, case: HybridCase) -> tuple[list[list[int]], list[int]]:
+    """(parameter indices per group, padding at the end of each padded flat group), as ZeRO reports them.
+
+    Every rank must report the same groups and shard sizes; the padding at the end of a group is
+    G x shard size - the group's elements, and it lies on the node's last rank.
+    """
+    geometries = [record["geometry"] for record in records]
+    groups = geometries[0]["groups"]
+    sizes = geometries[0]["partition_size"]
+    numels = [p.numel() for p in build_model().parameters()]
+    node_size = _node_size(case)
+    paddings = []
+    for i, group in enumerate(groups):
+        padding = sizes[i] * node_size - sum(numels[p] for p in group)
+        assert 0 <= padding < 2 * node_size, f"group {i}: padding {padding} beyond ZeRO's alignment 2G"
+        paddings.append(padding)
+    for rank, geometry in enumerate(geometries):
+        assert geometry["groups"] == groups and geometry["partition_size"] == sizes, f"rank {rank}"
+        assert geometry["partition_numel"] == sizes, f"rank {rank}"
+        assert all(pad == 0 for pads in geometry["param_padding"] for pad in pads), "padding between parameters"
+        last = _local(rank, node_size) == node_size - 1
+        assert geometry["groups_padding"] == (paddings if last else [0] * len(groups)), f"rank {rank}"
+    return groups, paddings
+
+
+_SIMULATIONS: dict[str, HybridRun] = {}
+
+
+def _simulate(records: Records, case: HybridCase, steps: int | None = None) -> HybridRun:
+    """The simulation of ``case`` with the geometry the engine reported (cached per scenario)."""
+    key = f"{case.name}/{steps}"
+    if key in _SIMULATIONS:
+        return _SIMULATIONS[key]
+    groups, paddings = _geometry(records, case)
+    node_size = _node_size(case)
+    if case.scheduler is not None:
+        engine_lr = records[0]["lr"]  # DeepSpeed's schedule, checked against its formula separately
+
+        def lr(step: int) -> float:
+            return engine_lr[step - 1]
+    else:
+        lr = LR  # type: ignore[assignment]
+    decays = [WEIGHT_DECAY, BIAS_WEIGHT_DECAY] if case.bias_groups else [WEIGHT_DECAY]
+    run = simulate_hybrid(
+        [p.detach() for p in build_model().parameters()], _gradients(case), WORLD // node_size, node_size,
+        steps if steps is not None else case.steps,
+        groups_padding=paddings, param_groups=groups, gradient_accumulation_steps=case.accumulation,
+        accumulate_after_reduce=case.stage == 2, gradient_clipping=case.clipping, lr=lr, betas=BETAS,
+        weight_decay=decays, **case.simulation_options(),
+    )
+    _SIMULATIONS[key] = run
+    return run
+
+
+def _first_difference(got: Tensor, expected: Tensor) -> str:
+    differ = got != expected
+    index = int(differ.reshape(-1).nonzero()[0])
+    return (f"{int(differ.sum())} of {got.numel()} elements differ, max |diff| "
+            f"{float((got - expected).abs().max()):.3g}; first at {index}: got {got.reshape(-1)[index].item()!r}, "
+            f"expected {expected.reshape(-1)[index].item()!r}")
+
+
+def _assert_params_match(records: Records, run: HybridRun, what: str, first_step: int = 1) -> None:
+    names = [name for name, _ in build_model().named_parameters()]
+    for rank, record in enumerate(records):
+        for offset, got_params in enumerate(record["params"]):
+            step = first_step + offset
+            for name, got, expected in zip(names, got_params, run.params_per_step[step - 1], strict=True):
+                if not torch.equal(got, expected):
+                    pytest.fail(f"{what}: rank {rank}, step {step}, {name}: {_first_difference(got, expected)}")
+
+
+def _assert_shards_match(records: Records, run: HybridRun, node_size: int, what: str, key: str,
+                         close: bool = False) -> None:
+    """Rank (k, j) holds shard j of ``masters`` (``key`` "masters") or of node k's momentum ("momenta")."""
+    for rank, record in enumerate(records):
+        node, local = _node(rank, node_size), _local(rank, node_size)
+        for i, got in enumerate(record[key]):
+            vector = run.masters[i] if key == "masters" else run.momenta[node][i]
+            expected = run.shard(vector, i, local)
+            if close:
+                torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9, msg=f"{what}: rank {rank} {key} {i}")
+            elif not torch.equal(got, expected):
+                pytest.fail(f"{what}: rank {rank}, {key} of group {i}: {_first_difference(got, expected)}")
+
+
+# ---------------------------------------------------------------------------------------------- layout
+
+def test_zero_partitions_inside_each_node_while_the_engine_keeps_the_world(launched: dict[str, Any]) -> None:
+    for name in ("zero1_1bit", "zero2_1bit", "zero2_1bit_node_size1", "zero2_1bit_node_size4"):
+        case = TRAINED_BY_NAME[name]
+        node_size = _node_size(case)
+        for rank, record in enumerate(_trained(launched, name)):
+            geometry = record["geometry"]
+            node = _node(rank, node_size)
+            assert geometry["zero_group_ranks"] == list(range(node * node_size, (node + 1) * node_size)), name
+            assert geometry["engine_dp_world_size"] == WORLD, name
+        _geometry(_trained(launched, name), case)
+
+
+def test_the_partition_is_padded_so_the_padding_is_exercised(launched: dict[str, Any]) -> None:
+    records = _trained(launched, "zero2_1bit")
+    _, paddings = _geometry(records, TRAINED_BY_NAME["zero2_1bit"])
+    assert paddings == [1]  # 195 parameters padded to 196 = 2 shards of 98
+    assert records[0]["geometry"]["partition_size"] == [98]
+
+
+# ---------------------------------------------------------------------------------------------- against the simulation
+
+@pytest.mark.parametrize("name", BITWISE)
+def test_hybrid_parameters_match_the_simulation_bitwise_every_step_on_every_rank(
+    launched: dict[str, Any], name: str
+) -> None:
+    case = TRAINED_BY_NAME[name]
+    records = _trained(launched, name)
+    _assert_params_match(records, _simulate(records, case), name)
+
+
+@pytest.mark.parametrize("name", BITWISE)
+def test_hybrid_shard_momenta_are_each_nodes_own_and_match_the_simulation(launched: dict[str, Any], name: str) -> None:
+    case = TRAINED_BY_NAME[name]
+    records = _trained(launched, name)
+    node_size = _node_size(case)
+    _assert_shards_match(records, _simulate(records, case), node_size, name, "momenta", close=name in MOMENTA_CLOSE)
+    nodes = WORLD // node_size
+    if nodes > 1 and "momentum_sync" not in case.options:
+        for local in range(node_size):
+            first, second = records[local]["momenta"][0], records[node_size + local]["momenta"][0]
+            assert not torch.equal(first, second), f"{name}: nodes 0 and 1 hold the same momentum of shard {local}"
+
+
+@pytest.mark.parametrize("name", BITWISE)
+def test_hybrid_master_shards_match_the_simulation_padding_included(launched: dict[str, Any], name: str) -> None:
+    case = TRAINED_BY_NAME[name]
+    records = _trained(launched, name)
+    _assert_shards_match(records, _simulate(records, case), _node_size(case), name, "masters")
+
+
+@pytest.mark.parametrize("name", BITWISE)
+def test_hybrid_lioncub_step_and_skipped_steps_match_the_simulation(launched: dict[str, Any], name: str) -> None:
+    case = TRAINED_BY_NAME[name]
+    records = _trained(launched, name)
+    run = _simulate(records, case)
+    for rank, record in enumerate(records):
+        assert record["lioncub_step"] == run.lioncub_steps, f"{name}: rank {rank}"
+        skipped = [sum(run.skipped[:step]) for step in range(1, case.steps + 1)]
+        assert record["skipped_steps"] == skipped, f"{name}: rank {rank}"
+
+
+def test_the_padding_moves_by_the_vote_but_is_never_a_parameter(launched: dict[str, Any]) -> None:
+    """The padding's c is 0 on every node, so it takes the tie value each step: +-lr, identical everywhere."""
+    records = _trained(launched, "zero2_1bit")
+    last = [record["masters"][0][-1].item() for rank, record in enumerate(records) if rank % NODE_SIZE == 1]
+    assert len(set(last)) == 1 and last[0] != 0.0
+    run = _simulate(records, TRAINED_BY_NAME["zero2_1bit"])
+    assert last[0] == run.masters[0][-1].item()
+    assert sum(p.numel() for p in records[0]["params"][-1]) == 195
+
+
+def test_nodes_vote_rather_than_average_one_world_gradient(launched: dict[str, Any]) -> None:
+    """A control that the comparison is sensitive: one node of 4 (exact Lion over the world's average gradient,
+    as the control run shows) differs from the 2 x 2 vote in many coordinates."""
+    hybrid = _trained(launched, "zero2_1bit")[0]["params"][-1]
+    exact = _trained(launched, "zero2_exact_control")[0]["params"][-1]
+    differing = sum(int((a != b).sum()) for a, b in zip(hybrid, exact, strict=True))
+    assert differing > 20
+
+
+# ---------------------------------------------------------------------------------------------- controls
+
+def test_control_deepspeed_exact_zero_matches_the_simulations_model_of_zero(launched: dict[str, Any]) -> None:
+    """Without the hybrid (compression "none", ZeRO-2 over all 4 ranks): checks the simulation's ZeRO
+    (reduction, padding, shards) and its gradients against DeepSpeed alone. Momenta only close: the
+    collective library picks the order in which 4 ranks' gradients are summed."""
+    for name in ("zero2_exact_control", "zero1_exact_control_accumulation2", "zero2_exact_control_accumulation2"):
+        case = TRAINED_BY_NAME[name]
+        records = _trained(launched, name)
+        run = _simulate(records, case)
+        _assert_params_match(records, run, name)
+        _assert_shards_match(records, run, WORLD, name, "momenta", close=True)
+
+
+def test_control_stage0_lioncub_matches_the_stage0_simulation(launched: dict[str, Any]) -> None:
+    """Stage 0, every rank a voter: checks the gradients computed here against the engine's."""
+    records = _trained(launched, "stage0_1bit")
+    case = TRAINED_BY_NAME["stage0_1bit"]
+    grads = _gradients(case)
+    init = [p.detach() for p in build_model().parameters()]
+    for steps in range(1, case.steps + 1):
+        params, exp_avgs = simulate_lioncub(init, lambda r, t, ps: grads(r, t, 0, ps), WORLD, steps, lr=LR,
+                                            betas=BETAS, weight_decay=WEIGHT_DECAY)
+        for rank, record in enumerate(records):
+            for got, expected in zip(record["params"][steps - 1], params, strict=True):
+                assert torch.equal(got, expected), f"rank {rank}, step {steps}"
+    for rank, record in enumerate(records):
+        for got, expected in zip(record["momenta"], exp_avgs[rank], strict=True):
+            assert torch.equal(got, expected), f"rank {rank}"
+
+
+# ---------------------------------------------------------------------------------------------- invariants
+
+def test_node_size_one_equals_stage0_compressed_lioncub_bitwise(launched: dict[str, Any]) -> None:
+    """Every rank a node: ZeRO over one rank is no sharding, and the vote is stage 0's."""
+    hybrid = _trained(launched, "zero2_1bit_node_size1")
+    stage0 = _trained(launched, "stage0_1bit")
+    for rank in range(WORLD):
+        for step, (got, expected) in enumerate(zip(hybrid[rank]["params"], stage0[rank]["params"], strict=True), 1):
+            for a, b in zip(got, expected, strict=True):
+                assert torch.equal(a, b), f"rank {rank}, step {step}"
+        flat = torch.cat([m.reshape(-1) for m in stage0[rank]["momenta"]])
+        assert torch.equal(hybrid[rank]["momenta"][0][:flat.numel()], flat), f"rank {rank}"
+
+
+def test_each_rank_keeps_one_node_size_th_of_the_momentum(launched: dict[str, Any]) -> None:
+    numel = sum(p.numel() for p in build_model().parameters())
+    stage0 = _trained(launched, "stage0_1bit")
+    for record in stage0:
+        assert record["exp_avg_numel"] == numel
+    for name in ("zero1_1bit", "zero2_1bit", "zero2_1bit_node_size4"):
+        node_size = _node_size(TRAINED_BY_NAME[name])
+        for record in _trained(launched, name):
+            # 1/G of stage 0's, rounded up to the shard size (ZeRO pads the group to a multiple of 2G)
+            assert numel / node_size <= record["exp_avg_numel"] < numel / node_size + 2, name
+
+
+def test_parameters_are_identical_on_every_rank_after_every_step(launched: dict[str, Any]) -> None:
+    for name in BITWISE:
+        records = _trained(launched, name)
+        for record in records[1:]:
+            for got, expected in zip(record["params"], records[0]["params"], strict=True):
+                assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), name
+
+
+# ---------------------------------------------------------------------------------------------- clipping
+
+def test_binding_clip_scales_each_node_by_its_own_norm(launched: dict[str, Any]) -> None:
+    """Every rank reports its node's gradient norm (before clipping); the two nodes' norms differ."""
+    case = TRAINED_BY_NAME["zero2_1bit_binding_clip"]
+    records = _trained(launched, case.name)
+    run = _simulate(records, case)
+    for step in range(case.steps):
+        norms = run.node_grad_norms[step]
+        assert min(norms) > BINDING_CLIP, "the clip should bind on both nodes"
+        assert norms[0] != pytest.approx(norms[1], rel=1e-3)
+        for rank, record in enumerate(records):
+            assert record["grad_norm"][step] == pytest.approx(norms[_node(rank, NODE_SIZE)], rel=1e-5), \
+                f"rank {rank}, step {step + 1}"
+
+
+# ---------------------------------------------------------------------------------------------- NaN
+
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank_of_every_node(launched: dict[str, Any]) -> None:
+    case = TRAINED_BY_NAME["zero2_1bit_nan_on_one_rank"]
+    assert case.nan_at == (NAN_RANK, NAN_STEP)
+    records = _trained(launched, case.name)
+    for rank, record in enumerate(records):
+        assert record["skipped_steps"] == [0] * (NAN_STEP - 1) + [1] * (case.steps - NAN_STEP + 1), f"rank {rank}"
+        assert record["lioncub_step"][NAN_STEP - 1] == NAN_STEP - 1, f"rank {rank}"
+        before, at = record["params"][NAN_STEP - 2], record["params"][NAN_STEP - 1]
+        assert all(torch.equal(a, b) for a, b in zip(before, at, strict=True)), f"rank {rank}: moved on the NaN step"
+        assert all(bool(torch.isfinite(m).all()) for m in record["momenta"]), f"rank {rank}"
+
+
+# ---------------------------------------------------------------------------------------------- schedules
+
+def test_warmup_lr_is_applied_per_step_to_every_coordinate(launched: dict[str, Any]) -> None:
+    case = TRAINED_BY_NAME["zero2_1bit_warmup_lr"]
+    records = _trained(launched, case.name)
+    lrs = records[0]["lr"]
+    low, high, warmup = WARMUP["warmup_min_lr"], WARMUP["warmup_max_lr"], WARMUP["warmup_num_steps"]
+    # DeepSpeed's linear WarmupLR: the first two steps at the minimum, then (step - 2) / warmup of the way up
+    expected = [low] + [low + (high - low) * min(step - 2, warmup) / warmup for step in range(2, case.steps + 1)]
+    assert lrs == pytest.approx(expected, rel=1e-6)
+    init = [p.detach() for p in build_model().parameters()]
+    for step, params in enumerate(records[0]["params"], 1):
+        previous = init if step == 1 else records[0]["params"][step - 2]
+        lr = lrs[step - 1]
+        for before, after in zip(previous, params, strict=True):
+            moved = (before * (1 - lr * WEIGHT_DECAY) - after).abs()
+            torch.testing.assert_close(moved, torch.full_like(moved, lr), rtol=1e-3, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+def _resumed(launched: dict[str, Any]) -> Records:
+    return _ok([results["resume"] for results in launched["resume"]], "resume")
+
+
+def test_resume_after_save_equals_the_uninterrupted_run_bitwise_on_every_rank(launched: dict[str, Any]) -> None:
+    _ok([results["save"] for results in launched["main"]], "save")
+    uninterrupted = _trained(launched, CHECKPOINTED.name)
+    for rank, (record, reference) in enumerate(zip(_resumed(launched), uninterrupted, strict=True)):
+        assert record["loaded_lioncub_step"] == CHECKPOINT_AT
+        for step, (got, expected) in enumerate(zip(record["params"], reference["params"][CHECKPOINT_AT:],
+                                                   strict=True), CHECKPOINT_AT + 1):
+            for a, b in zip(got, expected, strict=True):
+                assert torch.equal(a, b), f"rank {rank}, step {step}"
+        for key in ("momenta", "masters"):
+            for a, b in zip(record[key], reference[key], strict=True):
+                assert torch.equal(a, b), f"rank {rank}: {key}"
+        assert record["lioncub_step"][-1] == STEPS
+
+
+def test_resume_restores_each_ranks_own_shard_of_its_nodes_momentum(launched: dict[str, Any]) -> None:
+    saved = _ok([results["save"] for results in launched["main"]], "save")
+    records = _resumed(launched)
+    run = _simulate(saved, CHECKPOINTED, steps=CHECKPOINT_AT)
+    _assert_shards_match(saved, run, NODE_SIZE, "saved", "momenta")
+    for rank, (record, at_save) in enumerate(zip(records, saved, strict=True)):
+        for a, b in zip(record["loaded_momenta"], at_save["momenta"], strict=True):
+            assert torch.equal(a, b), f"rank {rank}"
+        for a, b in zip(record["loaded_masters"], at_save["masters"], strict=True):
+            assert torch.equal(a, b), f"rank {rank}"
+    assert not torch.equal(records[0]["loaded_momenta"][0], records[NODE_SIZE]["loaded_momenta"][0])
+
+
+def test_checkpoint_holds_one_lioncub_file_per_rank_and_deepspeed_files_from_node0(launched: dict[str, Any]) -> None:
+    _ok([results["save"] for results in launched["main"]], "save")
+    checkpoint: Path = launched["checkpoint"]
+    tag = (checkpoint / "latest").read_text().strip()
+    files = sorted(path.name for path in (checkpoint / tag).iterdir())
+    side = [name for name in files if "lioncub" in name]
+    assert len(side) == WORLD, files
+    optimizer_files = [name for name in files if name.endswith("optim_states.pt")]
+    assert len(optimizer_files) == NODE_SIZE, files
+
+
+@pytest.mark.parametrize("node_size", OTHER_TOPOLOGIES)
+def test_loading_at_another_topology_is_refused_naming_both(launched: dict[str, Any], node_size: int) -> None:
+    messages = {results[f"resume_at/{node_size}"] for results in launched["resume"]}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert message is not None, f"loading a {NODES} x {NODE_SIZE} checkpoint at node_size {node_size} was accepted"
+    assert "LionCub" in message and "node" in message, message
+    assert str(NODE_SIZE) in message and str(node_size) in message, message
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_unsupported_hybrid_configs_are_refused_identically_on_every_rank(
+    launched: dict[str, Any], name: str
+) -> None:
+    _, fragments = REFUSED[name]
+    messages = {results[f"refused/{name}"] for results in launched["main"]}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert message is not None, f"{name} was accepted"
+    assert "LionCub: " in message, message
+    for fragment in fragments:
+        assert fragment.lower() in message.lower(), f"{name}: {fragment!r} not in {message!r}"
+
+
+# ---------------------------------------------------------------------------------------------- traffic
+
+def test_lioncub_traffic_is_one_bit_per_shard_element_each_way_across_nodes(launched: dict[str, Any]) -> None:
+    """Per step, per rank: the vote over M nodes of a shard of P elements, padded to n = 8M * ceil(P / 8M),
+    sends 2(M-1)/M * n/8 bytes (docs/design.md, section 12), plus a few bytes of non-finite check."""
+    records = _trained(launched, "zero2_1bit")
+    shard = records[0]["geometry"]["partition_size"][0]
+    padded = 8 * NODES * math.ceil(shard / (8 * NODES))
+    vote = 2 * (NODES - 1) * padded // (8 * NODES)
+    for rank, record in enumerate(records):
+        sent = [entry[1] for entry in record["comm"]]
+        per_step = {b - a for a, b in zip([0, *sent[:-1]], sent, strict=True)}
+        assert len(per_step) == 1, f"rank {rank}: {sent}"
+        extra = per_step.pop() - vote
+        assert 0 <= extra <= 8, f"rank {rank}: {extra} bytes beyond the vote's {vote}"
+
+
+def test_steps_are_counted(launched: dict[str, Any]) -> None:
+    """Sanity of the worker: every trained scenario recorded every step."""
+    for name, case in TRAINED_BY_NAME.items():
+        for record in _trained(launched, name):
+            assert len(record["params"]) == case.steps and len(record["lr"]) == case.steps, name
+

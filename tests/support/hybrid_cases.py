@@ -1,0 +1,183 @@
+"""The scenarios of the ZeRO hybrid tests (compressed LionCub under ZeRO-1/2: shard inside a node, vote across nodes).
+
+Shared by the deepspeed-launched worker (tests/workers/hybrid_scenarios.py), which runs them, and by
+tests/integration/test_zero_hybrid.py, which rebuilds every rank's inputs from here and runs the plain-torch
+simulation (tests.support.reference.simulate_hybrid). Every input is a pure function of (rank, step,
+micro-batch), and the model starts from a fixed seed, so both sides see the same numbers.
+
+The model has 195 parameters, an odd count, so ZeRO pads every flat group and the padding is exercised.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+WORLD = 4
+NODE_SIZE = 2
+NODES = WORLD // NODE_SIZE
+STEPS = 6
+CHECKPOINT_AT = 3
+MICRO_BATCH = 4
+LR = 1e-2
+BETAS = (0.9, 0.99)
+WEIGHT_DECAY = 0.1
+BIAS_WEIGHT_DECAY = 0.0
+BINDING_CLIP = 0.05  # far below every node's gradient norm here, so every step clips
+NAN_RANK, NAN_STEP = 3, 3
+WARMUP = {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2, "warmup_num_steps": 4, "warmup_type": "linear"}
+
+
+def build_model() -> nn.Module:
+    """An fp32 MLP 8-16-3 from a fixed seed: the same initial parameters in every process."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def batch(rank: int, step: int, micro: int) -> tuple[Tensor, Tensor]:
+    """Rank ``rank``'s inputs and targets for micro-batch ``micro`` of engine step ``step`` (1-based)."""
+    generator = torch.Generator().manual_seed(1_000_003 * rank + 1009 * step + micro)
+    return torch.randn(MICRO_BATCH, 8, generator=generator), torch.randn(MICRO_BATCH, 3, generator=generator)
+
+
+def loss_of(model: nn.Module, rank: int, step: int, micro: int, nan_at: tuple[int, int] | None) -> Tensor:
+    """The micro-batch's mean squared error; times NaN on rank/step ``nan_at`` (a broken gradient on one rank)."""
+    x, y = batch(rank, step, micro)
+    loss = nn.functional.mse_loss(model(x), y)
+    if nan_at == (rank, step):
+        loss = loss * float("nan")
+    return loss
+
+
+@dataclass(frozen=True)
+class HybridCase:
+    """One engine configuration and how long to train it.
+
+    ``node_size`` None leaves the ``hybrid`` key out; ``options`` are LionCub params beyond lr, betas
+    and weight decay; ``bias_groups`` gives weights and biases their own param groups (the biases
+    without weight decay).
+    """
+
+    name: str
+    stage: int = 2
+    node_size: int | None = NODE_SIZE
+    options: dict[str, Any] = field(default_factory=lambda: {"compression": "1bit"})
+    steps: int = STEPS
+    accumulation: int = 1
+    clipping: float = 0.0
+    scheduler: dict[str, Any] | None = None
+    nan_at: tuple[int, int] | None = None
+    bias_groups: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def ds_config(self) -> dict[str, Any]:
+        params: dict[str, Any] = {"lr": LR, "betas": list(BETAS), "weight_decay": WEIGHT_DECAY,
+                                  **copy.deepcopy(self.options)}
+        if self.node_size is not None:
+            params["hybrid"] = {"node_size": self.node_size}
+        config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": MICRO_BATCH,
+            "gradient_accumulation_steps": self.accumulation,
+            "gradient_clipping": self.clipping,
+            "optimizer": {"type": "LionCub", "params": params},
+        }
+        if self.stage > 0:
+            config["zero_optimization"] = {"stage": self.stage}
+        if self.scheduler is not None:
+            config["scheduler"] = copy.deepcopy(self.scheduler)
+        for key, value in self.extra.items():
+            if isinstance(value, dict) and isinstance(config.get(key), dict):
+                config[key] = {**config[key], **copy.deepcopy(value)}
+            else:
+                config[key] = copy.deepcopy(value)
+        return config
+
+    def model_parameters(self, model: nn.Module) -> Any:
+        """What ``deepspeed.initialize`` gets as ``model_parameters``."""
+        if not self.bias_groups:
+            return model.parameters()
+        named = list(model.named_parameters())
+        return [
+            {"params": [p for name, p in named if name.endswith("weight")]},
+            {"params": [p for name, p in named if name.endswith("bias")], "weight_decay": BIAS_WEIGHT_DECAY},
+        ]
+
+    def simulation_options(self) -> dict[str, Any]:
+        """The LionCub options as keyword arguments of ``simulate_hybrid``."""
+        names = ("compression", "bits", "quantizer", "aggregation", "kbit_algorithm", "tie_break", "l1_clip")
+        options = {name: self.options[name] for name in names if name in self.options}
+        sync = self.options.get("momentum_sync")
+        if sync:
+            options["momentum_sync_interval"] = sync["interval"]
+        return options
+
+
+def _sync_all(interval: int) -> dict[str, Any]:
+    return {"compression": "1bit", "momentum_sync": {"interval": interval, "layers": "all"}}
+
+
+# Trained in the main launch and compared with the simulation, each with a fresh engine.
+TRAINED = [
+    HybridCase("zero1_1bit", stage=1),
+    HybridCase("zero2_1bit", stage=2),
+    HybridCase("zero2_kbit_sign_4bit_allreduce", options={"compression": "kbit", "bits": 4, "quantizer": "sign"}),
+    HybridCase("zero2_kbit_l1_8bit_alltoall",
+               options={"compression": "kbit", "bits": 8, "quantizer": "l1", "kbit_algorithm": "alltoall"}),
+    HybridCase("zero1_kbit_l1_4bit_allreduce_mean", stage=1,
+               options={"compression": "kbit", "bits": 4, "quantizer": "l1", "aggregation": "mean"}),
+    HybridCase("zero2_1bit_positive_ties", options={"compression": "1bit", "tie_break": "positive"}),
+    HybridCase("zero2_1bit_binding_clip", clipping=BINDING_CLIP),
+    HybridCase("zero2_1bit_nan_on_one_rank", nan_at=(NAN_RANK, NAN_STEP)),
+    HybridCase("zero2_1bit_warmup_lr", scheduler={"type": "WarmupLR", "params": WARMUP}),
+    HybridCase("zero1_1bit_accumulation2", stage=1, accumulation=2),
+    HybridCase("zero2_1bit_accumulation2", stage=2, accumulation=2),
+    HybridCase("zero2_1bit_two_param_groups", bias_groups=True),
+    HybridCase("zero2_1bit_momentum_sync_all", options=_sync_all(2)),
+    HybridCase("zero2_1bit_node_size1", node_size=1),
+    HybridCase("stage0_1bit", stage=0, node_size=None),
+    HybridCase("zero2_1bit_node_size4", node_size=4),
+    # Control without the hybrid: DeepSpeed's own ZeRO-2 over the 4 ranks with exact Lion, which checks
+    # the simulation's model of ZeRO (reduction, padding, shards) independently of the hybrid code.
+    HybridCase("zero2_exact_control", node_size=None, options={"compression": "none"}),
+    HybridCase("zero1_exact_control_accumulation2", stage=1, node_size=None, options={"compression": "none"},
+               accumulation=2),
+    HybridCase("zero2_exact_control_accumulation2", stage=2, node_size=None, options={"compression": "none"},
+               accumulation=2),
+]
+TRAINED_BY_NAME = {case.name: case for case in TRAINED}
+
+# Saved after CHECKPOINT_AT steps in the main launch, resumed for STEPS - CHECKPOINT_AT more in the second.
+CHECKPOINTED = HybridCase("zero2_1bit", stage=2)
+# Loading CHECKPOINTED's files at these node sizes must be refused (the topology changed).
+OTHER_TOPOLOGIES = (1, 4)
+
+# Configurations that must be refused before training, with words the message must contain.
+REFUSED: dict[str, tuple[HybridCase, tuple[str, ...]]] = {
+    "zero3_compressed": (HybridCase("zero3_compressed", stage=3), ("stage 3",)),
+    "hybrid_at_stage0": (HybridCase("hybrid_at_stage0", stage=0), ("hybrid", "stage 1 or 2")),
+    "node_size_not_dividing": (HybridCase("node_size_not_dividing", node_size=3), ("node_size=3", "divide")),
+    "optimizer_offload": (
+        # DeepSpeed's own refusal of a non-DeepSpeed optimizer with offload is switched off, so LionCub's is reached.
+        HybridCase("optimizer_offload", extra={"zero_optimization": {"offload_optimizer": {"device": "cpu"}},
+                                               "zero_force_ds_cpu_optimizer": False}),
+        ("offload",),
+    ),
+    "momentum_sync_regexes": (
+        HybridCase("momentum_sync_regexes",
+                   options={"compression": "1bit", "momentum_sync": {"interval": 2, "layers": [r"^2\."]}}),
+        ("momentum_sync", "all"),
+    ),
+    "momentum_sync_auto": (
+        HybridCase("momentum_sync_auto",
+                   options={"compression": "1bit", "momentum_sync": {"interval": 2, "layers": "auto"}}),
+        ("momentum_sync", "all"),
+    ),
+    "mpi_backend": (
+        HybridCase("mpi_backend", options={"compression": "1bit", "comm_backend_name": "mpi"}),
+        ("mpi",),
+    ),
+}
