@@ -21,7 +21,7 @@ from ds_lioncub._logging import get_logger
 from ds_lioncub.aggregation import COMM_DTYPES, Aggregator, Bucket, ExactMean, build_aggregation
 from ds_lioncub.buckets import Piece, plan_buckets
 from ds_lioncub.comm.quantize import tie_sign
-from ds_lioncub.comm.transport import CommStats, Transport, make_transport
+from ds_lioncub.comm.transport import CommStats, TorchTransport, Transport, make_transport
 from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.errors import LionCubConfigError, NonFiniteGradientError, UnsupportedParameterError
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
@@ -77,6 +77,8 @@ class LionCub(torch.optim.Optimizer):
         self.module = module
         self.process_group = process_group
         self.transport: Transport = self._make_transport(process_group)
+        # The ranks whose finite checks must agree: the voters, unless bind() says more.
+        self._agreement_transport: Transport = self.transport
         # Whether the caller (DeepSpeed's engine) hands over gradients it has already averaged.
         self.gradients_are_averaged = False
         # Names and the momentum-sync selection are kept by flat position (group order, then
@@ -123,19 +125,27 @@ class LionCub(torch.optim.Optimizer):
             self._resolve_names()
 
     def bind(
-        self, process_group: dist.ProcessGroup | None, module: nn.Module | None, *, gradients_averaged: bool
+        self,
+        process_group: dist.ProcessGroup | None,
+        module: nn.Module | None,
+        *,
+        gradients_averaged: bool,
+        agreement_group: dist.ProcessGroup | None = None,
     ) -> None:
         """Communicate over ``process_group``, take names from ``module``, and say who averages gradients.
 
         ``gradients_averaged``: the caller averages the gradients before ``step`` (DeepSpeed's engine
-        with compression "none"), so exact Lion must not average them again. Used by the DeepSpeed
-        wiring; must run while the optimizer still holds the module's own parameters, so names
-        resolve. The transport is rebuilt only for a different group (an MPI transport's
-        construction is itself a collective).
+        with compression "none"), so exact Lion must not average them again. ``agreement_group``:
+        the ranks that must all skip a step together when one has a non-finite gradient, when they
+        are more than ``process_group`` (under ZeRO hybrid: the whole world, not just the voters).
+        Used by the DeepSpeed wiring; must run while the optimizer still holds the module's own
+        parameters, so names resolve. The transport is rebuilt only for a different group (an MPI
+        transport's construction is itself a collective).
         """
         if process_group is not self.process_group:
             self.process_group = process_group
             self.transport = self._make_transport(process_group)
+        self._agreement_transport = self.transport if agreement_group is None else TorchTransport(agreement_group)
         if module is not None:
             self.module = module
         self.gradients_are_averaged = gradients_averaged
@@ -202,8 +212,12 @@ class LionCub(torch.optim.Optimizer):
 
     def comm_stats(self) -> CommStats:
         """Collectives issued and bytes sent / received by this rank's LionCub so far."""
-        stats = self.transport.stats
-        return CommStats(stats.collectives, stats.bytes_sent, stats.bytes_received)
+        stats = CommStats(self.transport.stats.collectives, self.transport.stats.bytes_sent, self.transport.stats.bytes_received)
+        if self._agreement_transport is not self.transport:
+            extra = self._agreement_transport.stats
+            stats = CommStats(stats.collectives + extra.collectives, stats.bytes_sent + extra.bytes_sent,
+                              stats.bytes_received + extra.bytes_received)
+        return stats
 
     @property
     def momentum_synced_parameters(self) -> list[torch.Tensor]:
@@ -302,13 +316,13 @@ class LionCub(torch.optim.Optimizer):
         bad = [] if locally_finite else [entry.param for entry, total in zip(entries, sums) if not torch.isfinite(total)]
         device = entries[0].grad.device if entries else torch.device("cpu")
         ranks_with_bad = torch.tensor([0 if locally_finite else 1], dtype=torch.int32, device=device)
-        self.transport.all_reduce_sum(ranks_with_bad)
+        self._agreement_transport.all_reduce_sum(ranks_with_bad)
         count = int(ranks_with_bad.item())
         if count == 0:
             return
         here = ", ".join(self._label(param) for param in bad[:5]) or "none"
         raise NonFiniteGradientError(
-            f"LionCub: non-finite (NaN/inf) gradients on {count} of {self.transport.world_size} ranks at "
+            f"LionCub: non-finite (NaN/inf) gradients on {count} of {self._agreement_transport.world_size} ranks at "
             f"step {step}; the step was not applied on any rank (this rank's offending parameters: {here}). "
             f"Lower the learning rate, enable gradient clipping or loss scaling; check_finite=False turns "
             f"this check off."

@@ -215,7 +215,7 @@ def run_bad_configs() -> dict[str, Any]:
     }
     results: dict[str, Any] = {}
     cases = [(name, {**base, "optimizer": optimizer}) for name, optimizer in bad.items()]
-    cases.append(("zero-compressed", {**base, "zero_optimization": {"stage": 1},
+    cases.append(("zero-compressed", {**base, "zero_optimization": {"stage": 3},
                                       "optimizer": {"type": "LionCub", "params": {"compression": "1bit"}}}))
     for name, config in cases:
         try:
