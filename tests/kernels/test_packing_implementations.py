@@ -26,6 +26,14 @@ from ds_lioncub.op_builder import LionCubPackingCPUBuilder, LionCubPackingCUDABu
 SIZES = (0, 1, 3, 7, 8, 9, 13, 31, 33, 64, 65, 127, 1000, 4099)
 WIDTHS = (1, 2, 4, 8)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# (width, dtype) of the values pack_fields takes: bool values are 1-bit fields
+FIELD_INPUTS = [(bits, dtype) for bits in WIDTHS for dtype in (torch.uint8, torch.int32)] + [(1, torch.bool)]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 # More elements than one parallel task of the CPU kernels takes (128K signs, or fewer votes per task)
 LARGE = (1 << 18) + 13
 
@@ -186,13 +194,12 @@ def impl(request: pytest.FixtureRequest) -> Iterator[Implementation]:
 # ====================================================================== b-bit fields
 
 
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.bool])
-@pytest.mark.parametrize("bits", WIDTHS)
+@pytest.mark.parametrize(
+    ("bits", "dtype"), FIELD_INPUTS, ids=[f"{bits}bit-{dtype_name(dtype)}" for bits, dtype in FIELD_INPUTS]
+)
 def test_pack_fields_puts_field_i_at_bits_i_times_b_least_significant_first(
     impl: Implementation, bits: int, dtype: torch.dtype
 ) -> None:
-    if dtype == torch.bool and bits != 1:
-        pytest.skip("bool values are 1-bit fields")
     for n in SIZES:
         values = random_fields(n, bits, seed=10 * n + bits).to(dtype)
         packed = packing.pack_fields(impl.put(values), bits)
@@ -272,7 +279,7 @@ def test_count_set_bits_per_position_counts_the_plus_votes(impl: Implementation)
 
 @pytest.mark.parametrize("bits", WIDTHS)
 @pytest.mark.parametrize("zero_is_positive", [True, False])
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_name)
 def test_pack_signs_is_1_for_positive_values_and_for_zeros_when_zero_is_positive(
     impl: Implementation, dtype: torch.dtype, zero_is_positive: bool, bits: int
 ) -> None:
@@ -299,7 +306,7 @@ def test_pack_signs_counts_nan_as_minus_one_and_keeps_the_sign_of_subnormals(imp
 
 
 @pytest.mark.parametrize("bits", WIDTHS)
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES + (torch.float64,))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + (torch.float64,), ids=dtype_name)
 def test_pack_signs_pads_the_message_with_zero_bytes_up_to_nbytes(
     impl: Implementation, dtype: torch.dtype, bits: int
 ) -> None:
@@ -317,7 +324,7 @@ def test_pack_signs_reads_views_in_element_order(impl: Implementation) -> None:
         assert packing.pack_signs(view, False).cpu().tolist() == expected
 
 
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES + (torch.float64, torch.int8))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + (torch.float64, torch.int8), ids=dtype_name)
 def test_unpack_signs_gives_plus_one_for_a_set_bit_and_minus_one_for_a_clear_bit(
     impl: Implementation, dtype: torch.dtype
 ) -> None:
@@ -328,7 +335,7 @@ def test_unpack_signs_gives_plus_one_for_a_set_bit_and_minus_one_for_a_clear_bit
         assert signs.cpu().tolist() == [1 if bit else -1 for bit in ref_unpack(message.tolist(), 1, n)], n
 
 
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES + (torch.float64,))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + (torch.float64,), ids=dtype_name)
 def test_unpack_signs_into_out_overwrites_the_tensor_whose_signs_were_packed(
     impl: Implementation, dtype: torch.dtype
 ) -> None:
@@ -380,7 +387,7 @@ def test_vote_packed_signs_hand_worked_ties(impl: Implementation) -> None:
 # ====================================================================== the L1 quantizer
 
 
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_pack_l1_fields_rounds_c_times_scale_half_to_even_and_clamps_to_the_levels(
     impl: Implementation, bits: int, dtype: torch.dtype
