@@ -51,8 +51,10 @@ def _extensions():
             f"DS_BUILD_LIONCUB=1 needs torch and deepspeed importable at build time ({error}). Install them "
             f"first, then: DS_BUILD_LIONCUB=1 pip install --no-build-isolation ."
         ) from None
-    # op_builder.py by path: importing the ds_lioncub package would run its DeepSpeed registration
-    spec = importlib.util.spec_from_file_location("_lioncub_op_builder", HERE / "ds_lioncub" / "op_builder.py")
+    # the builders by path: importing the ds_lioncub package would run its DeepSpeed registration
+    spec = importlib.util.spec_from_file_location(
+        "_lioncub_op_builder", HERE / "ds_lioncub" / "comm" / "packing" / "builders.py"
+    )
     op_builder = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(op_builder)
     extensions = [op_builder.LionCubPackingCPUBuilder().builder()]
