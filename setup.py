@@ -62,7 +62,8 @@ def _extensions():
     if torch.version.cuda is not None and CUDA_HOME is not None:
         extensions.append(cuda.builder())
     else:
-        print(f"ds_lioncub: skipping the CUDA packing op: {'torch is a CPU build' if torch.version.cuda is None else 'no CUDA_HOME'}")
+        why = "torch is a CPU build" if torch.version.cuda is None else "no CUDA_HOME"
+        print(f"ds_lioncub: skipping the CUDA packing op: {why}")
     print(f"ds_lioncub: prebuilding {', '.join(ext.name for ext in extensions)}")
     return extensions, BuildExtension
 

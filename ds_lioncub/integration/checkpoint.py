@@ -21,7 +21,6 @@ import os
 from typing import Any
 
 import torch
-
 import torch.distributed as dist
 
 from ds_lioncub.errors import LionCubSetupError
@@ -97,8 +96,9 @@ def load_hybrid_momentum(
             f"compressed LionCub under the hybrid; this engine runs {current}. Resume with the configuration it was "
             f"saved with."
         )
-    state = torch.load(momentum_file(directory, dist.get_rank(), HYBRID_FILE_PREFIX), map_location="cpu",
-                       weights_only=True)
+    state = torch.load(
+        momentum_file(directory, dist.get_rank(), HYBRID_FILE_PREFIX), map_location="cpu", weights_only=True
+    )
     saved = f"{state['nodes']} node(s) x {state['node_size']} rank(s)"
     if (state["nodes"], state["node_size"]) != (layout.nodes, layout.node_size) or len(files) != layout.world_size:
         raise LionCubSetupError(

@@ -79,22 +79,40 @@ def _refuse_what_the_hybrid_cannot_do(engine: Any, optimizer: LionCub, stage: in
         )
     label = f"compression={optimizer.options.compression!r} under ZeRO stage {stage}"
     refusals = [
-        (engine.zero_offload_optimizer() is not None and str(engine.zero_offload_optimizer().device) != "none",
-         "optimizer offload", "drop zero_optimization.offload_optimizer"),
-        (engine.zero_offload_param() is not None and str(engine.zero_offload_param().device) != "none",
-         "parameter offload", "drop zero_optimization.offload_param"),
+        (
+            engine.zero_offload_optimizer() is not None and str(engine.zero_offload_optimizer().device) != "none",
+            "optimizer offload",
+            "drop zero_optimization.offload_optimizer",
+        ),
+        (
+            engine.zero_offload_param() is not None and str(engine.zero_offload_param().device) != "none",
+            "parameter offload",
+            "drop zero_optimization.offload_param",
+        ),
         (bool(getattr(engine, "zenflow", False)), "ZenFlow", "drop zero_optimization.zenflow"),
         (bool(engine.has_moe_layers), "mixture-of-experts layers", "use zero_optimization.stage 0"),
         (bool(engine.pipeline_parallelism), "pipeline parallelism", "use zero_optimization.stage 0"),
         (engine.mpu is not None, "model, tensor or sequence parallelism (an mpu)", "use zero_optimization.stage 0"),
-        (bool(engine.zero_elastic_checkpoint()), "elastic checkpoints",
-         "set zero_optimization.elastic_checkpoint to false"),
-        (bool(engine.load_universal_checkpoint()), "universal checkpoints (they hold node 0's momentum only)",
-         "load a regular checkpoint"),
-        (optimizer.options.comm_backend_name != "torch", "comm_backend_name='mpi' (the MPI world would have to "
-         "be the vote group)", "use comm_backend_name='torch'"),
-        (optimizer.options.momentum_sync.interval > 0 and optimizer.options.momentum_sync.layers != "all",
-         "momentum_sync by layer (LionCub steps flat ZeRO shards that mix layers)", "use momentum_sync.layers='all'"),
+        (
+            bool(engine.zero_elastic_checkpoint()),
+            "elastic checkpoints",
+            "set zero_optimization.elastic_checkpoint to false",
+        ),
+        (
+            bool(engine.load_universal_checkpoint()),
+            "universal checkpoints (they hold node 0's momentum only)",
+            "load a regular checkpoint",
+        ),
+        (
+            optimizer.options.comm_backend_name != "torch",
+            "comm_backend_name='mpi' (the MPI world would have to be the vote group)",
+            "use comm_backend_name='torch'",
+        ),
+        (
+            optimizer.options.momentum_sync.interval > 0 and optimizer.options.momentum_sync.layers != "all",
+            "momentum_sync by layer (LionCub steps flat ZeRO shards that mix layers)",
+            "use momentum_sync.layers='all'",
+        ),
     ]
     for refused, what, fix in refusals:
         if refused:

@@ -38,7 +38,9 @@ def launched(tmp_path_factory: pytest.TempPathFactory, packing_op_build: tuple[A
     out = tmp_path_factory.mktemp("deepspeed")
     main_files = [out / f"main-rank{rank}.pt" for rank in range(2)]
     run_deepspeed(
-        WORKER, 2, ["--out", str(out), "--phase", "main", "--deepspeed_config", "configs/lioncub_1bit.json"],
+        WORKER,
+        2,
+        ["--out", str(out), "--phase", "main", "--deepspeed_config", "configs/lioncub_1bit.json"],
         main_files,
     )
     checkpoint = out / "ckpt-lioncub_1bit"
@@ -134,7 +136,8 @@ def test_head_momentum_sync_by_module_names(launched: dict[str, Any], variant: s
     ranks = _configs(launched)[variant]
     for step, expected in ((9, set()), (10, {"lm_head.weight"})):
         equal = {
-            name for name, a, b in zip(names, ranks[0][f"momenta@{step}"], ranks[1][f"momenta@{step}"], strict=True)
+            name
+            for name, a, b in zip(names, ranks[0][f"momenta@{step}"], ranks[1][f"momenta@{step}"], strict=True)
             if torch.equal(a, b)
         }
         assert equal == expected, f"{variant} step {step}"
@@ -199,12 +202,15 @@ def test_bad_ds_config_is_rejected_identically_on_every_rank(
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 needs a CUDA device (CI and this CPU machine have none)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="fp16 needs a CUDA device (CI and this CPU machine have none)"
+)
 def test_fp16_on_cuda(tmp_path: Path) -> None:
     ranks = min(torch.cuda.device_count(), 2)
     files = [tmp_path / f"fp16-rank{rank}.pt" for rank in range(ranks)]
-    run_deepspeed(WORKER, ranks, ["--out", str(tmp_path), "--phase", "fp16"], files,
-                  environment={"DS_ACCELERATOR": "cuda"})
+    run_deepspeed(
+        WORKER, ranks, ["--out", str(tmp_path), "--phase", "fp16"], files, environment={"DS_ACCELERATOR": "cuda"}
+    )
     records = [torch.load(path, weights_only=False)["fp16"] for path in files]
     assert records[0]["moved_at_init"] == 0.0
     losses = records[0]["losses"]

@@ -97,7 +97,7 @@ def ref_l1_fields(values: list[float], scales: list[float], sizes: list[int], le
     """Fields ``q + L``, ``q = clamp(round_half_even(fp32(c * s)), -L, L)``; a zero scale gives q = 0."""
     fields = []
     start = 0
-    for size, scale in zip(sizes, scales):
+    for size, scale in zip(sizes, scales, strict=True):
         for value in values[start : start + size]:
             if scale == 0:
                 q = 0
@@ -257,12 +257,14 @@ def test_sum_fields_per_position_adds_the_fields_of_every_row(impl: Implementati
         for n in (1, 7, 9, 33, 1000):
             row_bytes = (n * bits + 7) // 8 + 2  # bytes past the fields must not count
             rows = random_bytes(p * row_bytes, seed=1000 * p + 10 * n + bits).view(p, row_bytes)
-            expected = [sum(column) for column in zip(*(ref_unpack(row, bits, n) for row in rows.tolist()))]
+            unpacked = [ref_unpack(row, bits, n) for row in rows.tolist()]
+            expected = [sum(column) for column in zip(*unpacked, strict=True)]
             sums = packing.sum_fields_per_position(impl.put(rows), bits, n)
             assert sums.dtype == torch.int32
             assert sums.cpu().tolist() == expected, (p, n)
             strided = packing.sum_fields_per_position(impl.put(rows)[:, 1:], bits, n)  # rows not contiguous
-            expected = [sum(column) for column in zip(*(ref_unpack(row[1:], bits, n) for row in rows.tolist()))]
+            unpacked = [ref_unpack(row[1:], bits, n) for row in rows.tolist()]
+            expected = [sum(column) for column in zip(*unpacked, strict=True)]
             assert strided.cpu().tolist() == expected, (p, n)
 
 

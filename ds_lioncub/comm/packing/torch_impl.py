@@ -113,7 +113,7 @@ class TorchPacking:
     ) -> torch.Tensor:
         fields = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
         start = 0
-        for size, scale in zip(sizes, scales.tolist()):
+        for size, scale in zip(sizes, scales.tolist(), strict=True):
             segment = flat[start : start + size]
             if scale == 0:
                 fields[start : start + size] = levels
