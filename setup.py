@@ -51,8 +51,10 @@ def _extensions():
             f"DS_BUILD_LIONCUB=1 needs torch and deepspeed importable at build time ({error}). Install them "
             f"first, then: DS_BUILD_LIONCUB=1 pip install --no-build-isolation ."
         ) from None
-    # op_builder.py by path: importing the ds_lioncub package would run its DeepSpeed registration
-    spec = importlib.util.spec_from_file_location("_lioncub_op_builder", HERE / "ds_lioncub" / "op_builder.py")
+    # the builders by path: importing the ds_lioncub package would run its DeepSpeed registration
+    spec = importlib.util.spec_from_file_location(
+        "_lioncub_op_builder", HERE / "ds_lioncub" / "comm" / "packing" / "builders.py"
+    )
     op_builder = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(op_builder)
     extensions = [op_builder.LionCubPackingCPUBuilder().builder()]
@@ -60,7 +62,8 @@ def _extensions():
     if torch.version.cuda is not None and CUDA_HOME is not None:
         extensions.append(cuda.builder())
     else:
-        print(f"ds_lioncub: skipping the CUDA packing op: {'torch is a CPU build' if torch.version.cuda is None else 'no CUDA_HOME'}")
+        why = "torch is a CPU build" if torch.version.cuda is None else "no CUDA_HOME"
+        print(f"ds_lioncub: skipping the CUDA packing op: {why}")
     print(f"ds_lioncub: prebuilding {', '.join(ext.name for ext in extensions)}")
     return extensions, BuildExtension
 

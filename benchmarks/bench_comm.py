@@ -50,10 +50,21 @@ from benchmarks.collective_clock import CollectiveClock
 from benchmarks.netcluster.counters import TCP_FRAME_HEADERS, Counters, as_mtu_frames, read_sysfs
 from benchmarks.netcluster.units import format_rate, parse_count, parse_rate
 
-DEFAULT_OPS = ("fp32", "bf16", "1bit", "kbit:sign:4:allreduce", "kbit:sign:4:alltoall",
-               "kbit:l1:8:allreduce", "kbit:l1:4:alltoall")
-SHORT_NAMES = {"sign4-ar": "kbit:sign:4:allreduce", "sign4-a2a": "kbit:sign:4:alltoall",
-               "l1-8-ar": "kbit:l1:8:allreduce", "l1-4-a2a": "kbit:l1:4:alltoall"}
+DEFAULT_OPS = (
+    "fp32",
+    "bf16",
+    "1bit",
+    "kbit:sign:4:allreduce",
+    "kbit:sign:4:alltoall",
+    "kbit:l1:8:allreduce",
+    "kbit:l1:4:alltoall",
+)
+SHORT_NAMES = {
+    "sign4-ar": "kbit:sign:4:allreduce",
+    "sign4-a2a": "kbit:sign:4:alltoall",
+    "l1-8-ar": "kbit:l1:8:allreduce",
+    "l1-4-a2a": "kbit:l1:4:alltoall",
+}
 
 
 # ---------------------------------------------------------------------------------------------- ops
@@ -74,9 +85,16 @@ class OpSpec:
         if text in ("fp32", "bf16", "1bit"):
             return cls(text)
         parts = text.split(":")
-        if len(parts) != 4 or parts[0] != "kbit" or parts[1] not in ("sign", "l1") or parts[2] not in ("2", "4", "8") \
-                or parts[3] not in ("allreduce", "alltoall"):
-            raise ValueError(f"unknown op {text!r}: use fp32, bf16, 1bit or kbit:<sign|l1>:<2|4|8>:<allreduce|alltoall>")
+        if (
+            len(parts) != 4
+            or parts[0] != "kbit"
+            or parts[1] not in ("sign", "l1")
+            or parts[2] not in ("2", "4", "8")
+            or parts[3] not in ("allreduce", "alltoall")
+        ):
+            raise ValueError(
+                f"unknown op {text!r}: use fp32, bf16, 1bit or kbit:<sign|l1>:<2|4|8>:<allreduce|alltoall>"
+            )
         return cls("kbit", parts[1], int(parts[2]), parts[3])
 
     @property
@@ -133,8 +151,13 @@ def make_op(spec: OpSpec, n: int, rank: int, clock: CollectiveClock) -> Callable
         setattr(transport, name, clock.time(getattr(transport, name)))
     if spec.kind == "1bit":
         return lambda step: backend.vote_1bit(update, step)
-    return lambda step: backend.vote_kbit(update, step, bits=spec.bits, quantizer=spec.quantizer,  # type: ignore[arg-type]
-                                          algorithm=spec.algorithm)  # type: ignore[arg-type]
+    return lambda step: backend.vote_kbit(
+        update,
+        step,
+        bits=spec.bits,
+        quantizer=spec.quantizer,  # type: ignore[arg-type]
+        algorithm=spec.algorithm,
+    )  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------- worker
@@ -165,8 +188,16 @@ def _wire_delta(ifname: str | None, before: Counters | None) -> Counters:
     return read_sysfs(ifname) - before
 
 
-def measure(spec: OpSpec, n: int, reps: int, warmup: int, ifname: str | None, rate_bps: int | None,
-            mtu: int, barrier_traffic: Counters) -> Measurement:
+def measure(
+    spec: OpSpec,
+    n: int,
+    reps: int,
+    warmup: int,
+    ifname: str | None,
+    rate_bps: int | None,
+    mtu: int,
+    barrier_traffic: Counters,
+) -> Measurement:
     import torch
     import torch.distributed as dist
 
@@ -185,8 +216,10 @@ def measure(spec: OpSpec, n: int, reps: int, warmup: int, ifname: str | None, ra
         del result
         dist.barrier()
         counted = _wire_delta(ifname, before) - barrier_traffic
-        row = torch.tensor([elapsed, in_collectives, counted.tx_bytes, counted.rx_bytes, counted.tx_packets,
-                            counted.rx_packets], dtype=torch.float64)
+        row = torch.tensor(
+            [elapsed, in_collectives, counted.tx_bytes, counted.rx_bytes, counted.tx_packets, counted.rx_packets],
+            dtype=torch.float64,
+        )
         rows = [torch.empty_like(row) for _ in range(p)]
         dist.all_gather(rows, row)
         if step <= warmup:
@@ -202,10 +235,17 @@ def measure(spec: OpSpec, n: int, reps: int, warmup: int, ifname: str | None, ra
     busiest_frames = statistics.median(busiest)
     return Measurement(
         op=spec.kind if spec.kind != "kbit" else f"kbit:{spec.quantizer}:{spec.bits}:{spec.algorithm}",
-        label=spec.label, n=n, p=p, reps=reps, time_s=statistics.median(times), times_s=times,
+        label=spec.label,
+        n=n,
+        p=p,
+        reps=reps,
+        time_s=statistics.median(times),
+        times_s=times,
         collective_s=statistics.median(collective),
-        tx_counted=statistics.median(tx_counted), tx_frames=statistics.median(tx_frames),
-        busiest_frames=busiest_frames, payload=spec.payload_bytes(n, p),
+        tx_counted=statistics.median(tx_counted),
+        tx_frames=statistics.median(tx_frames),
+        busiest_frames=busiest_frames,
+        payload=spec.payload_bytes(n, p),
         ideal_s=None if rate_bps is None or ifname is None else busiest_frames * 8 / rate_bps,
     )
 
@@ -222,8 +262,12 @@ def barrier_traffic(ifname: str | None, samples: int = 5) -> Counters:
         before = read_sysfs(ifname)
         dist.barrier()
         deltas.append(read_sysfs(ifname) - before)
-    return Counters(*(int(statistics.median(getattr(d, f) for d in deltas))
-                      for f in ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")))
+    return Counters(
+        *(
+            int(statistics.median(getattr(d, f) for d in deltas))
+            for f in ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")
+        )
+    )
 
 
 def sizes_up_to(max_n: int, min_n: int = 10**6) -> list[int]:
@@ -265,13 +309,20 @@ def worker(args: argparse.Namespace) -> int:
             result = measure(spec, n, reps, args.warmup, ifname, rate_bps, args.mtu, calibration)
             results.append(result)
             if rank == 0:
-                print(f"p={p} n={n:.0e} {spec.label}: {result.time_s:.4f} s, "
-                      f"{result.tx_frames / 1e6:.3f} MB sent/rank", flush=True)
+                print(
+                    f"p={p} n={n:.0e} {spec.label}: {result.time_s:.4f} s, {result.tx_frames / 1e6:.3f} MB sent/rank",
+                    flush=True,
+                )
     if rank == 0:
         report = {
-            "p": p, "rate_bps": rate_bps, "mtu": args.mtu, "ifname": ifname, "threads": torch.get_num_threads(),
+            "p": p,
+            "rate_bps": rate_bps,
+            "mtu": args.mtu,
+            "ifname": ifname,
+            "threads": torch.get_num_threads(),
             "packing": packing,
-            "barrier_traffic": calibration.to_dict(), "skipped": skipped,
+            "barrier_traffic": calibration.to_dict(),
+            "skipped": skipped,
             "results": [asdict(result) for result in results],
         }
         if args.out:
@@ -310,8 +361,10 @@ def format_tables(reports: Sequence[dict[str, Any]]) -> str:
         out.append(f"### p = {p}, {link}, MTU {mtu}\n")
         if "packing" in report:
             out.append(f"Packing: {report['packing']}; {report.get('threads', '?')} thread(s) per rank.\n")
-        out.append("| n | op | time (s) | in collectives (s) | speed-up vs fp32 | sent/rank (MB) | model (MB) | "
-                   "wire/model | ideal (s) | efficiency |")
+        out.append(
+            "| n | op | time (s) | in collectives (s) | speed-up vs fp32 | sent/rank (MB) | model (MB) | "
+            "wire/model | ideal (s) | efficiency |"
+        )
         out.append("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         results = report["results"]
         fp32 = {r["n"]: r["time_s"] for r in results if r["op"] == "fp32"}
@@ -322,9 +375,11 @@ def format_tables(reports: Sequence[dict[str, Any]]) -> str:
             sent = _mb(r["tx_frames"]) if measured else "-"
             ideal = "-" if r["ideal_s"] is None else _seconds(r["ideal_s"])
             efficiency = "-" if r["ideal_s"] is None else f"{100 * r['ideal_s'] / r['time_s']:.0f}%"
-            out.append(f"| {r['n']:.0e} | {r['label']} | {_seconds(r['time_s'])} | {_seconds(r['collective_s'])} | "
-                       f"{speedup} | "
-                       f"{sent} | {_mb(r['payload'])} | {ratio} | {ideal} | {efficiency} |")
+            out.append(
+                f"| {r['n']:.0e} | {r['label']} | {_seconds(r['time_s'])} | {_seconds(r['collective_s'])} | "
+                f"{speedup} | "
+                f"{sent} | {_mb(r['payload'])} | {ratio} | {ideal} | {efficiency} |"
+            )
         for line in report.get("skipped", []):
             out.append(f"\nskipped: {line}")
         out.append("")
@@ -344,20 +399,27 @@ def target_lines(report: dict[str, Any]) -> list[str]:
     measured = report.get("ifname", "ncl0") is not None
     if "1bit" in at_n and "fp32" in at_n:
         one, fp = at_n["1bit"], at_n["fp32"]
-        wire = (f"; bytes on the busiest link: {fp['busiest_frames'] / max(one['busiest_frames'], 1):.1f}x fewer"
-                if measured else "")
-        lines.append(f"- n = {n:.0e}: 1-bit vote {fp['time_s'] / one['time_s']:.1f}x faster than fp32 all-reduce "
-                     f"({_seconds(one['time_s'])} s vs {_seconds(fp['time_s'])} s; target >= 20x). Time inside "
-                     f"collectives: {_seconds(one['collective_s'])} s vs {_seconds(fp['collective_s'])} s = "
-                     f"{fp['collective_s'] / one['collective_s']:.1f}x{wire}.")
+        wire = (
+            f"; bytes on the busiest link: {fp['busiest_frames'] / max(one['busiest_frames'], 1):.1f}x fewer"
+            if measured
+            else ""
+        )
+        lines.append(
+            f"- n = {n:.0e}: 1-bit vote {fp['time_s'] / one['time_s']:.1f}x faster than fp32 all-reduce "
+            f"({_seconds(one['time_s'])} s vs {_seconds(fp['time_s'])} s; target >= 20x). Time inside "
+            f"collectives: {_seconds(one['collective_s'])} s vs {_seconds(fp['collective_s'])} s = "
+            f"{fp['collective_s'] / one['collective_s']:.1f}x{wire}."
+        )
     if "1bit" in at_n and measured:
-        one, p = at_n["1bit"], report["p"]
+        one = at_n["1bit"]
         formula = one["payload"]  # ds_lioncub.comm.wire's bytes for the 1-bit vote
         expected = formula + header_overhead(formula, report["mtu"])
-        lines.append(f"- n = {n:.0e}: 1-bit vote sent {one['tx_frames']:.0f} B/rank as {report['mtu']}-byte frames "
-                     f"(counters: {one['tx_counted']:.0f} B); 2(p-1)/p*n_pad/8 = {formula:.0f} B, plus TCP/IP/Ethernet "
-                     f"headers {expected:.0f} B: {100 * (one['tx_frames'] / expected - 1):+.2f}% "
-                     f"(target within 5%).")
+        lines.append(
+            f"- n = {n:.0e}: 1-bit vote sent {one['tx_frames']:.0f} B/rank as {report['mtu']}-byte frames "
+            f"(counters: {one['tx_counted']:.0f} B); 2(p-1)/p*n_pad/8 = {formula:.0f} B, plus TCP/IP/Ethernet "
+            f"headers {expected:.0f} B: {100 * (one['tx_frames'] / expected - 1):+.2f}% "
+            f"(target within 5%)."
+        )
     return lines
 
 
@@ -369,24 +431,34 @@ def machine_notes() -> str:
 
     cpu = platform.processor() or platform.machine()
     try:
-        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name"))
+        model = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
         cpu = model
     except (OSError, StopIteration):
         pass
-    return (f"{os.cpu_count()} cores ({cpu}), {_memory_gib()} GiB, Linux {platform.release()}, "
-            f"Python {platform.python_version()}, torch {torch.__version__}, ds_lioncub at {_revision()}, "
-            f"load average before the run {os.getloadavg()[0]:.1f}")
+    return (
+        f"{os.cpu_count()} cores ({cpu}), {_memory_gib()} GiB, Linux {platform.release()}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}, ds_lioncub at {_revision()}, "
+        f"load average before the run {os.getloadavg()[0]:.1f}"
+    )
 
 
 def _revision() -> str:
     import subprocess
 
     try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "ds_lioncub"],
-                               capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "ds_lioncub"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown revision"
     return f"{head}{' + uncommitted changes in ds_lioncub/' if dirty else ''}"
@@ -394,8 +466,13 @@ def _revision() -> str:
 
 def _memory_gib() -> str:
     try:
-        kib = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
-                       if line.startswith("MemTotal")))
+        kib = int(
+            next(
+                line.split()[1]
+                for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemTotal")
+            )
+        )
         return f"{kib / 2**20:.0f}"
     except (OSError, StopIteration, ValueError):
         return "?"
@@ -417,8 +494,14 @@ def driver(args: argparse.Namespace) -> int:
     from benchmarks.netcluster.system import NetclusterError
 
     rate_bps = None if args.bandwidth.lower() in ("none", "unlimited") else parse_rate(args.bandwidth)
-    forwarded = [f"--ops={args.ops}", f"--max-n={args.max_n}", f"--min-n={args.min_n}", f"--warmup={args.warmup}",
-                 f"--reps={args.reps}", f"--mtu={args.mtu}"]
+    forwarded = [
+        f"--ops={args.ops}",
+        f"--max-n={args.max_n}",
+        f"--min-n={args.min_n}",
+        f"--warmup={args.warmup}",
+        f"--reps={args.reps}",
+        f"--mtu={args.mtu}",
+    ]
     if args.sizes:
         forwarded.append("--sizes=" + ",".join(str(n) for n in args.sizes))
     reports = []
@@ -430,9 +513,13 @@ def driver(args: argparse.Namespace) -> int:
                 out = Path(tmp) / f"p{p}.json"
                 spec = ClusterSpec(nodes=p, link=LinkSpec(rate_bps=rate_bps, mtu=args.mtu))
                 with Cluster(spec) as cluster:
-                    result = run_command(cluster, [sys.executable, str(Path(__file__).resolve()), *forwarded,
-                                                   f"--out={out}"],
-                                         echo=sys.stderr, echo_ranks={0}, timeout_s=args.timeout)
+                    result = run_command(
+                        cluster,
+                        [sys.executable, str(Path(__file__).resolve()), *forwarded, f"--out={out}"],
+                        echo=sys.stderr,
+                        echo_ranks={0},
+                        timeout_s=args.timeout,
+                    )
                 if not result.ok:
                     failed = result.ranks[result.failed_rank] if result.failed_rank is not None else None
                     tail = "\n".join(failed.output_tail) if failed else ""
@@ -446,8 +533,10 @@ def driver(args: argparse.Namespace) -> int:
         print(f"bench_comm: {interrupt}; the cluster was removed", file=sys.stderr)
         return 128 + interrupt.signum
     command = " ".join(["python", "benchmarks/bench_comm.py", *sys.argv[1:]])
-    text = (f"Command: `{command}`  \nMachine: {notes}  \n"
-            f"Total benchmark time: {time.time() - started:.0f} s\n\n" + format_tables(reports))
+    text = (
+        f"Command: `{command}`  \nMachine: {notes}  \n"
+        f"Total benchmark time: {time.time() - started:.0f} s\n\n" + format_tables(reports)
+    )
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")
@@ -457,22 +546,35 @@ def driver(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-sizes", default="2,4", type=lambda s: [int(v) for v in s.split(",")],
-                        help="driver: world sizes, one cluster each (default 2,4)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--world-sizes",
+        default="2,4",
+        type=lambda s: [int(v) for v in s.split(",")],
+        help="driver: world sizes, one cluster each (default 2,4)",
+    )
     parser.add_argument("--bandwidth", default="1gbit", help="driver: link rate, tc syntax or 'none' (default 1gbit)")
     parser.add_argument("--timeout", type=float, default=None, help="driver: seconds per world size")
     parser.add_argument("--markdown", default=None, help="driver: also write the tables here")
     parser.add_argument("--json", default=None, help="driver: also write the raw results here")
-    parser.add_argument("--ops", default=",".join(DEFAULT_OPS), help=f"comma-separated (default {','.join(DEFAULT_OPS)})")
+    parser.add_argument(
+        "--ops", default=",".join(DEFAULT_OPS), help=f"comma-separated (default {','.join(DEFAULT_OPS)})"
+    )
     parser.add_argument("--max-n", type=parse_count, default=10**8, help="largest n (default 1e8)")
     parser.add_argument("--min-n", type=parse_count, default=10**6, help="smallest n (default 1e6)")
-    parser.add_argument("--sizes", type=lambda s: [parse_count(v) for v in s.split(",")] if s else None, default=None,
-                        help="explicit comma-separated sizes (overrides --min-n/--max-n)")
+    parser.add_argument(
+        "--sizes",
+        type=lambda s: [parse_count(v) for v in s.split(",")] if s else None,
+        default=None,
+        help="explicit comma-separated sizes (overrides --min-n/--max-n)",
+    )
     parser.add_argument("--reps", type=int, default=0, help="timed repetitions (default 3, 2 above n = 1e7)")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--mtu", type=int, default=1500, help="link MTU (the driver sets it; workers use it for frames)")
+    parser.add_argument(
+        "--mtu", type=int, default=1500, help="link MTU (the driver sets it; workers use it for frames)"
+    )
     parser.add_argument("--out", default=None, help="worker: rank 0 writes its JSON report here")
     args = parser.parse_args(argv)
     for op in args.ops.split(","):

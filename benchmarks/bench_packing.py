@@ -130,20 +130,30 @@ def throughput(sizes: list[int], threads: list[int], paths: list[str], p: int, r
                     chunk_out = torch.empty(n // (8 * p), dtype=torch.uint8, device=dev)
                     signs_out = torch.empty_like(x)
                     copy_into = lambda: dst.copy_(x)  # noqa: E731
-                    path_cases.update({
-                        "pack*": (lambda: module.pack_signs(x, True, 1, packed_out), cases["pack"][1], copy_into),
-                        "vote*": (lambda: module.vote_packed_signs(rows, n, True, vote_out), cases["vote"][1], copy_into),
-                        "unpack*": (lambda: module.unpack_signs(gathered, signs_out), cases["unpack"][1], copy_into),
-                        "1bit step*": (
-                            lambda: (
-                                module.pack_signs(x, True, 1, packed_out),
-                                module.vote_packed_signs(chunk_rows, n // p, True, chunk_out),
-                                module.unpack_signs(gathered, signs_out),
+                    path_cases.update(
+                        {
+                            "pack*": (lambda: module.pack_signs(x, True, 1, packed_out), cases["pack"][1], copy_into),
+                            "vote*": (
+                                lambda: module.vote_packed_signs(rows, n, True, vote_out),
+                                cases["vote"][1],
+                                copy_into,
                             ),
-                            cases["1bit step"][1],
-                            copy_into,
-                        ),
-                    })
+                            "unpack*": (
+                                lambda: module.unpack_signs(gathered, signs_out),
+                                cases["unpack"][1],
+                                copy_into,
+                            ),
+                            "1bit step*": (
+                                lambda: (
+                                    module.pack_signs(x, True, 1, packed_out),
+                                    module.vote_packed_signs(chunk_rows, n // p, True, chunk_out),
+                                    module.unpack_signs(gathered, signs_out),
+                                ),
+                                cases["1bit step"][1],
+                                copy_into,
+                            ),
+                        }
+                    )
                 for op_name, (op, nbytes, copy) in path_cases.items():
                     result = paired(op, copy, rounds, dev)
                     rows_out.append(
@@ -188,9 +198,11 @@ def memory_worker(layers: int, width: int, bucket: int, path: str, compression: 
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     for param in model.parameters():
         param.grad = torch.randn_like(param)
-    options = {"compression": "1bit"} if compression == "1bit" else {
-        "compression": "kbit", "bits": 4, "quantizer": "l1", "kbit_algorithm": "allreduce"
-    }
+    options = (
+        {"compression": "1bit"}
+        if compression == "1bit"
+        else {"compression": "kbit", "bits": 4, "quantizer": "l1", "kbit_algorithm": "allreduce"}
+    )
     optimizer = LionCub(model.parameters(), lr=1e-4, bucket_size=bucket, check_finite=check_finite, **options)
     packing.set_packing_path(path)
     packing.packing_path("cpu")
@@ -228,8 +240,13 @@ def memory(models: list[tuple[int, int]], bucket: int, paths: list[str]) -> list
     for compression, path, check_finite in cases:
         for layers, width in models:
             spec = json.dumps([layers, width, bucket, path, compression, check_finite])
-            done = subprocess.run([sys.executable, "-m", "benchmarks.bench_packing", "--memory-worker", spec], env=env,
-                                  capture_output=True, text=True, check=False)
+            done = subprocess.run(
+                [sys.executable, "-m", "benchmarks.bench_packing", "--memory-worker", spec],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             if done.returncode != 0:
                 raise RuntimeError(f"memory worker failed:\n{done.stdout}\n{done.stderr}")
             result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -260,8 +277,10 @@ def markdown(args: argparse.Namespace, rows: list[dict], mem: list[dict], notes:
     lines = [SECTION, ""]
     lines.append(f"Command: `{notes['command']}`  ")
     lines.append(f"Date: {notes['date']}; machine: {notes['machine']}; packing op: {notes['op']}  ")
-    lines.append(f"Load average before / after: {notes['load_before']} / {notes['load_after']} (a shared machine: "
-                 f"every ratio below compares timings taken back to back in the same round).")
+    lines.append(
+        f"Load average before / after: {notes['load_before']} / {notes['load_after']} (a shared machine: "
+        f"every ratio below compares timings taken back to back in the same round)."
+    )
     lines.append("")
     if rows:
         lines.append(
@@ -274,7 +293,9 @@ def markdown(args: argparse.Namespace, rows: list[dict], mem: list[dict], notes:
             "dominate at n >= 1e7 on this VM."
         )
         lines.append("")
-        lines.append("| threads | n | op | compiled ms | GB/s | x copy | time/clone | torch ms | torch x copy | speedup |")
+        lines.append(
+            "| threads | n | op | compiled ms | GB/s | x copy | time/clone | torch ms | torch x copy | speedup |"
+        )
         lines.append("|---|---|---|---|---|---|---|---|---|---|")
         by_key = {(r["threads"], r["n"], r["op"], r["path"]): r for r in rows}
         for (threads, n, op, path), row in by_key.items():
@@ -336,14 +357,26 @@ def summary(rows: list[dict], mem: list[dict]) -> str:
     for row in rows:
         if row["path"] != "compiled" or not row["op"].startswith("1bit step"):
             continue
-        torch_row = next((t for t in rows if t["op"] == row["op"] and t["path"] == "torch"
-                          and t["n"] == row["n"] and t["threads"] == row["threads"]), None)
+        torch_row = next(
+            (
+                t
+                for t in rows
+                if t["op"] == row["op"]
+                and t["path"] == "torch"
+                and t["n"] == row["n"]
+                and t["threads"] == row["threads"]
+            ),
+            None,
+        )
         speedup = f", torch path time / this = {torch_row['op_s'] / row['op_s']:.1f}" if torch_row else ""
-        out.append(f"threads={row['threads']} n={row['n']:.0e} {row['op']}: {row['gbps'] / row['copy_gbps']:.2f}x copy "
-                   f"bandwidth (time {row['op_over_copy']:.2f}x the copy){speedup}")
+        out.append(
+            f"threads={row['threads']} n={row['n']:.0e} {row['op']}: {row['gbps'] / row['copy_gbps']:.2f}x copy "
+            f"bandwidth (time {row['op_over_copy']:.2f}x the copy){speedup}"
+        )
     if out:
         return "Targets (1bit step >= 0.5x copy bandwidth; torch time / compiled time >= 5):\n\n" + "\n".join(
-            f"- {line}" for line in out)
+            f"- {line}" for line in out
+        )
     return ""
 
 
@@ -355,10 +388,17 @@ def main() -> int:
     parser.add_argument("--p", type=int, default=4, help="voters (rows) in the vote")
     parser.add_argument("--reps", type=int, default=15, help="rounds per measurement (fewer at n > 2e7)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--models", default="4x2048,16x2048",
-                        help="models for the memory part: LAYERSxWIDTH of Linear(WIDTH, WIDTH) layers")
-    parser.add_argument("--bucket", type=float, default=float(1 << 21),
-                        help="bucket_size for the memory part (2 Mi: every bucket of both default models is full)")
+    parser.add_argument(
+        "--models",
+        default="4x2048,16x2048",
+        help="models for the memory part: LAYERSxWIDTH of Linear(WIDTH, WIDTH) layers",
+    )
+    parser.add_argument(
+        "--bucket",
+        type=float,
+        default=float(1 << 21),
+        help="bucket_size for the memory part (2 Mi: every bucket of both default models is full)",
+    )
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-throughput", action="store_true")
     parser.add_argument("--write", type=Path, help=f"replace the '{SECTION}' section of this markdown file")

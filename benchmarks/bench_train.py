@@ -51,15 +51,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--eval-windows", type=int, default=256, help="validation windows of seq-len tokens")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per method before its ranks are stopped")
-    p.add_argument("--loopback", action="store_true",
-                   help="run the ranks as local processes on loopback (no root, no shaping, no wire counters)")
+    p.add_argument(
+        "--loopback",
+        action="store_true",
+        help="run the ranks as local processes on loopback (no root, no shaping, no wire counters)",
+    )
     p.add_argument("--report-only", action="store_true", help="only rebuild report.md and the plots from --out-dir")
     defaults = TrainSettings()
     g = p.add_argument_group("model and training (common to every method)")
     for item in fields(TrainSettings):
         flag = "--" + item.name.replace("_", "-")
-        g.add_argument(flag, type=type(getattr(defaults, item.name)), default=getattr(defaults, item.name),
-                       help=f"default {getattr(defaults, item.name)}")
+        g.add_argument(
+            flag,
+            type=type(getattr(defaults, item.name)),
+            default=getattr(defaults, item.name),
+            help=f"default {getattr(defaults, item.name)}",
+        )
     args = p.parse_args(argv)
     if args.ranks < 1 or args.steps < 1:
         p.error("--ranks and --steps must be >= 1")
@@ -73,10 +80,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def worker_command(args: argparse.Namespace, method: Method) -> list[str]:
     return [
-        sys.executable, str(WORKER), "--methods", method.name, "--steps", str(args.steps),
-        "--eval-windows", str(args.eval_windows), "--out-dir", str(args.out_dir.resolve()),
-        "--corpus-cache", str((args.out_dir / "corpus_cache").resolve()),
-        "--settings", json.dumps(asdict(args.settings)),
+        sys.executable,
+        str(WORKER),
+        "--methods",
+        method.name,
+        "--steps",
+        str(args.steps),
+        "--eval-windows",
+        str(args.eval_windows),
+        "--out-dir",
+        str(args.out_dir.resolve()),
+        "--corpus-cache",
+        str((args.out_dir / "corpus_cache").resolve()),
+        "--settings",
+        json.dumps(asdict(args.settings)),
     ]
 
 
@@ -86,9 +103,16 @@ def run_loopback(command: list[str], ranks: int, log_dir: Path, timeout_s: float
     threads = str(max(1, (os.cpu_count() or 1) // ranks))
     procs = []
     for rank in range(ranks):
-        env = {**repo_environment(), "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": threads,
-               "PYTHONUNBUFFERED": "1"}
+        env = {
+            **repo_environment(),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(ranks),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": threads,
+            "PYTHONUNBUFFERED": "1",
+        }
         log = (log_dir / f"rank{rank}.log").open("w")
         procs.append((subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     deadline = time.monotonic() + timeout_s
@@ -113,8 +137,10 @@ def machine_notes(result: dict[str, Any]) -> str:
 
     rate = result.get("link_rate_bps")
     link = f"{format_rate(rate)} links (netcluster)" if rate else "loopback, unshaped"
-    return (f"Machine: {os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}, Python "
-            f"{platform.python_version()}, torch {torch.__version__}; {result['world_size']} ranks, {link}.")
+    return (
+        f"Machine: {os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}, Python "
+        f"{platform.python_version()}, torch {torch.__version__}; {result['world_size']} ranks, {link}."
+    )
 
 
 def run_all(args: argparse.Namespace) -> int:
@@ -128,11 +154,19 @@ def run_all(args: argparse.Namespace) -> int:
     if args.loopback:
         for method in args.method_list:
             print(f"[bench_train] {method.name} on {args.ranks} local ranks", flush=True)
-            code = run_loopback(worker_command(args, method), args.ranks, args.out_dir / "logs" / method.name,
-                                args.timeout, port=free_port())
+            code = run_loopback(
+                worker_command(args, method),
+                args.ranks,
+                args.out_dir / "logs" / method.name,
+                args.timeout,
+                port=free_port(),
+            )
             if code != 0:
-                print(f"[bench_train] {method.name} failed with exit code {code}; see "
-                      f"{args.out_dir / 'logs' / method.name}", file=sys.stderr)
+                print(
+                    f"[bench_train] {method.name} failed with exit code {code}; see "
+                    f"{args.out_dir / 'logs' / method.name}",
+                    file=sys.stderr,
+                )
                 return code
         return 0
 
@@ -140,21 +174,33 @@ def run_all(args: argparse.Namespace) -> int:
 
     reason = unavailable_reason()
     if reason:
-        print(f"bench_train: cannot build the emulated cluster: {reason}. Run as root, or pass --loopback "
-              f"for unshaped local ranks.", file=sys.stderr)
+        print(
+            f"bench_train: cannot build the emulated cluster: {reason}. Run as root, or pass --loopback "
+            f"for unshaped local ranks.",
+            file=sys.stderr,
+        )
         return 1
     spec = ClusterSpec(nodes=args.ranks, link=LinkSpec(rate_bps=args.bandwidth))
     with signals_as_exceptions(), Cluster(spec) as cluster:
         for index, method in enumerate(args.method_list):
             print(f"[bench_train] {method.name} on {args.ranks} ranks, {format_rate(args.bandwidth)} links", flush=True)
-            result = run_command(cluster, worker_command(args, method), master_port=29500 + index,
-                                 timeout_s=args.timeout, echo_ranks={0},
-                                 log_dir=args.out_dir / "logs" / method.name)
+            result = run_command(
+                cluster,
+                worker_command(args, method),
+                master_port=29500 + index,
+                timeout_s=args.timeout,
+                echo_ranks={0},
+                log_dir=args.out_dir / "logs" / method.name,
+            )
             (args.out_dir / "logs" / method.name / "netcluster.json").write_text(
-                json.dumps(result.to_dict(), indent=2) + "\n")
+                json.dumps(result.to_dict(), indent=2) + "\n"
+            )
             if not result.ok:
-                print(f"[bench_train] {method.name} failed (exit code {result.exit_code}, rank "
-                      f"{result.failed_rank}); see {args.out_dir / 'logs' / method.name}", file=sys.stderr)
+                print(
+                    f"[bench_train] {method.name} failed (exit code {result.exit_code}, rank "
+                    f"{result.failed_rank}); see {args.out_dir / 'logs' / method.name}",
+                    file=sys.stderr,
+                )
                 return result.exit_code
     return 0
 

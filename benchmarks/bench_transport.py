@@ -73,9 +73,7 @@ def init_torch(comm: Any) -> None:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
     port = comm.bcast(port, root=0)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
 
 
 def operation(backend: CompressedBackend, op: str, update: torch.Tensor) -> Callable[[int], torch.Tensor]:
@@ -117,16 +115,23 @@ def bench(comm: Any, numel: int, reps: int, warmup: int) -> list[dict[str, Any]]
                 inside.append(comm.allreduce(timed.seconds, op=MPI.MAX))
             outputs[(op, name)] = out.clone()
             sent = (timed.inner.stats.bytes_sent - stats_before) // reps
-            rows.append({
-                "op": op, "transport": name, "numel": numel, "world_size": comm.size,
-                "median_ms": 1e3 * statistics.median(totals), "min_ms": 1e3 * min(totals),
-                "comm_ms": 1e3 * statistics.median(inside), "bytes_sent_per_rank": sent,
-            })
+            rows.append(
+                {
+                    "op": op,
+                    "transport": name,
+                    "numel": numel,
+                    "world_size": comm.size,
+                    "median_ms": 1e3 * statistics.median(totals),
+                    "min_ms": 1e3 * min(totals),
+                    "comm_ms": 1e3 * statistics.median(inside),
+                    "bytes_sent_per_rank": sent,
+                }
+            )
         reference, got = outputs[(op, "torch")], outputs[(op, "mpi")]
         same = torch.equal(reference, got)
         differ = (reference != got).float().mean().item()
         relative = ((reference - got).abs() / reference.abs().clamp_min(1e-30)).max().item()
-        for row in rows[-len(TRANSPORTS):]:
+        for row in rows[-len(TRANSPORTS) :]:
             row["identical_to_torch"] = same
             row["elements_differing"] = differ
             row["max_relative_difference"] = relative
@@ -170,9 +175,11 @@ def main() -> None:
     init_torch(comm)
     rows = bench(comm, int(args.numel), args.reps, args.warmup)
     if comm.rank == 0:
-        print(f"# {comm.size} ranks, n = {int(args.numel):,}, {args.reps} reps, {args.threads} torch thread(s)/rank, "
-              f"torch {torch.__version__}, {MPI.Get_library_version().splitlines()[0].strip()}, "
-              f"{platform.machine()} {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
+        print(
+            f"# {comm.size} ranks, n = {int(args.numel):,}, {args.reps} reps, {args.threads} torch thread(s)/rank, "
+            f"torch {torch.__version__}, {MPI.Get_library_version().splitlines()[0].strip()}, "
+            f"{platform.machine()} {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}"
+        )
         print(markdown(rows))
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))

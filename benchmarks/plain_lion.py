@@ -17,8 +17,13 @@ import torch
 
 
 class PlainLion(torch.optim.Optimizer):
-    def __init__(self, params: Iterable[torch.Tensor], lr: float, betas: tuple[float, float] = (0.9, 0.99),
-                 weight_decay: float = 0.0) -> None:
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+    ) -> None:
         if not lr > 0 or weight_decay < 0 or not all(0 <= beta < 1 for beta in betas):
             raise ValueError(f"need lr > 0, weight_decay >= 0, betas in [0, 1); got {lr}, {weight_decay}, {betas}")
         super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})

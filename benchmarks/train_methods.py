@@ -49,8 +49,9 @@ class TrainSettings:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0 or self.weight_decay < 0 or not 0 <= self.beta1 < 1:
-            raise ValueError(f"need lr > 0, weight_decay >= 0, 0 <= beta1 < 1; got {self.lr}, "
-                             f"{self.weight_decay}, {self.beta1}")
+            raise ValueError(
+                f"need lr > 0, weight_decay >= 0, 0 <= beta1 < 1; got {self.lr}, {self.weight_decay}, {self.beta1}"
+            )
 
 
 @dataclass(frozen=True)
@@ -73,21 +74,52 @@ _HEAD_SYNC = {"interval": 10, "layers": ["^lm_head\\."]}
 
 METHODS: tuple[Method, ...] = (
     Method("lion_fp32", "Lion, fp32 all-reduce", "deepspeed", lioncub={"compression": "none"}),
-    Method("lion_bf16", "Lion, bf16 all-reduce", "deepspeed", lioncub={"compression": "none"},
-           communication_data_type="bf16"),
+    Method(
+        "lion_bf16",
+        "Lion, bf16 all-reduce",
+        "deepspeed",
+        lioncub={"compression": "none"},
+        communication_data_type="bf16",
+    ),
     Method("lioncub_1bit", "Lion Cub 1-bit vote", "deepspeed", lioncub={"compression": "1bit"}),
-    Method("lioncub_4bit_sign", "Lion Cub 4-bit sign", "deepspeed",
-           lioncub={"compression": "kbit", "bits": 4, "quantizer": "sign", "kbit_algorithm": "alltoall"}),
-    Method("lioncub_8bit_l1", "Lion Cub 8-bit L1", "deepspeed",
-           lioncub={"compression": "kbit", "bits": 8, "quantizer": "l1", "kbit_algorithm": "alltoall"}),
+    Method(
+        "lioncub_4bit_sign",
+        "Lion Cub 4-bit sign",
+        "deepspeed",
+        lioncub={"compression": "kbit", "bits": 4, "quantizer": "sign", "kbit_algorithm": "alltoall"},
+    ),
+    Method(
+        "lioncub_8bit_l1",
+        "Lion Cub 8-bit L1",
+        "deepspeed",
+        lioncub={"compression": "kbit", "bits": 8, "quantizer": "l1", "kbit_algorithm": "alltoall"},
+    ),
     Method("ddp_bf16", "DDP + Lion, bf16_compress_hook", "ddp", ddp_hook="bf16"),
     Method("ddp_powersgd", "DDP + Lion, PowerSGD hook", "ddp", ddp_hook="powersgd"),
-    Method("lion_fp32_b95", "Lion, fp32 all-reduce, β2 0.95", "deepspeed", beta2=0.95,
-           lioncub={"compression": "none"}, reference="lion_fp32_b95"),
-    Method("lioncub_1bit_b95", "Lion Cub 1-bit, β2 0.95", "deepspeed", beta2=0.95,
-           lioncub={"compression": "1bit"}, reference="lion_fp32_b95"),
-    Method("lioncub_1bit_b95_sync", "Lion Cub 1-bit, β2 0.95, head sync /10", "deepspeed", beta2=0.95,
-           lioncub={"compression": "1bit", "momentum_sync": _HEAD_SYNC}, reference="lion_fp32_b95"),
+    Method(
+        "lion_fp32_b95",
+        "Lion, fp32 all-reduce, β2 0.95",
+        "deepspeed",
+        beta2=0.95,
+        lioncub={"compression": "none"},
+        reference="lion_fp32_b95",
+    ),
+    Method(
+        "lioncub_1bit_b95",
+        "Lion Cub 1-bit, β2 0.95",
+        "deepspeed",
+        beta2=0.95,
+        lioncub={"compression": "1bit"},
+        reference="lion_fp32_b95",
+    ),
+    Method(
+        "lioncub_1bit_b95_sync",
+        "Lion Cub 1-bit, β2 0.95, head sync /10",
+        "deepspeed",
+        beta2=0.95,
+        lioncub={"compression": "1bit", "momentum_sync": _HEAD_SYNC},
+        reference="lion_fp32_b95",
+    ),
 )
 METHODS_BY_NAME: dict[str, Method] = {method.name: method for method in METHODS}
 

@@ -58,13 +58,14 @@ def breakdown(result: dict[str, Any], warmup: int = WARMUP_STEPS) -> Breakdown:
     def mean(column: str) -> float:
         return statistics.fmean(per_step[column][skip:])
 
-    return Breakdown(mean("forward_s"), mean("backward_s"), mean("update_s"), mean("comm_s"), mean("total_s"),
-                     mean("tx_bytes"))
+    return Breakdown(
+        mean("forward_s"), mean("backward_s"), mean("update_s"), mean("comm_s"), mean("total_s"), mean("tx_bytes")
+    )
 
 
 def final_train_loss(result: dict[str, Any], tail: int = TRAIN_LOSS_TAIL) -> float:
     losses = result["per_step"]["loss"]
-    return statistics.fmean(losses[-min(tail, len(losses)):])
+    return statistics.fmean(losses[-min(tail, len(losses)) :])
 
 
 def wall_clock(result: dict[str, Any]) -> list[float]:
@@ -142,31 +143,39 @@ def target_lines(results: dict[str, dict[str, Any]]) -> list[str]:
     if BASELINE in results:
         base = breakdown(results[BASELINE])
         condition = "met" if base.comm_share >= COMM_SHARE_CONDITION else "NOT met"
-        lines.append(f"Lion fp32 step: communication is {100 * base.comm_share:.0f}% of it "
-                     f"(the speed target assumes >= {100 * COMM_SHARE_CONDITION:.0f}%: {condition}).")
+        lines.append(
+            f"Lion fp32 step: communication is {100 * base.comm_share:.0f}% of it "
+            f"(the speed target assumes >= {100 * COMM_SHARE_CONDITION:.0f}%: {condition})."
+        )
         for name in ("lioncub_1bit", "lioncub_4bit_sign", "lioncub_8bit_l1"):
             if name in results:
                 row = breakdown(results[name])
                 speedup = base.total_s / row.total_s
                 verdict = "met" if speedup >= SPEEDUP_TARGET else "NOT met"
-                lines.append(f"{_label(name)} step {speedup:.2f}x faster than Lion fp32 "
-                             f"({1e3 * row.total_s:.0f} ms vs {1e3 * base.total_s:.0f} ms; target >= "
-                             f"{SPEEDUP_TARGET:.0f}x: {verdict}); communication {1e3 * row.comm_s:.0f} ms vs "
-                             f"{1e3 * base.comm_s:.0f} ms ({base.comm_s / max(row.comm_s, 1e-9):.1f}x less).")
+                lines.append(
+                    f"{_label(name)} step {speedup:.2f}x faster than Lion fp32 "
+                    f"({1e3 * row.total_s:.0f} ms vs {1e3 * base.total_s:.0f} ms; target >= "
+                    f"{SPEEDUP_TARGET:.0f}x: {verdict}); communication {1e3 * row.comm_s:.0f} ms vs "
+                    f"{1e3 * base.comm_s:.0f} ms ({base.comm_s / max(row.comm_s, 1e-9):.1f}x less)."
+                )
     for name in QUALITY_TARGETS:
         if name in results and results[name]["method"]["reference"] in results:
             reference = results[name]["method"]["reference"]
             gap = relative_gap(results[name]["val_loss"], results[reference]["val_loss"])
             verdict = "met" if gap <= QUALITY_TOLERANCE else "NOT met"
-            lines.append(f"{_label(name)}: val loss {results[name]['val_loss']:.4f} vs {_label(reference)} "
-                         f"{results[reference]['val_loss']:.4f}, {100 * gap:+.2f}% (target within "
-                         f"{100 * QUALITY_TOLERANCE:.0f}%: {verdict}).")
+            lines.append(
+                f"{_label(name)}: val loss {results[name]['val_loss']:.4f} vs {_label(reference)} "
+                f"{results[reference]['val_loss']:.4f}, {100 * gap:+.2f}% (target within "
+                f"{100 * QUALITY_TOLERANCE:.0f}%: {verdict})."
+            )
     for name in ("lioncub_1bit", "lioncub_1bit_b95", "lioncub_1bit_b95_sync"):
         if name in results and results[name]["method"]["reference"] in results:
             reference = results[name]["method"]["reference"]
             gap = relative_gap(results[name]["val_loss"], results[reference]["val_loss"])
-            lines.append(f"{_label(name)}: val loss {results[name]['val_loss']:.4f}, {100 * gap:+.2f}% vs "
-                         f"{_label(reference)} ({results[reference]['val_loss']:.4f}).")
+            lines.append(
+                f"{_label(name)}: val loss {results[name]['val_loss']:.4f}, {100 * gap:+.2f}% vs "
+                f"{_label(reference)} ({results[reference]['val_loss']:.4f})."
+            )
     return lines
 
 
@@ -185,12 +194,20 @@ def write_plots(results: dict[str, dict[str, Any]], out_dir: Path, smoothing: in
         figure, axes = plt.subplots(figsize=(8, 5), dpi=110)
         for name, result in results.items():
             style = "--" if result["method"]["beta2"] != 0.99 else "-"
-            axes.plot(x_of(result), moving_average(result["per_step"]["loss"], smoothing), style, label=_label(name),
-                      linewidth=1.2)
+            axes.plot(
+                x_of(result),
+                moving_average(result["per_step"]["loss"], smoothing),
+                style,
+                label=_label(name),
+                linewidth=1.2,
+            )
         first = next(iter(results.values()))
         settings = first["settings"]
         # The first steps fall from ~5.5 nats; the differences between methods are in what follows.
-        tails = [moving_average(r["per_step"]["loss"], smoothing)[len(r["per_step"]["loss"]) // 10:] for r in results.values()]
+        tails = [
+            moving_average(r["per_step"]["loss"], smoothing)[len(r["per_step"]["loss"]) // 10 :]
+            for r in results.values()
+        ]
         if all(tails):
             low, high = min(min(t) for t in tails), max(max(t) for t in tails)
             axes.set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))
@@ -198,8 +215,10 @@ def write_plots(results: dict[str, dict[str, Any]], out_dir: Path, smoothing: in
         axes.set_ylabel(f"train loss (trailing mean of {smoothing} steps)")
         rate = first.get("link_rate_bps")
         link = f"{rate / 1e9:g} Gbit/s links" if rate else "unshaped loopback"
-        axes.set_title(f"GPT {first['n_params'] / 1e6:.1f}M params, {first['world_size']} ranks, {link}, "
-                       f"lr {settings['lr']:g}", fontsize=10)
+        axes.set_title(
+            f"GPT {first['n_params'] / 1e6:.1f}M params, {first['world_size']} ranks, {link}, lr {settings['lr']:g}",
+            fontsize=10,
+        )
         axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
         figure.tight_layout()

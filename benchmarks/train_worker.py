@@ -109,8 +109,9 @@ powersgd_hook_in_bucket_order.__signature__ = inspect.signature(powerSGD_hook.po
 
 
 def model_config(settings: TrainSettings) -> GPTConfig:
-    return GPTConfig(max_seq_len=settings.seq_len, n_layer=settings.n_layer, n_head=settings.n_head,
-                     d_model=settings.d_model)
+    return GPTConfig(
+        max_seq_len=settings.seq_len, n_layer=settings.n_layer, n_head=settings.n_head, d_model=settings.d_model
+    )
 
 
 def train(method: Method, settings: TrainSettings, steps: int, corpus: Corpus, eval_windows: int) -> dict[str, Any]:
@@ -125,8 +126,9 @@ def train(method: Method, settings: TrainSettings, steps: int, corpus: Corpus, e
     backward_compute_s: float | None = None
 
     if method.runtime == "deepspeed":
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=ds_config(method, settings))
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=ds_config(method, settings)
+        )
         module: torch.nn.Module = engine.module
         clock.wrap(ds_comm, "all_reduce")  # the engine looks it up on the module at call time
         lioncub = find_lioncub(engine.optimizer)
@@ -147,13 +149,14 @@ def train(method: Method, settings: TrainSettings, steps: int, corpus: Corpus, e
         else:
             # start_powerSGD_iter must be > 1 with error feedback; 2 makes the first step a plain
             # all-reduce (PowerSGD's own warm-up) and every later one low-rank.
-            state = powerSGD_hook.PowerSGDState(process_group=None,
-                                                matrix_approximation_rank=settings.powersgd_rank,
-                                                start_powerSGD_iter=2)
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=settings.powersgd_rank, start_powerSGD_iter=2
+            )
             ddp.register_comm_hook(state, powersgd_hook_in_bucket_order)
         module = ddp.module
-        optimizer = PlainLion(ddp.parameters(), lr=settings.lr, betas=(settings.beta1, method.beta2),
-                              weight_decay=settings.weight_decay)
+        optimizer = PlainLion(
+            ddp.parameters(), lr=settings.lr, betas=(settings.beta1, method.beta2), weight_decay=settings.weight_decay
+        )
 
         def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return fp32_loss(ddp(x)[0], y)
@@ -192,9 +195,15 @@ def train(method: Method, settings: TrainSettings, steps: int, corpus: Corpus, e
         rows.append([t1 - t0, backward_s, update_s, comm_s, t3 - t0, loss.item(), tx1 - tx0, rx1 - rx0])
     clock.restore()
 
-    val_loss = evaluate(module, corpus.val, settings.micro_batch,
-                        SimpleNamespace(seq_len=settings.seq_len, eval_windows=eval_windows),
-                        next(module.parameters()).device, rank, world)
+    val_loss = evaluate(
+        module,
+        corpus.val,
+        settings.micro_batch,
+        SimpleNamespace(seq_len=settings.seq_len, eval_windows=eval_windows),
+        next(module.parameters()).device,
+        rank,
+        world,
+    )
     in_sync = params_in_sync(synced(), world)
     table = torch.tensor(rows, dtype=torch.float64)
     dist.all_reduce(table)
@@ -264,9 +273,12 @@ def main(argv: list[str] | None = None) -> None:
         if dist.get_rank() == 0:
             args.out_dir.mkdir(parents=True, exist_ok=True)
             (args.out_dir / f"{method.name}.json").write_text(json.dumps(result) + "\n")
-            mean_total = statistics.fmean(result["per_step"]["total_s"][min(3, args.steps - 1):])
-            print(f"[train_worker] {method.name}: val loss {result['val_loss']:.4f}, "
-                  f"{1e3 * mean_total:.0f} ms/step, params in sync: {result['params_in_sync']}", flush=True)
+            mean_total = statistics.fmean(result["per_step"]["total_s"][min(3, args.steps - 1) :])
+            print(
+                f"[train_worker] {method.name}: val loss {result['val_loss']:.4f}, "
+                f"{1e3 * mean_total:.0f} ms/step, params in sync: {result['params_in_sync']}",
+                flush=True,
+            )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -168,7 +168,7 @@ class KbitVote:
 def _piece_means(bucket: Bucket) -> torch.Tensor:
     """Each piece's mu for the L1 scale: the whole tensor's mean |c| if given, else the piece's own."""
     means = []
-    for piece, whole_mean in zip(bucket.values.split(bucket.piece_sizes), bucket.piece_mean_abs):
+    for piece, whole_mean in zip(bucket.values.split(bucket.piece_sizes), bucket.piece_mean_abs, strict=True):
         means.append(piece.abs().mean() if whole_mean is None else whole_mean)
     return torch.stack(means)
 

@@ -11,8 +11,8 @@ import re
 from typing import Any, Literal
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic_core import ErrorDetails
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 from ds_lioncub.comm.transport import cuda_aware_conflict
 from ds_lioncub.comm.vocabulary import (
@@ -156,7 +156,7 @@ class LionCubConfig(DeepSpeedConfigModel):
         return betas
 
     @model_validator(mode="after")
-    def _options_fit_compression(self) -> "LionCubConfig":
+    def _options_fit_compression(self) -> LionCubConfig:
         given = self.model_fields_set
         kbit_only = ("bits", "quantizer", "aggregation", "kbit_algorithm", "l1_clip")
         if self.compression != "kbit":
@@ -196,7 +196,9 @@ class LionCubConfig(DeepSpeedConfigModel):
         else:
             names += ["tie_break", "check_finite"]
         if self.compression == "kbit":
-            names += ["bits", "quantizer", "aggregation", "kbit_algorithm"] + (["l1_clip"] if self.quantizer == "l1" else [])
+            names += ["bits", "quantizer", "aggregation", "kbit_algorithm"] + (
+                ["l1_clip"] if self.quantizer == "l1" else []
+            )
         names.append("comm_backend_name")
         if self.comm_backend_name == "mpi":
             names.append("cuda_aware")

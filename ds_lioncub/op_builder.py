@@ -1,244 +1,28 @@
-"""DeepSpeed op builders for the packing kernels (``ops/csrc``): CPU (C++/OpenMP) and CUDA.
+"""The packing op builders, kept importable under their first home.
 
-Both follow DeepSpeed's op-builder conventions (``deepspeed.ops.op_builder``) with three changes that
-an out-of-tree op needs:
-
-- sources are resolved inside this repository (``ops/csrc``), or inside the installed package
-  (``ds_lioncub/_ops/csrc``, copied there by ``setup.py``), not inside ``deepspeed/ops``;
-- ``load()`` imports our own prebuilt extension (``DS_BUILD_LIONCUB=1 pip install .``) when it is
-  there; DeepSpeed's ``installed_ops`` only knows DeepSpeed's ops;
-- a JIT build goes to ``<repo>/build/torch_extensions`` when run from a source checkout (unless
-  ``TORCH_EXTENSIONS_DIR`` says otherwise), so one build serves every process and test session,
-  and it announces itself with one log line (a first build takes about a minute on 2 cores).
+They live in :mod:`ds_lioncub.comm.packing.builders`, next to the packing code that loads them; this
+module re-exports them (and the package logger) so ``from ds_lioncub.op_builder import
+LionCubPackingCPUBuilder`` keeps working.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import logging
-import os
-import platform
-import shutil
-import sys
-import time
-from contextlib import contextmanager
-from pathlib import Path
-from typing import Any, Iterator
-
-import torch
-from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
-from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder
-
-PACKAGE_DIR = Path(__file__).resolve().parent
-REPO_DIR = PACKAGE_DIR.parent
-BUILD_VAR = "DS_BUILD_LIONCUB"
-_LOAD_SOURCES: dict[str, str] = {}
-
-
-def get_logger() -> logging.Logger:
-    """The ``ds_lioncub`` logger: INFO to stderr unless the application configured it."""
-    logger = logging.getLogger("ds_lioncub")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [ds_lioncub] %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-    return logger
-
-
-def ops_dir() -> Path:
-    """Where the kernel sources are: ``<repo>/ops`` in a checkout, ``ds_lioncub/_ops`` when installed."""
-    for candidate in (REPO_DIR / "ops", PACKAGE_DIR / "_ops"):
-        if (candidate / "csrc").is_dir():
-            return candidate
-    return REPO_DIR / "ops"
-
-
-def default_build_root() -> Path | None:
-    """JIT cache root: ``TORCH_EXTENSIONS_DIR``, else ``<repo>/build/torch_extensions`` in a writable
-    source checkout, else None (torch's own default, ``~/.cache/torch_extensions``)."""
-    if os.environ.get("TORCH_EXTENSIONS_DIR"):
-        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
-    if (REPO_DIR / "ops" / "csrc").is_dir() and os.access(REPO_DIR, os.W_OK):
-        return REPO_DIR / "build" / "torch_extensions"
-    return None
-
-
-@contextmanager
-def _jit_environment(build_root: Path | None) -> Iterator[None]:
-    """TORCH_EXTENSIONS_DIR set to our cache and ninja on PATH (the venv's bin may not be), restored after."""
-    saved = {key: os.environ.get(key) for key in ("TORCH_EXTENSIONS_DIR", "PATH")}
-    try:
-        if build_root is not None:
-            build_root.mkdir(parents=True, exist_ok=True)
-            os.environ["TORCH_EXTENSIONS_DIR"] = str(build_root)
-        if shutil.which("ninja") is None:
-            os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), saved["PATH"] or ""])
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-class _LionCubBuilderMixin:
-    """Source resolution and load() shared by the CPU and CUDA builders."""
-
-    NAME: str
-    name: str
-    SOURCES: tuple[str, ...] = ()
-
-    @property
-    def load_source(self) -> str | None:
-        """How load() got the module: "prebuilt <file>", "JIT cache <dir>" or "JIT build <dir> (N s)"."""
-        return _LOAD_SOURCES.get(self.name)
-
-    def absolute_name(self) -> str:
-        return f"ds_lioncub.{self.NAME}_op"
-
-    def sources(self) -> list[str]:
-        # relative to the repository root: what setup.py's Extension wants (it runs there)
-        return list(self.SOURCES)
-
-    def include_paths(self) -> list[str]:
-        return ["ops/csrc/includes"]
-
-    def deepspeed_src_path(self, code_path: str) -> str:
-        if os.path.isabs(code_path):
-            return code_path
-        relative = Path(code_path)
-        if relative.parts and relative.parts[0] == "ops":
-            relative = Path(*relative.parts[1:])
-        return str(ops_dir() / relative)
-
-    def jit_build_dir(self) -> Path:
-        root = default_build_root()
-        if root is None:  # torch's default, as torch.utils.cpp_extension._get_build_directory names it
-            from torch.utils.cpp_extension import get_default_build_root
-
-            accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
-            root = Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}"
-        return root / self.name
-
-    def jit_cached(self) -> bool:
-        """True when a JIT build of this op already sits in the cache (loading it takes about a second)."""
-        build_dir = self.jit_build_dir()
-        libraries = list(build_dir.glob(f"{self.name}*.so"))
-        if not libraries:
-            return False
-        built = max(library.stat().st_mtime for library in libraries)
-        sources = [Path(self.deepspeed_src_path(path)) for path in self.sources()]
-        headers = list(Path(self.deepspeed_src_path(self.include_paths()[0])).glob("*.h"))
-        return all(source.stat().st_mtime <= built for source in sources + headers if source.exists())
-
-    def prebuilt_available(self) -> bool:
-        return importlib.util.find_spec(self.absolute_name()) is not None
-
-    def load(self, verbose: bool = False) -> Any:
-        cached = OpBuilder._loaded_ops.get(self.name)
-        if cached is not None:
-            return cached
-        module = None
-        prebuilt_error = None
-        if self.prebuilt_available():
-            try:
-                module = importlib.import_module(self.absolute_name())
-                _LOAD_SOURCES[self.name] = f"prebuilt {module.__file__}"
-            except (ImportError, OSError) as error:  # built against another torch: rebuild below
-                prebuilt_error = error
-        if module is None:
-            module = self._jit(verbose, prebuilt_error)
-        OpBuilder._loaded_ops[self.name] = module
-        return module
-
-    def _jit(self, verbose: bool, prebuilt_error: BaseException | None) -> Any:
-        build_root = default_build_root()
-        where = str(self.jit_build_dir())
-        cached = self.jit_cached()
-        if not cached:
-            reason = f" (prebuilt module unusable: {prebuilt_error})" if prebuilt_error else ""
-            get_logger().info(
-                f"building op {self.name} with JIT on first use, about a minute, once; cache: {where}{reason}"
-            )
-        start = time.time()
-        with _jit_environment(build_root):
-            module = self.jit_load(verbose=verbose)  # type: ignore[attr-defined]
-        seconds = time.time() - start
-        if cached and seconds > 10:  # the build flags changed (sources did not): ninja rebuilt it
-            cached = False
-            get_logger().info(f"rebuilt op {self.name} with JIT in {seconds:.0f} s; cache: {where}")
-        _LOAD_SOURCES[self.name] = f"JIT cache {where}" if cached else f"JIT build {where} ({seconds:.0f} s)"
-        return module
-
-
-class LionCubPackingCPUBuilder(_LionCubBuilderMixin, CPUOpBuilder):
-    """The CPU kernels: C++ with at::parallel_for (OpenMP) and AVX2/F16C via -march=native."""
-
-    BUILD_VAR = BUILD_VAR
-    NAME = "lioncub_packing_cpu"
-    SOURCES = ("ops/csrc/cpu/lioncub_packing.cpp",)
-
-    def __init__(self) -> None:
-        super().__init__(name=self.NAME)
-
-    def cxx_args(self) -> list[str]:
-        # DeepSpeed's CPU flags (-O3, -march=native, -fopenmp) without -g and without its py-cpuinfo
-        # probe (two subprocesses, ~3 s on every load, even of a cached build); the kernels pick their
-        # SIMD path from the compiler's own macros (__AVX2__, __F16C__). No -ffast-math anywhere:
-        # the kernels must round exactly as torch does.
-        machine = platform.machine().lower()
-        if machine.startswith(("ppc", "powerpc")):
-            arch = "-mcpu=native"
-        elif machine.startswith("riscv64"):
-            arch = "-march=rv64gc"
-        else:
-            arch = "-march=native"
-        return ["-O3", "-Wno-reorder", arch, "-fopenmp"]
-
-
-class LionCubPackingCUDABuilder(_LionCubBuilderMixin, CUDAOpBuilder):
-    """The CUDA kernels (nvcc). Needs a CUDA build of torch; a CPU-only torch reports incompatible."""
-
-    BUILD_VAR = BUILD_VAR
-    NAME = "lioncub_packing_cuda"
-    SOURCES = ("ops/csrc/cuda/lioncub_packing_cuda.cpp", "ops/csrc/cuda/lioncub_packing_kernels.cu")
-
-    def __init__(self) -> None:
-        super().__init__(name=self.NAME)
-
-    def is_compatible(self, verbose: bool = False) -> bool:
-        if torch.version.hip is not None:
-            self.error_log = "ROCm builds of torch are not supported by the lioncub CUDA kernels"
-            return False
-        if torch.version.cuda is None:
-            self.error_log = "torch is a CPU-only build (torch.version.cuda is None)"
-            return False
-        from torch.utils.cpp_extension import CUDA_HOME
-
-        if CUDA_HOME is None:
-            self.error_log = "no CUDA toolkit found (set CUDA_HOME, or put nvcc on PATH)"
-            return False
-        return super().is_compatible(verbose)
-
-    def nvcc_args(self) -> list[str]:
-        # DeepSpeed adds --use_fast_math; the L1 quantizer must multiply and round exactly as torch.
-        return [arg for arg in super().nvcc_args() if arg != "--use_fast_math"]
-
-    def cxx_args(self) -> list[str]:
-        return [arg for arg in super().cxx_args() if arg != "-g"]
-
-
-def builders() -> dict[str, _LionCubBuilderMixin]:
-    """The builder for each device type."""
-    return {"cpu": LionCubPackingCPUBuilder(), "cuda": LionCubPackingCUDABuilder()}
-
+from ds_lioncub._logging import get_logger
+from ds_lioncub.comm.packing.builders import (
+    BUILD_VAR,
+    PACKAGE_DIR,
+    REPO_DIR,
+    LionCubPackingCPUBuilder,
+    LionCubPackingCUDABuilder,
+    builders,
+    default_build_root,
+    ops_dir,
+)
 
 __all__ = [
     "BUILD_VAR",
+    "PACKAGE_DIR",
+    "REPO_DIR",
     "LionCubPackingCPUBuilder",
     "LionCubPackingCUDABuilder",
     "builders",

@@ -21,7 +21,7 @@ from ds_lioncub._logging import get_logger
 from ds_lioncub.aggregation import COMM_DTYPES, Aggregator, Bucket, ExactMean, build_aggregation
 from ds_lioncub.buckets import Piece, plan_buckets
 from ds_lioncub.comm.quantize import tie_sign
-from ds_lioncub.comm.transport import CommStats, Transport, make_transport
+from ds_lioncub.comm.transport import CommStats, TorchTransport, Transport, make_transport
 from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.errors import LionCubConfigError, NonFiniteGradientError, UnsupportedParameterError
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
@@ -77,6 +77,8 @@ class LionCub(torch.optim.Optimizer):
         self.module = module
         self.process_group = process_group
         self.transport: Transport = self._make_transport(process_group)
+        # The ranks whose finite checks must agree: the voters, unless bind() says more.
+        self._agreement_transport: Transport = self.transport
         # Whether the caller (DeepSpeed's engine) hands over gradients it has already averaged.
         self.gradients_are_averaged = False
         # Names and the momentum-sync selection are kept by flat position (group order, then
@@ -103,7 +105,7 @@ class LionCub(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         names = group.get("param_names", [None] * len(group["params"]))
-        for name, param in zip(names, group["params"]):
+        for name, param in zip(names, group["params"], strict=True):
             label = f"parameter {name!r}" if name else f"a parameter of shape {tuple(param.shape)}"
             if not param.is_floating_point():
                 raise UnsupportedParameterError(
@@ -111,9 +113,7 @@ class LionCub(torch.optim.Optimizer):
                     f"optimized. Leave it out of the optimizer or set requires_grad=False."
                 )
             if param.is_sparse:
-                raise UnsupportedParameterError(
-                    f"LionCub: {label} is a sparse tensor; LionCub needs dense parameters."
-                )
+                raise UnsupportedParameterError(f"LionCub: {label} is a sparse tensor; LionCub needs dense parameters.")
             if not param.is_contiguous():
                 raise LionCubConfigError(
                     f"LionCub: {label} is not contiguous; LionCub updates flat views. "
@@ -123,19 +123,27 @@ class LionCub(torch.optim.Optimizer):
             self._resolve_names()
 
     def bind(
-        self, process_group: dist.ProcessGroup | None, module: nn.Module | None, *, gradients_averaged: bool
+        self,
+        process_group: dist.ProcessGroup | None,
+        module: nn.Module | None,
+        *,
+        gradients_averaged: bool,
+        agreement_group: dist.ProcessGroup | None = None,
     ) -> None:
         """Communicate over ``process_group``, take names from ``module``, and say who averages gradients.
 
         ``gradients_averaged``: the caller averages the gradients before ``step`` (DeepSpeed's engine
-        with compression "none"), so exact Lion must not average them again. Used by the DeepSpeed
-        wiring; must run while the optimizer still holds the module's own parameters, so names
-        resolve. The transport is rebuilt only for a different group (an MPI transport's
-        construction is itself a collective).
+        with compression "none"), so exact Lion must not average them again. ``agreement_group``:
+        the ranks that must all skip a step together when one has a non-finite gradient, when they
+        are more than ``process_group`` (under ZeRO hybrid: the whole world, not just the voters).
+        Used by the DeepSpeed wiring; must run while the optimizer still holds the module's own
+        parameters, so names resolve. The transport is rebuilt only for a different group (an MPI
+        transport's construction is itself a collective).
         """
         if process_group is not self.process_group:
             self.process_group = process_group
             self.transport = self._make_transport(process_group)
+        self._agreement_transport = self.transport if agreement_group is None else TorchTransport(agreement_group)
         if module is not None:
             self.module = module
         self.gradients_are_averaged = gradients_averaged
@@ -202,8 +210,17 @@ class LionCub(torch.optim.Optimizer):
 
     def comm_stats(self) -> CommStats:
         """Collectives issued and bytes sent / received by this rank's LionCub so far."""
-        stats = self.transport.stats
-        return CommStats(stats.collectives, stats.bytes_sent, stats.bytes_received)
+        stats = CommStats(
+            self.transport.stats.collectives, self.transport.stats.bytes_sent, self.transport.stats.bytes_received
+        )
+        if self._agreement_transport is not self.transport:
+            extra = self._agreement_transport.stats
+            stats = CommStats(
+                stats.collectives + extra.collectives,
+                stats.bytes_sent + extra.bytes_sent,
+                stats.bytes_received + extra.bytes_received,
+            )
+        return stats
 
     @property
     def momentum_synced_parameters(self) -> list[torch.Tensor]:
@@ -227,7 +244,7 @@ class LionCub(torch.optim.Optimizer):
                 f"LionCub: the checkpoint's per-rank momentum files hold {len(momenta)} tensors but the optimizer "
                 f"has {len(params)} parameters; the model or its parameter groups changed since saving."
             )
-        for param, momentum in zip(params, momenta):
+        for param, momentum in zip(params, momenta, strict=True):
             if momentum is None:
                 continue
             state = self.state[param]
@@ -299,16 +316,20 @@ class LionCub(torch.optim.Optimizer):
         # broken gradient): one read pass per tensor, no per-element temporary, one host sync.
         sums = [entry.grad.sum(dtype=torch.float32) for entry in entries]
         locally_finite = bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
-        bad = [] if locally_finite else [entry.param for entry, total in zip(entries, sums) if not torch.isfinite(total)]
+        bad = (
+            []
+            if locally_finite
+            else [entry.param for entry, total in zip(entries, sums, strict=True) if not torch.isfinite(total)]
+        )
         device = entries[0].grad.device if entries else torch.device("cpu")
         ranks_with_bad = torch.tensor([0 if locally_finite else 1], dtype=torch.int32, device=device)
-        self.transport.all_reduce_sum(ranks_with_bad)
+        self._agreement_transport.all_reduce_sum(ranks_with_bad)
         count = int(ranks_with_bad.item())
         if count == 0:
             return
         here = ", ".join(self._label(param) for param in bad[:5]) or "none"
         raise NonFiniteGradientError(
-            f"LionCub: non-finite (NaN/inf) gradients on {count} of {self.transport.world_size} ranks at "
+            f"LionCub: non-finite (NaN/inf) gradients on {count} of {self._agreement_transport.world_size} ranks at "
             f"step {step}; the step was not applied on any rank (this rank's offending parameters: {here}). "
             f"Lower the learning rate, enable gradient clipping or loss scaling; check_finite=False turns "
             f"this check off."
@@ -328,7 +349,7 @@ class LionCub(torch.optim.Optimizer):
                 sizes = [piece.length for piece in bucket]
                 averaged = mean.finish(mean.start(Bucket(torch.cat(grads), sizes, []), True))
                 grads = list(averaged.split(sizes))
-            for piece, grad in zip(bucket, grads):
+            for piece, grad in zip(bucket, grads, strict=True):
                 entry = entries[piece.tensor_index]
                 beta1, beta2 = entry.group["betas"]
                 exp_avg_slice = _piece_of(entry.exp_avg, piece)
@@ -358,17 +379,21 @@ class LionCub(torch.optim.Optimizer):
         """One bucket of a compressed step; its buffers are freed on return, before the next bucket's."""
         sizes = [piece.length for piece in bucket]
         update = torch.empty(sum(sizes), dtype=torch.float32, device=entries[bucket[0].tensor_index].param.device)
-        for piece, direction in zip(bucket, update.split(sizes)):
+        for piece, direction in zip(bucket, update.split(sizes), strict=True):
             entry = entries[piece.tensor_index]
             beta1, beta2 = entry.group["betas"]
             exp_avg_slice, grad_slice = _piece_of(entry.exp_avg, piece), _grad_piece(entry.grad, piece)
             lion_direction(exp_avg_slice, grad_slice, beta1, out=direction)
             update_momentum(exp_avg_slice, grad_slice, beta2)
-        mean_abs = [whole_mean_abs.get(piece.tensor_index) for piece in bucket] if aggregator.needs_whole_tensor_mean_abs else []
+        mean_abs = (
+            [whole_mean_abs.get(piece.tensor_index) for piece in bucket]
+            if aggregator.needs_whole_tensor_mean_abs
+            else []
+        )
         pending = aggregator.start(Bucket(update, sizes, mean_abs), positive_ties)
         # The result overwrites the directions it was packed from: one bucket-sized buffer, not two.
         delta = aggregator.finish(pending, out=update)
-        for piece, piece_delta in zip(bucket, delta.split(sizes)):
+        for piece, piece_delta in zip(bucket, delta.split(sizes), strict=True):
             entry = entries[piece.tensor_index]
             apply_update(_piece_of(entry.param, piece), piece_delta, entry.group["lr"], entry.group["weight_decay"])
 
@@ -386,7 +411,7 @@ class LionCub(torch.optim.Optimizer):
             slices = [_piece_of(momenta[piece.tensor_index], piece) for piece in bucket]
             sizes = [piece.length for piece in bucket]
             averaged = mean.finish(mean.start(Bucket(torch.cat(slices), sizes, [])))
-            for target, value in zip(slices, averaged.split(sizes)):
+            for target, value in zip(slices, averaged.split(sizes), strict=True):
                 target.copy_(value)
 
 

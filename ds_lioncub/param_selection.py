@@ -35,7 +35,8 @@ def select_parameters(
 ) -> list[bool]:
     """For each of ``params``, whether ``layers`` selects it.
 
-    Raises :class:`~ds_lioncub.errors.LionCubConfigError` when the selection needs names or a module that were not given.
+    Raises :class:`~ds_lioncub.errors.LionCubConfigError` when the selection needs names or a module
+    that were not given.
     """
     if layers == "all":
         return [True] * len(params)

@@ -28,37 +28,62 @@ def _line(label: str, value: str) -> str:
     return f"{label} {'.' * max(2, 28 - len(label))} {value}"
 
 
+RULE = "-" * 78
+
+
 def report(build: bool = True, color: bool | None = None) -> str:
     """The report as text (see the module docstring)."""
-    import deepspeed
-
-    import ds_lioncub
     from ds_lioncub.comm import packing
-    from ds_lioncub.op_builder import builders, default_build_root, ops_dir
 
     if color is None:
         color = sys.stdout.isatty()
-    lines = ["-" * 78, "ds_lioncub packing report", "-" * 78]
-    lines.append(_line("ds_lioncub", f"{getattr(ds_lioncub, '__version__', '?')} ({Path(ds_lioncub.__file__).parent})"))
-    lines.append(_line("torch", f"{torch.__version__} (cuda {torch.version.cuda}, {torch.get_num_threads()} threads)"))
-    lines.append(_line("deepspeed", deepspeed.__version__))
-    lines.append(_line("kernel sources", str(ops_dir() / "csrc")))
-    root = default_build_root()
-    lines.append(_line("JIT cache root", str(root) if root else "torch default (~/.cache/torch_extensions)"))
+    lines = [RULE, "ds_lioncub packing report", RULE, *_versions()]
     try:
         mode = packing.requested_mode()
-        origin = f"{packing.PACKING_ENV}={os.environ[packing.PACKING_ENV]}" if os.environ.get(packing.PACKING_ENV) else "default"
     except ValueError as error:
         lines.append(_line("requested mode", f"invalid: {error}"))
         return "\n".join(lines)
+    from_env = os.environ.get(packing.PACKING_ENV)
+    origin = f"{packing.PACKING_ENV}={from_env}" if from_env else "default"
     lines.append(_line("requested mode", f"{mode} ({origin}; choices {'|'.join(packing.PACKING_MODES)})"))
-    lines.append("-" * 78)
-    for device_type, builder in builders().items():
+    lines += [RULE, *_ops(color), RULE]
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    lines += _active_paths(devices) if build else _predicted_paths(devices, mode)
+    if not torch.cuda.is_available():
+        lines.append(_line("active path (cuda)", "n/a: no CUDA device"))
+    lines.append(RULE)
+    return "\n".join(lines)
+
+
+def _versions() -> list[str]:
+    """Versions, where the kernel sources are, and where JIT builds go."""
+    import deepspeed
+
+    import ds_lioncub
+    from ds_lioncub.comm.packing.builders import default_build_root, ops_dir
+
+    root = default_build_root()
+    return [
+        _line("ds_lioncub", f"{getattr(ds_lioncub, '__version__', '?')} ({Path(ds_lioncub.__file__).parent})"),
+        _line("torch", f"{torch.__version__} (cuda {torch.version.cuda}, {torch.get_num_threads()} threads)"),
+        _line("deepspeed", deepspeed.__version__),
+        _line("kernel sources", str(ops_dir() / "csrc")),
+        _line("JIT cache root", str(root) if root else "torch default (~/.cache/torch_extensions)"),
+    ]
+
+
+def _ops(color: bool) -> list[str]:
+    """Each op: can it build here, is it prebuilt or in the JIT cache; and whether cupy imports."""
+    from ds_lioncub.comm.packing.builders import builders
+
+    lines = []
+    for builder in builders().values():
         compatible = builder.is_compatible()
         why = "" if compatible else f"  {builder.error_log}"
         lines.append(_line(f"op {builder.name}", f"compatible {_mark(compatible, color)}{why}"))
         if compatible:
-            lines.append(_line("  prebuilt module", f"{_mark(builder.prebuilt_available(), color)} {builder.absolute_name()}"))
+            prebuilt = _mark(builder.prebuilt_available(), color)
+            lines.append(_line("  prebuilt module", f"{prebuilt} {builder.absolute_name()}"))
             lines.append(_line("  JIT cache", f"{_mark(builder.jit_cached(), color)} {builder.jit_build_dir()}"))
     try:
         import cupy
@@ -66,31 +91,41 @@ def report(build: bool = True, color: bool | None = None) -> str:
         lines.append(_line("cupy", f"{cupy.__version__}"))
     except Exception as error:  # noqa: BLE001 - any import failure means "no cupy"
         lines.append(_line("cupy", f"{_mark(False, color)} not importable ({type(error).__name__})"))
-    lines.append("-" * 78)
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return lines
+
+
+def _active_paths(devices: list[str]) -> list[str]:
+    """The path each device type takes, resolved as training resolves it (may JIT-build the op once)."""
+    from ds_lioncub.comm import packing
+
+    lines = []
     for device in devices:
-        if build:
-            try:
-                choice = packing.packing_path(device)
-                lines.append(_line(f"active path ({device})", f"{choice.path.upper()}: {choice.reason}"))
-            except RuntimeError as error:
-                lines.append(_line(f"active path ({device})", f"ERROR: {error}"))
+        try:
+            choice = packing.packing_path(device)
+            lines.append(_line(f"active path ({device})", f"{choice.path.upper()}: {choice.reason}"))
+        except RuntimeError as error:
+            lines.append(_line(f"active path ({device})", f"ERROR: {error}"))
+    return lines
+
+
+def _predicted_paths(devices: list[str], mode: str) -> list[str]:
+    """What ``mode`` would pick for each device type, from what is on disk; loads and builds nothing."""
+    from ds_lioncub.comm.packing.builders import builders
+
+    lines = []
+    for device in devices:
+        builder = builders()[device]
+        ready = builder.is_compatible() and (builder.prebuilt_available() or builder.jit_cached())
+        if mode == "torch":
+            guess = "TORCH (requested)"
+        elif ready:
+            guess = "COMPILED (prebuilt or JIT cache present)"
+        elif builder.is_compatible() and mode in ("auto", "compiled"):
+            guess = "COMPILED after a one-time JIT build on first use (or torch if that build fails)"
         else:
-            builder = builders()[device]
-            ready = builder.is_compatible() and (builder.prebuilt_available() or builder.jit_cached())
-            if mode == "torch":
-                guess = "TORCH (requested)"
-            elif ready:
-                guess = "COMPILED (prebuilt or JIT cache present)"
-            elif builder.is_compatible() and mode in ("auto", "compiled"):
-                guess = "COMPILED after a one-time JIT build on first use (or torch if that build fails)"
-            else:
-                guess = "CUPY or TORCH (no compiled op)" if device == "cuda" else "TORCH (no compiled op)"
-            lines.append(_line(f"would use ({device})", guess + "  [--no-build: nothing loaded]"))
-    if not torch.cuda.is_available():
-        lines.append(_line("active path (cuda)", "n/a: no CUDA device"))
-    lines.append("-" * 78)
-    return "\n".join(lines)
+            guess = "CUPY or TORCH (no compiled op)" if device == "cuda" else "TORCH (no compiled op)"
+        lines.append(_line(f"would use ({device})", guess + "  [--no-build: nothing loaded]"))
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,8 +69,11 @@ def parse_args() -> argparse.Namespace:
     g.add_argument("--lr", type=float, default=1e-3, help="peak lr of the common schedule")
     g.add_argument("--warmup-steps", type=int, default=10, help="linear warmup, then cosine decay to lr / 10")
     g.add_argument("--grad-clip", type=float, default=1.0, help="gradient_clipping (DeepSpeed's default is 1.0)")
-    g.add_argument("--as-is", action="store_true", help="run the configs unchanged (they differ in more than "
-                   "communication: schedule, precision, batch layout)")
+    g.add_argument(
+        "--as-is",
+        action="store_true",
+        help="run the configs unchanged (they differ in more than communication: schedule, precision, batch layout)",
+    )
     p.add_argument("--corpus", type=Path, default=None, help="training text file (default: Python stdlib sources)")
     p.add_argument("--corpus-bytes", type=int, default=DEFAULT_MAX_BYTES)
     p.add_argument("--out-dir", type=Path, default=None, help="keep per-run JSON summaries and configs here")
@@ -97,8 +100,13 @@ def common_config(original: dict[str, Any], args: argparse.Namespace) -> dict[st
     config["optimizer"]["params"]["lr"] = args.lr
     config["scheduler"] = {
         "type": "WarmupCosineLR",
-        "params": {"total_num_steps": args.steps, "warmup_num_steps": args.warmup_steps, "warmup_type": "linear",
-                   "warmup_min_ratio": 0.1, "cos_min_ratio": 0.1},
+        "params": {
+            "total_num_steps": args.steps,
+            "warmup_num_steps": args.warmup_steps,
+            "warmup_type": "linear",
+            "warmup_min_ratio": 0.1,
+            "cos_min_ratio": 0.1,
+        },
     }
     return config
 
@@ -111,14 +119,27 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_method(method: Method, config_path: Path, common: list[str], args: argparse.Namespace,
-               out_dir: Path) -> dict[str, Any]:
+def run_method(
+    method: Method, config_path: Path, common: list[str], args: argparse.Namespace, out_dir: Path
+) -> dict[str, Any]:
     json_out = out_dir / f"{method.config}.json"
     json_out.unlink(missing_ok=True)  # a stale summary must never pass for this run's result
     cmd = [
-        sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.nproc),
-        "--master_port", str(free_port()), "--log_level", "warning",
-        str(TRAIN_SCRIPT), "--deepspeed_config", str(config_path), *common, "--json-out", str(json_out),
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        str(args.nproc),
+        "--master_port",
+        str(free_port()),
+        "--log_level",
+        "warning",
+        str(TRAIN_SCRIPT),
+        "--deepspeed_config",
+        str(config_path),
+        *common,
+        "--json-out",
+        str(json_out),
     ]
     print(f"\n=== {method.config}: {method.label} ===\n$ {' '.join(cmd)}", flush=True)
     env = {
@@ -137,11 +158,16 @@ def run_method(method: Method, config_path: Path, common: list[str], args: argpa
     wall = time.perf_counter() - t0
     done = json_out.exists()
     if proc.returncode == LAUNCHER_EXIT_AFTER_WORK and done:
-        print(f"note: the deepspeed launcher exited with code {proc.returncode} after the run wrote its "
-              f"summary (a known teardown abort); the results are complete", flush=True)
+        print(
+            f"note: the deepspeed launcher exited with code {proc.returncode} after the run wrote its "
+            f"summary (a known teardown abort); the results are complete",
+            flush=True,
+        )
     elif proc.returncode != 0 or not done:
-        raise SystemExit(f"{method.config}: run failed (exit code {proc.returncode}"
-                         f"{'' if done else ', no summary at ' + str(json_out)})")
+        raise SystemExit(
+            f"{method.config}: run failed (exit code {proc.returncode}"
+            f"{'' if done else ', no summary at ' + str(json_out)})"
+        )
     summary: dict[str, Any] = json.loads(json_out.read_text())
     summary["job_wall_s"] = wall
     return summary
@@ -153,24 +179,30 @@ def describe(config: dict[str, Any]) -> str:
     scheduler = config.get("scheduler")
     schedule = f"{scheduler['type']} {json.dumps(scheduler.get('params', {}))}" if scheduler else "constant lr"
     params = config["optimizer"]["params"]
-    return (f"micro-batch {config.get('train_micro_batch_size_per_gpu')} x accumulation "
-            f"{config.get('gradient_accumulation_steps', 1)}, {precision}, lr {params.get('lr')} betas "
-            f"{params.get('betas')} wd {params.get('weight_decay')}, {schedule}, gradient_clipping "
-            f"{config.get('gradient_clipping', '1.0 (default)')}")
+    return (
+        f"micro-batch {config.get('train_micro_batch_size_per_gpu')} x accumulation "
+        f"{config.get('gradient_accumulation_steps', 1)}, {precision}, lr {params.get('lr')} betas "
+        f"{params.get('betas')} wd {params.get('weight_decay')}, {schedule}, gradient_clipping "
+        f"{config.get('gradient_clipping', '1.0 (default)')}"
+    )
 
 
 def print_table(results: list[tuple[Method, dict[str, Any]]]) -> None:
     baseline = results[0][1]["bytes_sent_per_step"]
-    header = (f"{'config':<18} {'method':<22} {'train loss':>10} {'val loss':>9} {'step ms':>8} "
-              f"{'bytes/step/rank':>16} {'bits/param':>10} {'vs fp32 Lion':>12} {'in sync':>7}")
+    header = (
+        f"{'config':<18} {'method':<22} {'train loss':>10} {'val loss':>9} {'step ms':>8} "
+        f"{'bytes/step/rank':>16} {'bits/param':>10} {'vs fp32 Lion':>12} {'in sync':>7}"
+    )
     print(header)
     print("-" * len(header))
     for method, r in results:
         ratio = r["bytes_sent_per_step"] / baseline if baseline > 0 else float("nan")
-        print(f"{method.config:<18} {method.label:<22} {r['final_train_loss']:>10.4f} {r['val_loss']:>9.4f} "
-              f"{1e3 * r['mean_step_time_s']:>8.1f} {r['bytes_sent_per_step']:>16,.0f} "
-              f"{r['bits_sent_per_param_per_step']:>10.3f} {f'1/{1 / ratio:.1f}' if ratio > 0 else '-':>12} "
-              f"{'yes' if r['params_in_sync'] else 'NO':>7}")
+        print(
+            f"{method.config:<18} {method.label:<22} {r['final_train_loss']:>10.4f} {r['val_loss']:>9.4f} "
+            f"{1e3 * r['mean_step_time_s']:>8.1f} {r['bytes_sent_per_step']:>16,.0f} "
+            f"{r['bits_sent_per_param_per_step']:>10.3f} {f'1/{1 / ratio:.1f}' if ratio > 0 else '-':>12} "
+            f"{'yes' if r['params_in_sync'] else 'NO':>7}"
+        )
 
 
 def main() -> None:
@@ -207,27 +239,48 @@ def main() -> None:
                 print(f"warning: the configs' betas / weight decay differ, so this is not like for like: {hyper}")
 
         common = [
-            "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--seed", str(args.seed),
-            "--n-layer", str(args.n_layer), "--n-head", str(args.n_head), "--d-model", str(args.d_model),
-            "--corpus", str(corpus_path), "--corpus-bytes", "0",
+            "--steps",
+            str(args.steps),
+            "--seq-len",
+            str(args.seq_len),
+            "--seed",
+            str(args.seed),
+            "--n-layer",
+            str(args.n_layer),
+            "--n-head",
+            str(args.n_head),
+            "--d-model",
+            str(args.d_model),
+            "--corpus",
+            str(corpus_path),
+            "--corpus-bytes",
+            "0",
         ]
         results = [(m, run_method(m, configs[m.config][0], common, args, out_dir)) for m in METHODS]
 
     first = results[0][1]
-    print(f"\n{args.nproc} ranks x {first['threads_per_rank']} thread(s), {args.steps} optimizer steps, "
-          f"seq len {args.seq_len}, {first['n_params']:,} params, seed {args.seed}, same corpus for every run")
+    print(
+        f"\n{args.nproc} ranks x {first['threads_per_rank']} thread(s), {args.steps} optimizer steps, "
+        f"seq len {args.seq_len}, {first['n_params']:,} params, seed {args.seed}, same corpus for every run"
+    )
     if args.as_is:
-        print("configs run as written; they differ in more than communication, so losses and step times "
-              "are not a like-for-like comparison:")
+        print(
+            "configs run as written; they differ in more than communication, so losses and step times "
+            "are not a like-for-like comparison:"
+        )
         for method in METHODS:
             print(f"  {method.config}: {describe(configs[method.config][1])}")
     else:
-        print("fair comparison: each config ran as a temporary copy that keeps its optimizer block "
-              "(compression, bits, quantizer, betas, weight decay) and sets the rest in common:")
+        print(
+            "fair comparison: each config ran as a temporary copy that keeps its optimizer block "
+            "(compression, bits, quantizer, betas, weight decay) and sets the rest in common:"
+        )
         print(f"  {describe(configs[METHODS[0].config][1])}")
-        print("  (the files in configs/ differ: lioncub_1bit WarmupLR, lioncub_4bit_sign bf16 + WarmupCosineLR "
-              "to step 200,\n   lioncub_8bit_l1 micro-batch 8 x accumulation 2, lion_fp32 constant lr; "
-              "--as-is runs them unchanged)")
+        print(
+            "  (the files in configs/ differ: lioncub_1bit WarmupLR, lioncub_4bit_sign bf16 + WarmupCosineLR "
+            "to step 200,\n   lioncub_8bit_l1 micro-batch 8 x accumulation 2, lion_fp32 constant lr; "
+            "--as-is runs them unchanged)"
+        )
     print("train loss: mean of the last 10 steps, averaged over ranks; val loss: held-out corpus blocks;")
     print("step ms: mean wall time per optimizer step after 3 warmup steps (a shared 2-core machine: noisy);")
     print("bytes/step/rank: sent per optimizer step per rank = LionCub's comm_stats() + the engine's own")
@@ -240,9 +293,11 @@ def main() -> None:
     if one_bit is not None and four_bit is not None and one_bit["train_loss_rank0"] == four_bit["train_loss_rank0"]:
         # Not a bug that the two rows match: both compute sign(sum of the ranks' signs) with the
         # same tie rule, only encoded differently (packed bits + all-to-all vs 4-bit field sums).
-        print("\nnote: the 1-bit and 4-bit sign rows train identically: both are the same majority vote of the\n"
-              "      ranks' signs (same tie rule), sent as packed bits vs summed 4-bit fields; only bytes and "
-              "time differ")
+        print(
+            "\nnote: the 1-bit and 4-bit sign rows train identically: both are the same majority vote of the\n"
+            "      ranks' signs (same tie rule), sent as packed bits vs summed 4-bit fields; only bytes and "
+            "time differ"
+        )
     walls = ", ".join(f"{m.config} {r['job_wall_s']:.1f}s" for m, r in results)
     print(f"\njob wall times (launcher start to exit): {walls}; total {time.perf_counter() - t_start:.1f}s")
     if args.out_dir is not None:

@@ -47,15 +47,20 @@ from examples.gpt import GPT, GPTConfig
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # The launcher appends --local_rank=N to every rank's command line.
-    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", "0")),
-                   help="set by the deepspeed launcher")
+    p.add_argument(
+        "--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", "0")), help="set by the deepspeed launcher"
+    )
 
     g = p.add_argument_group("training (batch size, accumulation, optimizer and lr schedule: see the ds_config)")
     g.add_argument("--steps", type=int, default=150, help="optimizer steps")
     g.add_argument("--seq-len", type=int, default=64)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--eval-windows", type=int, default=320,
-                   help="validation windows, evenly spaced (split over ranks; the same set for every config)")
+    g.add_argument(
+        "--eval-windows",
+        type=int,
+        default=320,
+        help="validation windows, evenly spaced (split over ranks; the same set for every config)",
+    )
     g.add_argument("--threads", type=int, default=0, help="torch threads per rank (0 = cores / local ranks)")
 
     g = p.add_argument_group("model")
@@ -69,8 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--json-out", type=Path, default=None, help="write a JSON summary here (rank 0)")
     g.add_argument("--log-interval", type=int, default=0, help="log lines when there is no progress bar (0 = steps/10)")
     g.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
-    g.add_argument("--ds-log-level", choices=("debug", "info", "warning", "error"), default="warning",
-                   help="DeepSpeed's own logger (info prints the config dump and lr every steps_per_print)")
+    g.add_argument(
+        "--ds-log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="warning",
+        help="DeepSpeed's own logger (info prints the config dump and lr every steps_per_print)",
+    )
 
     p = deepspeed.add_config_arguments(p)  # --deepspeed, --deepspeed_config
     args = p.parse_args(argv)
@@ -147,8 +156,15 @@ def fp32_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(module: torch.nn.Module, val: torch.Tensor, batch_size: int, args: argparse.Namespace,
-             device: torch.device, rank: int, world: int) -> float:
+def evaluate(
+    module: torch.nn.Module,
+    val: torch.Tensor,
+    batch_size: int,
+    args: argparse.Namespace,
+    device: torch.device,
+    rank: int,
+    world: int,
+) -> float:
     """Mean loss over evenly spaced validation windows, the same set whatever the world size.
 
     Each rank scores every world-th window and the sums are reduced, so evaluation costs
@@ -262,15 +278,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     data_gen = torch.Generator().manual_seed(args.seed * 1_000_003 + rank + 1)
 
     if rank == 0:
-        schedule = (f"{scheduler_block['type']} {scheduler_block.get('params', {})}" if scheduler_block
-                    else "constant (no scheduler block)")
-        print(f"[train_gpt] {args.deepspeed_config}: world={world} threads/rank={threads} params={n_params:,} "
-              f"micro-batch {micro_batch} x accumulation {accumulation} x seq {args.seq_len} per rank, "
-              f"precision {precision}", flush=True)
-        print(f"[train_gpt] optimizer {optimizer_block.get('type')} {optimizer_block.get('params', {})}; "
-              f"lr schedule: {schedule}", flush=True)
-        print(f"[train_gpt] corpus: {corpus.source} (train {len(corpus.train):,} / val {len(corpus.val):,} bytes)",
-              flush=True)
+        schedule = (
+            f"{scheduler_block['type']} {scheduler_block.get('params', {})}"
+            if scheduler_block
+            else "constant (no scheduler block)"
+        )
+        print(
+            f"[train_gpt] {args.deepspeed_config}: world={world} threads/rank={threads} params={n_params:,} "
+            f"micro-batch {micro_batch} x accumulation {accumulation} x seq {args.seq_len} per rank, "
+            f"precision {precision}",
+            flush=True,
+        )
+        print(
+            f"[train_gpt] optimizer {optimizer_block.get('type')} {optimizer_block.get('params', {})}; "
+            f"lr schedule: {schedule}",
+            flush=True,
+        )
+        print(
+            f"[train_gpt] corpus: {corpus.source} (train {len(corpus.train):,} / val {len(corpus.val):,} bytes)",
+            flush=True,
+        )
 
     bar = make_progress(rank == 0 and not args.no_progress, args.steps)
     log_every = args.log_interval or max(1, args.steps // 10)
@@ -305,8 +332,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", ms=f"{1e3 * step_times[-1]:.0f}", sent=f"{sent / 1e3:.1f}kB")
         elif rank == 0 and ((step + 1) % log_every == 0 or step + 1 == args.steps):
-            print(f"[train_gpt] step {step + 1:5d}/{args.steps} loss {losses[-1]:.4f} lr {lrs[-1]:.2e} "
-                  f"step {1e3 * step_times[-1]:.1f} ms sent {sent:,} B", flush=True)
+            print(
+                f"[train_gpt] step {step + 1:5d}/{args.steps} loss {losses[-1]:.4f} lr {lrs[-1]:.2e} "
+                f"step {1e3 * step_times[-1]:.1f} ms sent {sent:,} B",
+                flush=True,
+            )
     train_wall = time.perf_counter() - t_train
     if bar is not None:
         bar.close()
@@ -371,16 +401,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             "checked_tensors": len(checked),
             "train_loss_rank0": losses,
         }
-        print(f"[train_gpt] done: train loss {summary['final_train_loss']:.4f} val loss {val_loss:.4f} "
-              f"step {1e3 * mean_step:.1f} ms sent {total_per_step:,.0f} B/step/rank "
-              f"(LionCub {lioncub_per_step:,.0f}, engine all-reduce {engine_per_step:,.0f}) "
-              f"= {summary['bits_sent_per_param_per_step']:.3f} bits/param; params in sync across ranks: {in_sync}",
-              flush=True)
+        print(
+            f"[train_gpt] done: train loss {summary['final_train_loss']:.4f} val loss {val_loss:.4f} "
+            f"step {1e3 * mean_step:.1f} ms sent {total_per_step:,.0f} B/step/rank "
+            f"(LionCub {lioncub_per_step:,.0f}, engine all-reduce {engine_per_step:,.0f}) "
+            f"= {summary['bits_sent_per_param_per_step']:.3f} bits/param; params in sync across ranks: {in_sync}",
+            flush=True,
+        )
         if lrs[0] == 0.0 and scheduler_block:
             # Not ours to fix: DeepSpeed's WarmupCosineLR sets lr 0 at construction (its "before it has
             # started" warning) and only moves to the warmup lr after the first step.
-            print(f"[train_gpt] note: {scheduler_block['type']} ran the first step at lr 0 (DeepSpeed's "
-                  f"scheduler starts there); that step only updated the momentum", flush=True)
+            print(
+                f"[train_gpt] note: {scheduler_block['type']} ran the first step at lr 0 (DeepSpeed's "
+                f"scheduler starts there); that step only updated the momentum",
+                flush=True,
+            )
         if args.json_out is not None:
             args.json_out.parent.mkdir(parents=True, exist_ok=True)
             args.json_out.write_text(json.dumps(summary, indent=2) + "\n")

@@ -29,8 +29,25 @@ from benchmarks.netcluster.topology import (
 from benchmarks.netcluster.units import parse_count, parse_duration, parse_rate
 
 __all__ = [
-    "Cluster", "ClusterSpec", "Counters", "Interrupted", "LinkSpec", "NetclusterError", "RankResult", "RunResult",
-    "cleanup_leftovers", "find_leftovers", "parse_count", "parse_counters", "parse_duration", "parse_rate",
-    "rank_environment", "read_in_netns", "read_sysfs", "run_command", "shielded", "signals_as_exceptions",
+    "Cluster",
+    "ClusterSpec",
+    "Counters",
+    "Interrupted",
+    "LinkSpec",
+    "NetclusterError",
+    "RankResult",
+    "RunResult",
+    "cleanup_leftovers",
+    "find_leftovers",
+    "parse_count",
+    "parse_counters",
+    "parse_duration",
+    "parse_rate",
+    "rank_environment",
+    "read_in_netns",
+    "read_sysfs",
+    "run_command",
+    "shielded",
+    "signals_as_exceptions",
     "unavailable_reason",
 ]

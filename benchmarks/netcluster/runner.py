@@ -66,9 +66,15 @@ class RunResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "command": self.command, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
-            "rate_bps": self.rate_bps, "delay_s": self.delay_s, "exit_code": self.exit_code,
-            "elapsed_s": self.elapsed_s, "failed_rank": self.failed_rank, "timed_out": self.timed_out,
+            "command": self.command,
+            "nodes": self.nodes,
+            "ranks_per_node": self.ranks_per_node,
+            "rate_bps": self.rate_bps,
+            "delay_s": self.delay_s,
+            "exit_code": self.exit_code,
+            "elapsed_s": self.elapsed_s,
+            "failed_rank": self.failed_rank,
+            "timed_out": self.timed_out,
             "ranks": [vars(rank) for rank in self.ranks],
             "wire": [counters.to_dict() for counters in self.wire],
         }
@@ -76,12 +82,17 @@ class RunResult:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RunResult:
         return cls(
-            command=list(data["command"]), nodes=int(data["nodes"]), ranks_per_node=int(data["ranks_per_node"]),
-            rate_bps=None if data["rate_bps"] is None else int(data["rate_bps"]), delay_s=float(data["delay_s"]),
-            exit_code=int(data["exit_code"]), elapsed_s=float(data["elapsed_s"]),
+            command=list(data["command"]),
+            nodes=int(data["nodes"]),
+            ranks_per_node=int(data["ranks_per_node"]),
+            rate_bps=None if data["rate_bps"] is None else int(data["rate_bps"]),
+            delay_s=float(data["delay_s"]),
+            exit_code=int(data["exit_code"]),
+            elapsed_s=float(data["elapsed_s"]),
             ranks=[RankResult(**rank) for rank in data["ranks"]],
             wire=[Counters.from_dict(node) for node in data["wire"]],
-            failed_rank=data.get("failed_rank"), timed_out=bool(data.get("timed_out", False)),
+            failed_rank=data.get("failed_rank"),
+            timed_out=bool(data.get("timed_out", False)),
         )
 
 
@@ -94,42 +105,59 @@ def rank_environment(
     node, local_rank = divmod(rank, ranks_per_node)
     link = cluster.spec.link
     env = repo_environment(base)
-    env.update({
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(ranks_per_node),
-        "LOCAL_SIZE": str(ranks_per_node),
-        "NODE_RANK": str(node),
-        "GROUP_RANK": str(node),
-        "MASTER_ADDR": cluster.node_address(0),
-        "MASTER_PORT": str(master_port),
-        "GLOO_SOCKET_IFNAME": cluster.node_ifname,
-        "TP_SOCKET_IFNAME": cluster.node_ifname,
-        "NCCL_SOCKET_IFNAME": cluster.node_ifname,
-        "NETCLUSTER_IFNAME": cluster.node_ifname,
-        "NETCLUSTER_NODE": str(node),
-        "NETCLUSTER_NODES": str(cluster.spec.nodes),
-        "NETCLUSTER_RATE_BPS": "" if link.rate_bps is None else str(link.rate_bps),
-        "NETCLUSTER_DELAY_S": repr(link.delay_s),
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(ranks_per_node),
+            "LOCAL_SIZE": str(ranks_per_node),
+            "NODE_RANK": str(node),
+            "GROUP_RANK": str(node),
+            "MASTER_ADDR": cluster.node_address(0),
+            "MASTER_PORT": str(master_port),
+            "GLOO_SOCKET_IFNAME": cluster.node_ifname,
+            "TP_SOCKET_IFNAME": cluster.node_ifname,
+            "NCCL_SOCKET_IFNAME": cluster.node_ifname,
+            "NETCLUSTER_IFNAME": cluster.node_ifname,
+            "NETCLUSTER_NODE": str(node),
+            "NETCLUSTER_NODES": str(cluster.spec.nodes),
+            "NETCLUSTER_RATE_BPS": "" if link.rate_bps is None else str(link.rate_bps),
+            "NETCLUSTER_DELAY_S": repr(link.delay_s),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     # Ranks share this machine's cores: one thread each unless the user chose otherwise (as torchrun).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
     return env
 
 
 class _Rank:
-    def __init__(self, rank: int, node: int, argv: list[str], env: dict[str, str], echo: TextIO | None,
-                 lock: threading.Lock, log_path: Path | None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        node: int,
+        argv: list[str],
+        env: dict[str, str],
+        echo: TextIO | None,
+        lock: threading.Lock,
+        log_path: Path | None,
+    ) -> None:
         self.rank, self.node = rank, node
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.started = time.monotonic()
         self.ended: float | None = None
         self.stopped = False
-        self.process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, text=True, errors="replace",
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
         self.reader = threading.Thread(target=self._read, args=(echo, lock, log_path), daemon=True)
         self.reader.start()
 
@@ -239,8 +267,13 @@ def run_command(
     elapsed = time.monotonic() - started
     after = [read_in_netns(cluster.node_netns(node), cluster.node_ifname) for node in range(cluster.spec.nodes)]
     results = [
-        RankResult(rank.rank, rank.node, None if rank.stopped else rank.process.returncode,
-                   (rank.ended or time.monotonic()) - rank.started, list(rank.tail))
+        RankResult(
+            rank.rank,
+            rank.node,
+            None if rank.stopped else rank.process.returncode,
+            (rank.ended or time.monotonic()) - rank.started,
+            list(rank.tail),
+        )
         for rank in ranks
     ]
     if timed_out:
@@ -251,8 +284,15 @@ def run_command(
     else:
         exit_code = 0
     return RunResult(
-        command=list(command), nodes=cluster.spec.nodes, ranks_per_node=ranks_per_node,
-        rate_bps=cluster.spec.link.rate_bps, delay_s=cluster.spec.link.delay_s, exit_code=exit_code,
-        elapsed_s=elapsed, ranks=results, wire=[a - b for a, b in zip(after, before, strict=True)],
-        failed_rank=failed_rank, timed_out=timed_out,
+        command=list(command),
+        nodes=cluster.spec.nodes,
+        ranks_per_node=ranks_per_node,
+        rate_bps=cluster.spec.link.rate_bps,
+        delay_s=cluster.spec.link.delay_s,
+        exit_code=exit_code,
+        elapsed_s=elapsed,
+        ranks=results,
+        wire=[a - b for a, b in zip(after, before, strict=True)],
+        failed_rank=failed_rank,
+        timed_out=timed_out,
     )

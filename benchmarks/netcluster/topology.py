@@ -155,15 +155,40 @@ class Cluster:
         ip("netns", "add", name)
         ip("link", "set", "lo", "up", netns=name)
         # No IPv6: its router solicitations and multicast reports would add stray frames to the counters.
-        run(["ip", "netns", "exec", name, "sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1",
-             "net.ipv6.conf.default.disable_ipv6=1"], check=False)
+        run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                name,
+                "sysctl",
+                "-q",
+                "-w",
+                "net.ipv6.conf.all.disable_ipv6=1",
+                "net.ipv6.conf.default.disable_ipv6=1",
+            ],
+            check=False,
+        )
 
     def _add_node(self, node: int) -> None:
         link = self.spec.link
         ns, port, mtu = self.node_netns(node), self.switch_port(node), str(link.mtu)
         self._add_netns(ns)
-        ip("link", "add", port, "mtu", mtu, "type", "veth", "peer", "name", NODE_IFNAME, "netns", ns,
-           netns=self.switch_netns)
+        ip(
+            "link",
+            "add",
+            port,
+            "mtu",
+            mtu,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            NODE_IFNAME,
+            "netns",
+            ns,
+            netns=self.switch_netns,
+        )
         ip("link", "set", NODE_IFNAME, "mtu", mtu, netns=ns)
         if not link.segment_offload:
             ip("link", "set", NODE_IFNAME, "gso_max_segs", "1", netns=ns)
@@ -185,17 +210,45 @@ class Cluster:
             delay_us = str(max(1, round(link.delay_s * 1e6))) + "us"
             # Enough queue for a full bandwidth-delay product, so netem never drops.
             limit = "100000"
-            done = tc("qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", delay_us,
-                      "limit", limit, netns=ns, check=False)
+            done = tc(
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "handle",
+                "1:",
+                "netem",
+                "delay",
+                delay_us,
+                "limit",
+                limit,
+                netns=ns,
+                check=False,
+            )
             if done.returncode != 0:
                 reason = (done.stderr or done.stdout).strip()
                 hint = " (this kernel has no netem qdisc: CONFIG_NET_SCH_NETEM)" if "unknown" in reason.lower() else ""
-                raise NetclusterError(f"cannot add a {link.delay_s * 1e3:g} ms delay on {dev}: {reason}{hint}; "
-                                      f"run without --latency")
+                raise NetclusterError(
+                    f"cannot add a {link.delay_s * 1e3:g} ms delay on {dev}: {reason}{hint}; run without --latency"
+                )
             parent = ["parent", "1:1", "handle", "10:"]
         if link.rate_bps is not None:
-            tc("qdisc", "add", "dev", dev, *parent, "tbf", "rate", f"{link.rate_bps}bit",
-               "burst", str(link.burst), "latency", f"{max(1, round(link.queue_latency_s * 1e3))}ms", netns=ns)
+            tc(
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                *parent,
+                "tbf",
+                "rate",
+                f"{link.rate_bps}bit",
+                "burst",
+                str(link.burst),
+                "latency",
+                f"{max(1, round(link.queue_latency_s * 1e3))}ms",
+                netns=ns,
+            )
 
     def down(self) -> None:
         """Stop every process left in the cluster's namespaces and delete them; verify they are gone."""
@@ -265,13 +318,15 @@ def find_leftovers() -> list[Leftover]:
             pids[cluster_id] = int(match["pid"])
     leftovers = []
     for cluster_id, names in sorted(groups.items()):
-        leftovers.append(Leftover(
-            cluster_id=cluster_id,
-            owner_pid=pids[cluster_id],
-            namespaces=sorted(names),
-            owner_alive=_alive(pids[cluster_id]),
-            busy=any(netns_pids(name) for name in names),
-        ))
+        leftovers.append(
+            Leftover(
+                cluster_id=cluster_id,
+                owner_pid=pids[cluster_id],
+                namespaces=sorted(names),
+                owner_alive=_alive(pids[cluster_id]),
+                busy=any(netns_pids(name) for name in names),
+            )
+        )
     return leftovers
 
 

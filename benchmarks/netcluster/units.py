@@ -13,8 +13,18 @@ import re
 _NUMBER = r"(?P<value>\d+(?:\.\d*)?|\.\d+)(?:[eE](?P<exp>[+-]?\d+))?"
 _DECIMAL = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-_TIME_UNITS = {"": 1.0, "s": 1.0, "sec": 1.0, "secs": 1.0, "ms": 1e-3, "msec": 1e-3, "msecs": 1e-3,
-               "us": 1e-6, "usec": 1e-6, "usecs": 1e-6}
+_TIME_UNITS = {
+    "": 1.0,
+    "s": 1.0,
+    "sec": 1.0,
+    "secs": 1.0,
+    "ms": 1e-3,
+    "msec": 1e-3,
+    "msecs": 1e-3,
+    "us": 1e-6,
+    "usec": 1e-6,
+    "usecs": 1e-6,
+}
 
 
 def _split(text: str, what: str) -> tuple[float, str]:

@@ -16,7 +16,9 @@ from benchmarks.netcluster import Cluster, ClusterSpec, LinkSpec, parse_rate, ru
 
 def test_bench_comm_models_and_tables() -> None:
     assert [op.label for op in map(bench_comm.OpSpec.parse, ["1bit", "sign4-a2a"])] == [
-        "1-bit vote", "4-bit sign vote, alltoall"]
+        "1-bit vote",
+        "4-bit sign vote, alltoall",
+    ]
     with pytest.raises(ValueError):
         bench_comm.OpSpec.parse("kbit:sign:3:allreduce")
     n, p = 10**8, 4
@@ -29,9 +31,21 @@ def test_bench_comm_models_and_tables() -> None:
     assert bench_comm.sizes_up_to(3 * 10**6) == [10**6, 3 * 10**6]
     payload = 2 * 3 / 4 * n / 8
     frames = payload + bench_comm.header_overhead(payload, 1500)
-    row = {"op": "1bit", "label": "1-bit vote", "n": n, "p": p, "reps": 1, "time_s": 0.2, "times_s": [0.2],
-           "collective_s": 0.15, "tx_counted": payload, "tx_frames": frames * 1.01, "busiest_frames": frames,
-           "payload": payload, "ideal_s": frames * 8 / 1e9}
+    row = {
+        "op": "1bit",
+        "label": "1-bit vote",
+        "n": n,
+        "p": p,
+        "reps": 1,
+        "time_s": 0.2,
+        "times_s": [0.2],
+        "collective_s": 0.15,
+        "tx_counted": payload,
+        "tx_frames": frames * 1.01,
+        "busiest_frames": frames,
+        "payload": payload,
+        "ideal_s": frames * 8 / 1e9,
+    }
     fp32 = dict(row, op="fp32", label="fp32 all-reduce", time_s=5.0, busiest_frames=frames * 32)
     report = {"p": p, "rate_bps": 10**9, "mtu": 1500, "results": [fp32, row], "skipped": []}
     text = bench_comm.format_tables([report])
@@ -45,8 +59,16 @@ def test_bench_comm_runs_in_the_cluster(tmp_path: Path) -> None:
     """End to end: torch.distributed (gloo) over the shaped links, wire bytes as the model says."""
     pytest.importorskip("torch")
     out = tmp_path / "p2.json"
-    command = [sys.executable, "-m", "benchmarks.bench_comm", "--sizes=400000", "--ops=fp32,1bit", "--reps=1",
-               "--warmup=0", f"--out={out}"]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_comm",
+        "--sizes=400000",
+        "--ops=fp32,1bit",
+        "--reps=1",
+        "--warmup=0",
+        f"--out={out}",
+    ]
     # Pure-torch packing: this test checks traffic, not speed, and must not wait for a kernel JIT build.
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_LIONCUB_PACKING": "torch"}
     with Cluster(ClusterSpec(nodes=2, link=LinkSpec(rate_bps=parse_rate("1gbit")))) as cluster:

@@ -81,19 +81,30 @@ def test_plain_lion_matches_the_reference_lion() -> None:
 # ---------------------------------------------------------------------------------------------- report
 
 
-def _result(name: str, totals: list[float], losses: list[float], val_loss: float, n_params: int = 1000,
-            tx: float = 500.0) -> dict:
+def _result(
+    name: str, totals: list[float], losses: list[float], val_loss: float, n_params: int = 1000, tx: float = 500.0
+) -> dict:
     """A worker result whose step parts are fixed fractions of each total (forward .1, backward .2, update .3)."""
     method = METHODS_BY_NAME[name]
     return {
         "method": {"name": name, "beta2": method.beta2, "reference": method.reference},
         "settings": {"lr": 1e-3, "weight_decay": 0.1, "n_layer": 1, "d_model": 8, "micro_batch": 2, "seq_len": 4},
-        "world_size": 2, "steps": len(totals), "n_params": n_params, "threads_per_rank": 1, "link_rate_bps": None,
-        "val_loss": val_loss, "params_in_sync": True,
+        "world_size": 2,
+        "steps": len(totals),
+        "n_params": n_params,
+        "threads_per_rank": 1,
+        "link_rate_bps": None,
+        "val_loss": val_loss,
+        "params_in_sync": True,
         "per_step": {
-            "forward_s": [0.1 * t for t in totals], "backward_s": [0.2 * t for t in totals],
-            "update_s": [0.3 * t for t in totals], "comm_s": [0.4 * t for t in totals], "total_s": totals,
-            "loss": losses, "tx_bytes": [tx] * len(totals), "rx_bytes": [tx] * len(totals),
+            "forward_s": [0.1 * t for t in totals],
+            "backward_s": [0.2 * t for t in totals],
+            "update_s": [0.3 * t for t in totals],
+            "comm_s": [0.4 * t for t in totals],
+            "total_s": totals,
+            "loss": losses,
+            "tx_bytes": [tx] * len(totals),
+            "rx_bytes": [tx] * len(totals),
         },
     }
 
@@ -111,8 +122,10 @@ def test_breakdown_skips_the_warmup_steps_and_means_the_rest() -> None:
 def test_loss_helpers_against_plain_loops() -> None:
     values = [5.0, 3.0, 4.0, 1.0, 0.5, 2.5]
     for window in (1, 2, 4, 10):
-        expected = [sum(values[max(0, i - window + 1): i + 1]) / len(values[max(0, i - window + 1): i + 1])
-                    for i in range(len(values))]
+        expected = [
+            sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+            for i in range(len(values))
+        ]
         assert train_report.moving_average(values, window) == pytest.approx(expected)
     result = _result("lion_fp32", [0.5, 0.25, 1.0], [3.0, 2.0, 1.0], 2.0)
     assert train_report.wall_clock(result) == pytest.approx([0.5, 0.75, 1.75])
@@ -146,8 +159,10 @@ def test_plots_are_written(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install -e '.[bench]')")
     import matplotlib.image
 
-    results = {"lion_fp32": _result("lion_fp32", [1.0] * 4, [3.0, 2.5, 2.0, 1.9], 2.0),
-               "lioncub_1bit_b95": _result("lioncub_1bit_b95", [0.5] * 4, [3.0, 2.6, 2.2, 2.0], 2.1)}
+    results = {
+        "lion_fp32": _result("lion_fp32", [1.0] * 4, [3.0, 2.5, 2.0, 1.9], 2.0),
+        "lioncub_1bit_b95": _result("lioncub_1bit_b95", [0.5] * 4, [3.0, 2.6, 2.2, 2.0], 2.1),
+    }
     paths = train_report.write_plots(results, tmp_path)
     assert [path.name for path in paths] == ["loss_vs_step.png", "loss_vs_time.png"]
     for path in paths:
@@ -169,10 +184,34 @@ def test_loopback_run_of_three_methods(tmp_path: Path, packing_op_build: tuple[A
     """Two gloo ranks, a tiny GPT, 4 steps each of exact Lion (DeepSpeed), DDP + PlainLion, Lion Cub 1-bit."""
     pytest.importorskip("matplotlib", reason="the report's plots need matplotlib (pip install -e '.[bench]')")
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "benchmarks.bench_train", "--loopback", "--ranks", "2",
-               "--steps", "4", "--methods", "lion_fp32,ddp_bf16,lioncub_1bit", "--d-model", "32", "--n-layer", "1",
-               "--n-head", "2", "--micro-batch", "2", "--seq-len", "16", "--eval-windows", "8", "--lr", "1e-3",
-               "--out-dir", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_train",
+        "--loopback",
+        "--ranks",
+        "2",
+        "--steps",
+        "4",
+        "--methods",
+        "lion_fp32,ddp_bf16,lioncub_1bit",
+        "--d-model",
+        "32",
+        "--n-layer",
+        "1",
+        "--n-head",
+        "2",
+        "--micro-batch",
+        "2",
+        "--seq-len",
+        "16",
+        "--eval-windows",
+        "8",
+        "--lr",
+        "1e-3",
+        "--out-dir",
+        str(out),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = train_report.load_results(out, ["lion_fp32", "ddp_bf16", "lioncub_1bit"])
@@ -206,9 +245,33 @@ def test_emulated_cluster_run_puts_the_expected_bytes_on_the_wire(
 ) -> None:
     """Two ranks behind 1 Gbit/s links: the per-step wire counters see fp32 all-reduce vs 1-bit vote bytes."""
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "benchmarks.bench_train", "--ranks", "2", "--bandwidth", "1gbit",
-               "--steps", "3", "--methods", "lion_fp32,lioncub_1bit", "--d-model", "128", "--n-layer", "2",
-               "--n-head", "4", "--micro-batch", "2", "--seq-len", "16", "--eval-windows", "8", "--out-dir", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_train",
+        "--ranks",
+        "2",
+        "--bandwidth",
+        "1gbit",
+        "--steps",
+        "3",
+        "--methods",
+        "lion_fp32,lioncub_1bit",
+        "--d-model",
+        "128",
+        "--n-layer",
+        "2",
+        "--n-head",
+        "4",
+        "--micro-batch",
+        "2",
+        "--seq-len",
+        "16",
+        "--eval-windows",
+        "8",
+        "--out-dir",
+        str(out),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = train_report.load_results(out, ["lion_fp32", "lioncub_1bit"])

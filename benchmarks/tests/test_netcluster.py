@@ -30,10 +30,18 @@ from benchmarks.netcluster.counters import as_mtu_frames
 from benchmarks.netcluster.report import format_summary
 
 
-@pytest.mark.parametrize(("text", "bits"), [
-    ("1gbit", 10**9), ("100mbit", 10**8), ("2.5Gbit", 25 * 10**8), ("125mbps", 10**9), ("1kibit", 1024),
-    ("1e9", 10**9), ("800kbit", 800_000),
-])
+@pytest.mark.parametrize(
+    ("text", "bits"),
+    [
+        ("1gbit", 10**9),
+        ("100mbit", 10**8),
+        ("2.5Gbit", 25 * 10**8),
+        ("125mbps", 10**9),
+        ("1kibit", 1024),
+        ("1e9", 10**9),
+        ("800kbit", 800_000),
+    ],
+)
 def test_parse_rate(text: str, bits: int) -> None:
     assert parse_rate(text) == bits
 
@@ -55,8 +63,10 @@ def test_parse_duration_and_count() -> None:
 
 
 def test_parse_counters() -> None:
-    text = ("/sys/class/net/ncl0/statistics/tx_bytes:1234\n/sys/class/net/ncl0/statistics/rx_bytes:99\n"
-            "/sys/class/net/ncl0/statistics/tx_packets:7\n/sys/class/net/ncl0/statistics/rx_packets:3\n")
+    text = (
+        "/sys/class/net/ncl0/statistics/tx_bytes:1234\n/sys/class/net/ncl0/statistics/rx_bytes:99\n"
+        "/sys/class/net/ncl0/statistics/tx_packets:7\n/sys/class/net/ncl0/statistics/rx_packets:3\n"
+    )
     assert parse_counters(text) == Counters(1234, 99, 7, 3)
     with pytest.raises(ValueError, match="missing"):
         parse_counters("/x/tx_bytes:1\n")
@@ -88,8 +98,16 @@ def test_counter_arithmetic_and_frames() -> None:
 
 def test_run_result_round_trip_and_summary() -> None:
     result = RunResult(
-        command=["python", "x.py"], nodes=2, ranks_per_node=1, rate_bps=10**9, delay_s=0.0, exit_code=3,
-        elapsed_s=1.5, ranks=[], wire=[Counters(100, 200, 1, 2), Counters(200, 100, 2, 1)], failed_rank=None,
+        command=["python", "x.py"],
+        nodes=2,
+        ranks_per_node=1,
+        rate_bps=10**9,
+        delay_s=0.0,
+        exit_code=3,
+        elapsed_s=1.5,
+        ranks=[],
+        wire=[Counters(100, 200, 1, 2), Counters(200, 100, 2, 1)],
+        failed_rank=None,
     )
     again = RunResult.from_dict(json.loads(json.dumps(result.to_dict())))
     assert again == result and not again.ok and again.world_size == 2

@@ -157,7 +157,10 @@ def test_latency_needs_netem_or_delays() -> None:
         assert _ours(cluster) == []
         return
     try:
-        probe = [sys.executable, "-c", textwrap.dedent("""
+        probe = [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
             import os, socket, time
             if os.environ["RANK"] == "0":
                 s = socket.create_server((os.environ["MASTER_ADDR"], 29500)); c, _ = s.accept(); c.recv(1)
@@ -165,7 +168,8 @@ def test_latency_needs_netem_or_delays() -> None:
                 time.sleep(0.3); t = time.perf_counter()
                 c = socket.create_connection((os.environ["MASTER_ADDR"], 29500))
                 print("rtt", time.perf_counter() - t); c.sendall(b"x")
-        """)]
+        """),
+        ]
         result = run_command(cluster, probe, echo=None, timeout_s=20)
         rtt = float(result.ranks[1].output_tail[-1].split()[1])
         assert 0.035 < rtt < 0.5  # SYN and SYN-ACK each wait 20 ms
@@ -176,9 +180,23 @@ def test_latency_needs_netem_or_delays() -> None:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_cli_tears_down_on_signal(sig: int, tmp_path: Path) -> None:
     process = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.netcluster", "--ranks", "2", "--bandwidth", "10mbit", "--",
-         "sh", "-c", "echo started; sleep 60"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.netcluster",
+            "--ranks",
+            "2",
+            "--bandwidth",
+            "10mbit",
+            "--",
+            "sh",
+            "-c",
+            "echo started; sleep 60",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     prefix = f"ncl-{process.pid}-"
     try:

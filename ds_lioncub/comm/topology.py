@@ -84,7 +84,7 @@ def resolve_node_size(option: int | None, environ: Mapping[str, str]) -> tuple[i
             return int(value), f"environment variable {name}"
     raise LionCubConfigError(
         f"LionCub: compressed LionCub under ZeRO needs the number of ranks per node, but no launcher variable "
-        f"({', '.join(NODE_SIZE_VARIABLES)}) is set; set \"hybrid\": {{\"node_size\": G}} in the optimizer params."
+        f'({", ".join(NODE_SIZE_VARIABLES)}) is set; set "hybrid": {{"node_size": G}} in the optimizer params.'
     )
 
 

@@ -37,7 +37,6 @@ from ds_lioncub.comm.packing import (
     vote_packed_signs,
 )
 from ds_lioncub.comm.transport import Transport
-
 from ds_lioncub.comm.wire import vote_padded_numel
 
 

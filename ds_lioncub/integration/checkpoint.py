@@ -7,6 +7,11 @@ the world size) into the tag's directory beside DeepSpeed's files, and reads it 
 Resharding rule: loaded at the world size it was saved with, rank r reads file r; at another world
 size every rank starts from the element-wise mean of all saved momenta (parameters with no saved
 state anywhere keep theirs).
+
+Under the ZeRO hybrid every global rank holds its node's momentum for its own shard, and DeepSpeed's
+optimizer files come from node 0 only; each rank writes ``lioncub_hybrid_rank_XXXXX.pt`` (global
+rank) with the topology, and loading requires the same topology (M nodes x G ranks): a different
+one is refused, naming both.
 """
 
 from __future__ import annotations
@@ -16,21 +21,24 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ds_lioncub.errors import LionCubSetupError
+from ds_lioncub.integration.hybrid_zero import HybridSetup
 from ds_lioncub.optimizer import LionCub
 
 MOMENTUM_FILE_PREFIX = "lioncub_dp_rank_"
+HYBRID_FILE_PREFIX = "lioncub_hybrid_rank_"
 
 
-def momentum_file(directory: str, rank: int) -> str:
-    """The path of data-parallel rank ``rank``'s momentum file in a tag's directory."""
-    return os.path.join(directory, f"{MOMENTUM_FILE_PREFIX}{rank:05d}.pt")
+def momentum_file(directory: str, rank: int, prefix: str = MOMENTUM_FILE_PREFIX) -> str:
+    """The path of rank ``rank``'s momentum file in a tag's directory."""
+    return os.path.join(directory, f"{prefix}{rank:05d}.pt")
 
 
-def momentum_files(directory: str) -> list[str]:
-    """Every rank's momentum file in a tag's directory, in rank order."""
-    return sorted(glob.glob(os.path.join(glob.escape(directory), f"{MOMENTUM_FILE_PREFIX}*.pt")))
+def momentum_files(directory: str, prefix: str = MOMENTUM_FILE_PREFIX) -> list[str]:
+    """Every rank's momentum file of one kind in a tag's directory, in rank order."""
+    return sorted(glob.glob(os.path.join(glob.escape(directory), f"{prefix}*.pt")))
 
 
 def latest_tag(load_dir: str) -> str:
@@ -45,19 +53,60 @@ def momentum_state(optimizer: LionCub) -> dict[str, Any]:
     return {"world_size": optimizer.transport.world_size, "exp_avg": [None if m is None else m.cpu() for m in momenta]}
 
 
-def save_local_momentum(optimizer: LionCub, save_dir: str, tag: str) -> None:
+def save_local_momentum(optimizer: LionCub, save_dir: str, tag: str, hybrid: HybridSetup | None = None) -> None:
     """Write this rank's momentum file into ``save_dir/tag`` and wait for every rank to have written."""
-    torch.save(momentum_state(optimizer), momentum_file(os.path.join(save_dir, tag), optimizer.transport.rank))
+    directory = os.path.join(save_dir, tag)
+    if hybrid is None:
+        torch.save(momentum_state(optimizer), momentum_file(directory, optimizer.transport.rank))
+    else:
+        layout = hybrid.groups.layout
+        state = {**momentum_state(optimizer), "nodes": layout.nodes, "node_size": layout.node_size}
+        torch.save(state, momentum_file(directory, dist.get_rank(), HYBRID_FILE_PREFIX))
     import deepspeed.comm as ds_dist
 
     ds_dist.barrier()
 
 
-def load_local_momentum(optimizer: LionCub, load_dir: str, tag: str | None) -> None:
+def load_local_momentum(optimizer: LionCub, load_dir: str, tag: str | None, hybrid: HybridSetup | None = None) -> None:
     """Restore this rank's momentum from ``load_dir/tag`` (``None``: DeepSpeed's latest tag), if saved."""
-    files = momentum_files(os.path.join(load_dir, tag if tag is not None else latest_tag(load_dir)))
-    if files:
-        load_momentum(optimizer, files)
+    directory = os.path.join(load_dir, tag if tag is not None else latest_tag(load_dir))
+    plain, hybrid_files = momentum_files(directory), momentum_files(directory, HYBRID_FILE_PREFIX)
+    if hybrid is None:
+        if hybrid_files:
+            raise LionCubSetupError(
+                f"LionCub: {directory} was saved by compressed LionCub under the ZeRO hybrid (files "
+                f"{HYBRID_FILE_PREFIX}*), but this engine runs at ZeRO stage 0; resume it under the same ZeRO stage "
+                f"and hybrid topology."
+            )
+        if plain:
+            load_momentum(optimizer, plain)
+        return
+    load_hybrid_momentum(optimizer, directory, hybrid_files, hybrid, saved_without_hybrid=bool(plain))
+
+
+def load_hybrid_momentum(
+    optimizer: LionCub, directory: str, files: list[str], hybrid: HybridSetup, saved_without_hybrid: bool
+) -> None:
+    """Restore this global rank's shard momentum from a hybrid checkpoint of the same topology."""
+    layout = hybrid.groups.layout
+    current = f"{layout.nodes} node(s) x {layout.node_size} rank(s)"
+    if saved_without_hybrid or not files:
+        raise LionCubSetupError(
+            f"LionCub: {directory} holds no ZeRO hybrid momentum files ({HYBRID_FILE_PREFIX}*), so it was not saved by "
+            f"compressed LionCub under the hybrid; this engine runs {current}. Resume with the configuration it was "
+            f"saved with."
+        )
+    state = torch.load(
+        momentum_file(directory, dist.get_rank(), HYBRID_FILE_PREFIX), map_location="cpu", weights_only=True
+    )
+    saved = f"{state['nodes']} node(s) x {state['node_size']} rank(s)"
+    if (state["nodes"], state["node_size"]) != (layout.nodes, layout.node_size) or len(files) != layout.world_size:
+        raise LionCubSetupError(
+            f"LionCub: {directory} was saved by the ZeRO hybrid as {saved} ({len(files)} files), but this engine runs "
+            f"{current}; the momenta are per node and per shard, so they cannot be redistributed. Resume with "
+            f"hybrid.node_size={state['node_size']} on {state['nodes'] * state['node_size']} ranks."
+        )
+    optimizer.load_local_momentum(state["exp_avg"])
 
 
 def load_momentum(optimizer: LionCub, files: list[str]) -> None:

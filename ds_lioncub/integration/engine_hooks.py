@@ -7,6 +7,8 @@
   training starts (:func:`ds_lioncub.integration.wiring.wire_engine`);
 - ``_configure_fp16_optimizer``: the fp16/bf16 wrapper's state-creating dummy step must not move
   the parameters;
+- ``_configure_zero_optimizer``: under ZeRO stage 1/2 with compression, builds ZeRO inside the node
+  (:mod:`ds_lioncub.integration.hybrid_zero`);
 - ``save_checkpoint`` / ``load_checkpoint``: the per-rank momentum files
   (:mod:`ds_lioncub.integration.checkpoint`).
 
@@ -21,6 +23,7 @@ from typing import Any
 
 from ds_lioncub.config import parse_config
 from ds_lioncub.integration import checkpoint
+from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE, configure_hybrid_zero
 from ds_lioncub.integration.wiring import wire_engine
 from ds_lioncub.optimizer import LionCub
 
@@ -64,6 +67,7 @@ def register() -> None:
     _wrap(DeepSpeedEngine, "_configure_basic_optimizer", _wrap_configure_basic_optimizer)
     _wrap(DeepSpeedEngine, "_do_optimizer_sanity_check", _wrap_optimizer_sanity_check)
     _wrap(DeepSpeedEngine, "_configure_fp16_optimizer", _wrap_configure_fp16_optimizer)
+    _wrap(DeepSpeedEngine, "_configure_zero_optimizer", _wrap_configure_zero_optimizer)
     _wrap(DeepSpeedEngine, "save_checkpoint", _wrap_save_checkpoint)
     _wrap(DeepSpeedEngine, "load_checkpoint", _wrap_load_checkpoint)
 
@@ -101,6 +105,15 @@ def _wrap_configure_fp16_optimizer(original: Callable[..., Any]) -> Callable[...
     return configure_fp16_optimizer
 
 
+def _wrap_configure_zero_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
+    def configure_zero_optimizer(engine: Any, optimizer: Any) -> Any:
+        if getattr(engine, ENGINE_ATTRIBUTE, None) is None:
+            return original(engine, optimizer)
+        return configure_hybrid_zero(engine, original, optimizer)
+
+    return configure_zero_optimizer
+
+
 def _compressed_lioncub(engine: Any) -> LionCub | None:
     """The engine's LionCub when its ranks' momenta differ (a compressed mode), else None."""
     lioncub = find_lioncub(getattr(engine, "basic_optimizer", None))
@@ -116,7 +129,7 @@ def _wrap_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
             tag = f"global_step{engine.global_steps}"  # DeepSpeed's own default, fixed before saving
         result = original(engine, save_dir, tag, *args, **kwargs)
         if lioncub is not None:
-            checkpoint.save_local_momentum(lioncub, save_dir, str(tag))
+            checkpoint.save_local_momentum(lioncub, save_dir, str(tag), getattr(engine, ENGINE_ATTRIBUTE, None))
         return result
 
     return save_checkpoint
@@ -130,7 +143,8 @@ def _wrap_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
         skip_optimizer = kwargs.get("load_module_only", False) or not kwargs.get("load_optimizer_states", True)
         if lioncub is None or load_path is None or skip_optimizer:
             return result
-        checkpoint.load_local_momentum(lioncub, load_dir, None if tag is None else str(tag))
+        hybrid = getattr(engine, ENGINE_ATTRIBUTE, None)
+        checkpoint.load_local_momentum(lioncub, load_dir, None if tag is None else str(tag), hybrid)
         return result
 
     return load_checkpoint

@@ -1,17 +1,30 @@
 """Who communicates under each LionCub mode inside a DeepSpeed engine, and what is refused.
 
-- ``compression="none"``: the engine (or ZeRO) averages the gradients as it always does; LionCub
-  applies exact Lion to the mean and communicates nothing itself.
-- compressed modes: LionCub's votes replace the engine's gradient all-reduce, which is switched
-  off; ZeRO is refused (its partitions hold no rank's full update), before training starts.
+- ``compression="none"``: the engine (or ZeRO, any stage) averages the gradients as it always does;
+  LionCub applies exact Lion to the mean and communicates nothing itself.
+- compressed modes at ZeRO stage 0: LionCub's votes replace the engine's gradient all-reduce, which
+  is switched off.
+- compressed modes at ZeRO stage 1 or 2: the hybrid (:mod:`ds_lioncub.integration.hybrid_zero`):
+  ZeRO averages and shards inside each node, LionCub votes across nodes.
+
+Every refusal is raised here, before training starts, from values every rank shares, so every rank
+raises the same message.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import deepspeed
+
+from ds_lioncub.comm.topology import create_groups, plan_hybrid, resolve_node_size
 from ds_lioncub.errors import LionCubConfigError
+from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE, HybridSetup, check_node_blocks_on_one_host
 from ds_lioncub.optimizer import LionCub
+
+# The hybrid relies on private parts of DeepSpeed's engine and ZeRO-1/2 optimizer, checked against these releases.
+TESTED_DEEPSPEED_MINOR = (0, 19)
 
 
 def wire_engine(engine: Any, optimizer: LionCub) -> None:
@@ -23,13 +36,87 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
             "LionCub: hybrid applies under ZeRO stage 1 or 2 (shard inside a node, vote across nodes); at stage 0 "
             "every rank is a voter already. Drop hybrid, or set zero_optimization.stage to 1 or 2."
         )
-    if compression != "none" and stage >= 1:
+    if compression == "none":
+        optimizer.bind(engine.seq_data_parallel_group, engine.module, gradients_averaged=True)
+        return
+    if stage >= 3:
         raise LionCubConfigError(
-            f"LionCub: compression={compression!r} does not run under ZeRO stage {stage} yet (LionCub's "
-            f"votes need every rank's full update, which ZeRO partitions away). Set "
-            f"zero_optimization.stage to 0, or use compression='none' (exact Lion, sharded by ZeRO)."
+            f"LionCub: compression={compression!r} does not run under ZeRO stage {stage} (stage 3 partitions the "
+            f"parameters too, over the whole world). Use zero_optimization.stage 1 or 2 (the hybrid: ZeRO inside "
+            f"each node, Lion Cub's vote across nodes), or compression='none' (exact Lion, sharded by ZeRO-3)."
         )
-    averaged_by_engine = compression == "none"
-    optimizer.bind(engine.seq_data_parallel_group, engine.module, gradients_averaged=averaged_by_engine)
-    if not averaged_by_engine:
+    if stage == 0:
+        optimizer.bind(engine.seq_data_parallel_group, engine.module, gradients_averaged=False)
         engine.enable_backward_allreduce = False
+        return
+    _refuse_what_the_hybrid_cannot_do(engine, optimizer, stage)
+    world = engine.seq_data_parallel_group
+    world_size = int(engine.seq_dp_world_size)
+    node_size, source = resolve_node_size(_node_size_option(optimizer), os.environ)
+    layout = plan_hybrid(world_size, node_size)
+    setup = HybridSetup(create_groups(layout, int(engine.global_rank)), source)
+    if source != "hybrid.node_size":
+        check_node_blocks_on_one_host(setup)
+    # ZeRO keeps the engine's gradient reduction (inside the node); LionCub votes over the vote
+    # group, and its finite check agrees over the whole world.
+    optimizer.bind(setup.groups.vote_group, engine.module, gradients_averaged=False, agreement_group=world)
+    setattr(engine, ENGINE_ATTRIBUTE, setup)
+
+
+def _node_size_option(optimizer: LionCub) -> int | None:
+    hybrid = optimizer.options.hybrid
+    return None if hybrid is None else hybrid.node_size
+
+
+def _refuse_what_the_hybrid_cannot_do(engine: Any, optimizer: LionCub, stage: int) -> None:
+    """Refuse the features the hybrid does not handle (yet), naming the alternative."""
+    version = tuple(int(part) for part in deepspeed.__version__.split(".")[:2])
+    if version != TESTED_DEEPSPEED_MINOR:
+        raise LionCubConfigError(
+            f"LionCub: the ZeRO hybrid hooks private parts of DeepSpeed's ZeRO-1/2 optimizer and was tested with "
+            f"DeepSpeed {'.'.join(map(str, TESTED_DEEPSPEED_MINOR))}.x, but {deepspeed.__version__} is installed. "
+            f"Install deepspeed=={'.'.join(map(str, TESTED_DEEPSPEED_MINOR))}.8, or run at zero_optimization.stage 0."
+        )
+    label = f"compression={optimizer.options.compression!r} under ZeRO stage {stage}"
+    refusals = [
+        (
+            engine.zero_offload_optimizer() is not None and str(engine.zero_offload_optimizer().device) != "none",
+            "optimizer offload",
+            "drop zero_optimization.offload_optimizer",
+        ),
+        (
+            engine.zero_offload_param() is not None and str(engine.zero_offload_param().device) != "none",
+            "parameter offload",
+            "drop zero_optimization.offload_param",
+        ),
+        (bool(getattr(engine, "zenflow", False)), "ZenFlow", "drop zero_optimization.zenflow"),
+        (bool(engine.has_moe_layers), "mixture-of-experts layers", "use zero_optimization.stage 0"),
+        (bool(engine.pipeline_parallelism), "pipeline parallelism", "use zero_optimization.stage 0"),
+        (engine.mpu is not None, "model, tensor or sequence parallelism (an mpu)", "use zero_optimization.stage 0"),
+        (
+            bool(engine.zero_elastic_checkpoint()),
+            "elastic checkpoints",
+            "set zero_optimization.elastic_checkpoint to false",
+        ),
+        (
+            bool(engine.load_universal_checkpoint()),
+            "universal checkpoints (they hold node 0's momentum only)",
+            "load a regular checkpoint",
+        ),
+        (
+            optimizer.options.comm_backend_name != "torch",
+            "comm_backend_name='mpi' (the MPI world would have to be the vote group)",
+            "use comm_backend_name='torch'",
+        ),
+        (
+            optimizer.options.momentum_sync.interval > 0 and optimizer.options.momentum_sync.layers != "all",
+            "momentum_sync by layer (LionCub steps flat ZeRO shards that mix layers)",
+            "use momentum_sync.layers='all'",
+        ),
+    ]
+    for refused, what, fix in refusals:
+        if refused:
+            raise LionCubConfigError(
+                f"LionCub: {label} (the hybrid: ZeRO inside each node, Lion Cub's vote across nodes) does not "
+                f"support {what}. To use it, {fix}; or use compression='none' (exact Lion under ZeRO)."
+            )

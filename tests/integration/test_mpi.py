@@ -55,7 +55,12 @@ def _environment() -> dict[str, str]:
 def _run(command: list[str], result_files: list[Path], timeout_s: float, ok_codes: tuple[int, ...] = (0,)) -> None:
     """Run a launcher in its own session (a hang kills every rank) and require every rank's results."""
     proc = subprocess.Popen(
-        command, env=_environment(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        command,
+        env=_environment(),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     )
     try:
@@ -269,9 +274,22 @@ def launcher_ranks(tmp_path_factory: pytest.TempPathFactory, packing_op_build: t
     hostfile.write_text("localhost slots=2\n")
     files = [out / f"engine-rank{rank}.pt" for rank in range(2)]
     command = [
-        sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--launcher", "mpich",
-        "--force_multi", "--no_ssh_check", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        str(WORKER), str(out), "engine",
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--hostfile",
+        str(hostfile),
+        "--launcher",
+        "mpich",
+        "--force_multi",
+        "--no_ssh_check",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(WORKER),
+        str(out),
+        "engine",
     ]
     # The launcher may abort with 250 at exit after the work is done ("terminate called without an active
     # exception", see tests/support/launch.run_deepspeed); the results decide.

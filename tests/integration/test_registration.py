@@ -34,6 +34,7 @@ ENGINE_CHECK = textwrap.dedent(
     from ds_lioncub.integration import find_lioncub, register
 
     HOOKED = ["_configure_basic_optimizer", "_do_optimizer_sanity_check", "_configure_fp16_optimizer",
+              "_configure_zero_optimizer",
               "save_checkpoint", "load_checkpoint"]
     before = [getattr(DeepSpeedEngine, name) for name in HOOKED]
     register(); register()
@@ -79,10 +80,20 @@ ENGINE_CHECK = textwrap.dedent(
 
 
 def run_engine_check(optimizer_block: dict[str, object]) -> dict[str, object]:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", ENGINE_CHECK, json.dumps(optimizer_block)], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", ENGINE_CHECK, json.dumps(optimizer_block)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
     assert done.returncode == 0 and lines, f"exit {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return json.loads(lines[-1].removeprefix("REPORT "))

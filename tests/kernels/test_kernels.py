@@ -239,7 +239,12 @@ def test_pack_l1_fields_equals_quantize_l1(cpu_op) -> None:
     c = signed_values(5000, seed=4).nan_to_num(0.0, 3.0, -3.0)
     sizes = [1000, 0, 2500, 1500]
     means = [c[0:1000].abs().mean(), torch.tensor(0.0), c[1000:3500].abs().mean(), c[3500:].abs().mean()]
-    q = torch.cat([quantize_l1(c[s : s + n], m, levels, clip) for s, n, m in zip([0, 1000, 1000, 3500], sizes, means, strict=True)])
+    q = torch.cat(
+        [
+            quantize_l1(c[s : s + n], m, levels, clip)
+            for s, n, m in zip([0, 1000, 1000, 3500], sizes, means, strict=True)
+        ]
+    )
     expected = packing.pack_fields((q + levels).to(torch.uint8), bits)
     scales = torch.stack([l1_scale(m, levels, clip) for m in means])
     for path in ("compiled", "torch"):
@@ -265,7 +270,9 @@ def test_backend_results_do_not_depend_on_the_path(cpu_op) -> None:
         for quantizer in ("sign", "l1"):
             for algorithm in ("allreduce", "alltoall"):
                 for aggregation in ("vote", "mean"):
-                    cases.append(("kbit", dict(bits=bits, quantizer=quantizer, algorithm=algorithm, aggregation=aggregation)))
+                    cases.append(
+                        ("kbit", dict(bits=bits, quantizer=quantizer, algorithm=algorithm, aggregation=aggregation))
+                    )
     for step in (1, 2):
         for kind, options in cases:
             results = {}
@@ -300,7 +307,9 @@ def test_cuda_kernels_match_the_torch_path(cuda_op) -> None:
             x = signed_values(n, seed=n, dtype=dtype)
             for zero_is_positive in (True, False):
                 for bits in WIDTHS:
-                    on_cuda_and_cpu_torch(packing.pack_signs, x, zero_is_positive, bits=bits, nbytes=packing.packed_length(n, bits) + 3)
+                    on_cuda_and_cpu_torch(
+                        packing.pack_signs, x, zero_is_positive, bits=bits, nbytes=packing.packed_length(n, bits) + 3
+                    )
             packed = random_bytes(packing.packed_length(n) + 1, seed=n)
             on_cuda_and_cpu_torch(packing.unpack_signs, packed, n, dtype)
         for p in (1, 2, 3, 4, 33):

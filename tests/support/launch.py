@@ -53,7 +53,11 @@ def run_ranks(script: Path, world_size: int, work_dir: Path, timeout_s: float = 
 
 
 def run_deepspeed(
-    script: Path, num_ranks: int, script_args: list[str], result_files: list[Path], timeout_s: float = 900.0,
+    script: Path,
+    num_ranks: int,
+    script_args: list[str],
+    result_files: list[Path],
+    timeout_s: float = 900.0,
     environment: dict[str, str] | None = None,
 ) -> str:
     """Start ``script`` with the real ``deepspeed`` launcher on ``num_ranks`` local ranks; return its output.
@@ -62,8 +66,15 @@ def run_deepspeed(
     without an active exception"); that counts as success only when every rank wrote its results.
     """
     command = [
-        sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_ranks),
-        "--master_port", str(free_port()), str(script), *script_args,
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        str(num_ranks),
+        "--master_port",
+        str(free_port()),
+        str(script),
+        *script_args,
     ]
     env = worker_environment(**(environment or {}))
     try:

@@ -76,7 +76,11 @@ def engine_config() -> dict[str, object]:
         "gradient_clipping": 0.0,  # DeepSpeed 0.19.8 clips at 1.0 by default; the simulation does not clip
         "optimizer": {
             "type": "LionCub",
-            "params": {"lr": sc.TRAIN_LR, "betas": list(sc.TRAIN_BETAS), "weight_decay": sc.TRAIN_WEIGHT_DECAY,
-                       **ENGINE_OPTIONS},
+            "params": {
+                "lr": sc.TRAIN_LR,
+                "betas": list(sc.TRAIN_BETAS),
+                "weight_decay": sc.TRAIN_WEIGHT_DECAY,
+                **ENGINE_OPTIONS,
+            },
         },
     }

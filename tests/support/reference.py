@@ -29,6 +29,7 @@ COMPRESSIONS = ("none", "1bit", "kbit")
 # tie rule and votes
 # ----------------------------------------------------------------------------------------------
 
+
 def tie_value(step: int, tie_break: str) -> int:
     """The value (+1 or -1) an exact zero resolves to at optimizer step `step` (1-based)."""
     if tie_break == "positive":
@@ -128,7 +129,7 @@ def _l1_quantize_segments(flat: Tensor, levels: int, clip: float, segment_sizes:
     parts = []
     start = 0
     for size in sizes:
-        parts.append(l1_quantize(flat[start:start + size], levels, clip))
+        parts.append(l1_quantize(flat[start : start + size], levels, clip))
         start += size
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
 
@@ -149,13 +150,19 @@ def brute_force_vote_kbit(
     p = len(updates)
     if bits not in KBIT_BITS:
         raise ValueError(f"bits must be one of {KBIT_BITS}, got {bits}")
-    for name, value, allowed in (("quantizer", quantizer, QUANTIZERS), ("aggregation", aggregation, AGGREGATIONS),
-                                 ("algorithm", algorithm, ALGORITHMS), ("tie_break", tie_break, TIE_BREAKS)):
+    for name, value, allowed in (
+        ("quantizer", quantizer, QUANTIZERS),
+        ("aggregation", aggregation, AGGREGATIONS),
+        ("algorithm", algorithm, ALGORITHMS),
+        ("tie_break", tie_break, TIE_BREAKS),
+    ):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     if algorithm == "allreduce" and p > max_world_size_allreduce(bits, quantizer):
-        raise ValueError(f"world size {p} too large for {bits}-bit {quantizer} allreduce "
-                         f"(max {max_world_size_allreduce(bits, quantizer)})")
+        raise ValueError(
+            f"world size {p} too large for {bits}-bit {quantizer} allreduce "
+            f"(max {max_world_size_allreduce(bits, quantizer)})"
+        )
     tie = tie_value(step, tie_break)
     shape, dtype = updates[0].shape, updates[0].dtype
 
@@ -181,6 +188,7 @@ def brute_force_vote_kbit(
 # ----------------------------------------------------------------------------------------------
 # legacy error-compensated 1-bit allreduce (DeepSpeed <= 0.19.7 compressed_allreduce semantics)
 # ----------------------------------------------------------------------------------------------
+
 
 def _sgn_zero_positive(x: Tensor) -> Tensor:
     # The legacy backend encodes x >= 0 as bit 1, so 0 (and -0.0) count as +1.
@@ -230,7 +238,7 @@ def reference_compressed_allreduce(
     for j in range(p):
         y = torch.zeros(chunk, dtype=compute_dtype)
         for r in range(p):
-            y += worker_signs[r][j * chunk:(j + 1) * chunk] * (worker_scales[r] * (1.0 / p))
+            y += worker_signs[r][j * chunk : (j + 1) * chunk] * (worker_scales[r] * (1.0 / p))
         y += server_errors[j].flatten().to(compute_dtype)
         scale = torch.linalg.vector_norm(y) / math.sqrt(chunk)
         signs = _sgn_zero_positive(y)
@@ -245,6 +253,7 @@ def reference_compressed_allreduce(
 # ----------------------------------------------------------------------------------------------
 # Lion and the simulated distributed LionCub optimizer
 # ----------------------------------------------------------------------------------------------
+
 
 def _pre_sign_update(exp_avg: Tensor, grad: Tensor, beta1: float) -> Tensor:
     """c = b1*m + (1-b1)*g in fp32 (the idiom lion-pytorch uses)."""
@@ -337,19 +346,26 @@ def simulate_lioncub(
             params = rank_params
         else:
             # c from each rank's own (pre-update) momentum, flattened over params in order.
-            flat_c = [torch.cat([_pre_sign_update(m, g, beta1).flatten() for m, g in zip(exp_avgs[rank], grads[rank], strict=True)])
-                      if params else torch.zeros(0) for rank in range(p)]
+            flat_c = [
+                torch.cat(
+                    [_pre_sign_update(m, g, beta1).flatten() for m, g in zip(exp_avgs[rank], grads[rank], strict=True)]
+                )
+                if params
+                else torch.zeros(0)
+                for rank in range(p)
+            ]
             for rank in range(p):
                 for m, g in zip(exp_avgs[rank], grads[rank], strict=True):
                     _update_momentum(m, g, beta2)
             if compression == "1bit":
                 delta = brute_force_vote_1bit(flat_c, step, tie_break)
             else:
-                delta = brute_force_vote_kbit(flat_c, step, bits, quantizer, aggregation, kbit_algorithm,
-                                              tie_break, l1_clip, numels)
+                delta = brute_force_vote_kbit(
+                    flat_c, step, bits, quantizer, aggregation, kbit_algorithm, tie_break, l1_clip, numels
+                )
             start = 0
             for t, size in zip(params, numels, strict=True):
-                _apply_update(t, delta[start:start + size].reshape(t.shape), step_lr, weight_decay)
+                _apply_update(t, delta[start : start + size].reshape(t.shape), step_lr, weight_decay)
                 start += size
 
         if momentum_sync_interval > 0 and step % momentum_sync_interval == 0:

@@ -109,7 +109,11 @@ def training_modes(world_size: int) -> dict[str, dict[str, object]]:
         "8bit-l1": {"compression": "kbit", "bits": 8, "quantizer": "l1"},
         "4bit-l1-alltoall": {"compression": "kbit", "bits": 4, "quantizer": "l1", "kbit_algorithm": "alltoall"},
         "2bit-l1-alltoall-mean": {
-            "compression": "kbit", "bits": 2, "quantizer": "l1", "kbit_algorithm": "alltoall", "aggregation": "mean",
+            "compression": "kbit",
+            "bits": 2,
+            "quantizer": "l1",
+            "kbit_algorithm": "alltoall",
+            "aggregation": "mean",
         },
         "1bit-sync": {"compression": "1bit", "momentum_sync": {"interval": SYNC_INTERVAL, "layers": SYNC_LAYERS}},
     }

@@ -60,10 +60,16 @@ def test_one_bit_vote_alone_is_the_sign_with_the_tie_rule(step: int, tie_break: 
 def test_kbit_alone_matches_the_brute_force_oracle(quantizer: str, aggregation: str, algorithm: str, bits: int) -> None:
     step = 2
     update = pre_sign_update(bits)
-    options = {"compression": "kbit", "bits": bits, "quantizer": quantizer, "aggregation": aggregation,
-               "kbit_algorithm": algorithm}
-    expected = brute_force_vote_kbit([update.clone()], step, bits, quantizer, aggregation, algorithm,
-                                     segment_sizes=PIECES)
+    options = {
+        "compression": "kbit",
+        "bits": bits,
+        "quantizer": quantizer,
+        "aggregation": aggregation,
+        "kbit_algorithm": algorithm,
+    }
+    expected = brute_force_vote_kbit(
+        [update.clone()], step, bits, quantizer, aggregation, algorithm, segment_sizes=PIECES
+    )
     kbit = build_aggregation(parse_config(options), alone(), False)
     assert isinstance(kbit, KbitVote)
     mean_abs: list[torch.Tensor | None] = [None] * len(PIECES) if quantizer == "l1" else []
@@ -74,17 +80,18 @@ def test_kbit_alone_matches_the_brute_force_oracle(quantizer: str, aggregation: 
 def test_l1_piece_cut_from_a_larger_tensor_uses_the_whole_tensors_mean() -> None:
     update = pre_sign_update(5)
     whole_mean = torch.tensor(3.0)  # as if the first piece were a slice of a tensor with a larger mean |c|
-    kbit = build_aggregation(parse_config({"compression": "kbit", "bits": 8, "quantizer": "l1",
-                                           "aggregation": "mean"}), alone(), False)
+    kbit = build_aggregation(
+        parse_config({"compression": "kbit", "bits": 8, "quantizer": "l1", "aggregation": "mean"}), alone(), False
+    )
     assert isinstance(kbit, KbitVote)
     levels = kbit.codec.levels
     mean_abs: list[torch.Tensor | None] = [whole_mean, None, None, None]
     result = kbit.finish(kbit.start(Bucket(update.clone(), PIECES, mean_abs), True))
-    first, rest = update[: PIECES[0]], update[PIECES[0]:]
+    first, rest = update[: PIECES[0]], update[PIECES[0] :]
     expected_first = l1_quantize(first, levels, 2.0, mean_abs=whole_mean).double() / levels
     expected_rest = brute_force_vote_kbit([rest], 1, 8, "l1", "mean", "allreduce", segment_sizes=PIECES[1:])
     assert torch.equal(result[: PIECES[0]], expected_first.float())
-    assert torch.equal(result[PIECES[0]:], expected_rest)
+    assert torch.equal(result[PIECES[0] :], expected_rest)
 
 
 def test_buckets_started_together_finish_independently_in_any_order() -> None:
@@ -100,8 +107,9 @@ def test_buckets_started_together_finish_independently_in_any_order() -> None:
 
 def test_exact_mean_alone_returns_the_values_in_fp32_rounded_through_the_comm_dtype() -> None:
     values = pre_sign_update(3)
-    assert torch.equal(ExactMean(alone(), torch.float32).finish(ExactMean(alone()).start(Bucket(values.clone(), PIECES, []))),
-                       values)
+    assert torch.equal(
+        ExactMean(alone(), torch.float32).finish(ExactMean(alone()).start(Bucket(values.clone(), PIECES, []))), values
+    )
     mean_bf16 = ExactMean(alone(), torch.bfloat16)
     result = mean_bf16.finish(mean_bf16.start(Bucket(values.clone(), PIECES, [])))
     assert result.dtype == torch.float32 and torch.equal(result, values.bfloat16().float())

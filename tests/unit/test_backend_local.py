@@ -29,7 +29,9 @@ def test_legacy_padded_numel_hand_values() -> None:
 def test_legacy_bad_worker_error_size(worker_numel: int) -> None:
     # 12 is not a multiple of 8; 8 and 4 are smaller than the 10-element buffer.
     with pytest.raises(ValueError) as raised:
-        CompressedBackend().compressed_allreduce(torch.ones(10), torch.zeros(worker_numel), torch.zeros(worker_numel), 0)
+        CompressedBackend().compressed_allreduce(
+            torch.ones(10), torch.zeros(worker_numel), torch.zeros(worker_numel), 0
+        )
     message = str(raised.value)
     assert str(worker_numel) in message and "10" in message, message
 

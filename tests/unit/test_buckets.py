@@ -69,7 +69,10 @@ def check_plan(numels: list[int], capacity: int, buckets: list[list[Piece]]) -> 
 def test_random_plans_cover_every_element_once(seed: int) -> None:
     rng = random.Random(seed)
     capacity = rng.choice([1, 2, 7, 8, 16, 100])
-    numels = [rng.choice([0, 1, rng.randint(1, capacity), rng.randint(1, 4 * capacity + 3)]) for _ in range(rng.randint(0, 25))]
+    numels = [
+        rng.choice([0, 1, rng.randint(1, capacity), rng.randint(1, 4 * capacity + 3)])
+        for _ in range(rng.randint(0, 25))
+    ]
     buckets = plan_buckets(numels, capacity)
     check_plan(numels, capacity, buckets)
     # Greedy packing: a bucket closes only when the next piece would not fit.

@@ -57,8 +57,12 @@ def test_bad_value_names_option_and_value(option: str, shown: str, options: dict
 
 @pytest.mark.parametrize(
     ("options", "value"),
-    [({"lr": math.inf}, "inf"), ({"lr": math.nan}, "nan"), ({"weight_decay": math.inf}, "inf"),
-     ({**KBIT_L1, "l1_clip": math.inf}, "inf")],
+    [
+        ({"lr": math.inf}, "inf"),
+        ({"lr": math.nan}, "nan"),
+        ({"weight_decay": math.inf}, "inf"),
+        ({**KBIT_L1, "l1_clip": math.inf}, "inf"),
+    ],
 )
 def test_non_finite_hyper_parameters_rejected(options: dict[str, Any], value: str) -> None:
     # An infinite lr / weight decay turns every parameter into inf/NaN on the first step, and an
@@ -78,8 +82,21 @@ def test_unknown_key_named_and_valid_options_listed(key: str) -> None:
         parse_config({key: 1})
     message = str(raised.value)
     assert repr(key) in message
-    valid = ("lr", "betas", "weight_decay", "compression", "bits", "quantizer", "aggregation",
-             "kbit_algorithm", "tie_break", "l1_clip", "comm_dtype", "bucket_size", "momentum_sync")
+    valid = (
+        "lr",
+        "betas",
+        "weight_decay",
+        "compression",
+        "bits",
+        "quantizer",
+        "aggregation",
+        "kbit_algorithm",
+        "tie_break",
+        "l1_clip",
+        "comm_dtype",
+        "bucket_size",
+        "momentum_sync",
+    )
     listed = message.split("Valid options:", 1)[1]
     for name in valid:
         assert name in listed, f"{name} missing from {message}"

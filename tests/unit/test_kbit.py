@@ -97,7 +97,9 @@ def test_a_world_too_large_for_the_allreduce_fields_is_a_config_error_naming_the
     # Independently: the largest p whose summed fields fit b bits.
     per_rank = 1 if quantizer == "sign" else 2
     assert largest == max(p for p in range(1, 300) if p * per_rank * 1 <= (1 << bits) - 1)
-    with pytest.raises(LionCubConfigError, match=rf"^LionCub: .*hold at most {largest} workers.*kbit_algorithm='alltoall'"):
+    with pytest.raises(
+        LionCubConfigError, match=rf"^LionCub: .*hold at most {largest} workers.*kbit_algorithm='alltoall'"
+    ):
         KbitCodec.build(largest + 1, bits, quantizer, "allreduce")  # type: ignore[arg-type]
     KbitCodec.build(largest + 1, bits, quantizer, "alltoall")  # type: ignore[arg-type]
 

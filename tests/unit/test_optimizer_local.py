@@ -165,7 +165,10 @@ GROUP_HYPERS: list[Hyper] = [(0.01, (0.9, 0.99), 0.1), (0.003, (0.5, 0.9), 0.0),
 def test_param_groups_honour_their_hyper_parameters(compression: str) -> None:
     init = [p.detach().clone() for p in fresh_params(SHAPES)]
     params = [nn.Parameter(t.clone()) for t in init]
-    groups = [{"params": [p], "lr": lr, "betas": betas, "weight_decay": wd} for p, (lr, betas, wd) in zip(params, GROUP_HYPERS, strict=True)]
+    groups = [
+        {"params": [p], "lr": lr, "betas": betas, "weight_decay": wd}
+        for p, (lr, betas, wd) in zip(params, GROUP_HYPERS, strict=True)
+    ]
     # The defaults differ from every group: falling back to them would change the result.
     optimizer = LionCub(groups, lr=0.5, betas=(0.1, 0.2), weight_decay=0.7, compression=compression)
     run_optimizer(optimizer, params, steps=8)
@@ -269,7 +272,9 @@ def test_closure_called_once_and_loss_returned() -> None:
 
     loss = optimizer.step(closure)
     assert calls == 1
-    assert isinstance(loss, torch.Tensor) and loss.item() == pytest.approx(before.sum().item() + model.bias.item() + 0.1)
+    assert isinstance(loss, torch.Tensor) and loss.item() == pytest.approx(
+        before.sum().item() + model.bias.item() + 0.1
+    )
     # d loss / d w = 1 everywhere: the first Lion step moves every weight by -lr.
     torch.testing.assert_close(model.weight.detach(), before - 0.1)
 

@@ -195,8 +195,10 @@ def test_l1_quantizer_keeps_signs_that_max_norm_loses(bits: int, margin: float) 
     levels = l1_levels(4, bits, "allreduce")
     l1_match, l1_flip = sign_rates(quantize_l1(c, c.abs().mean(), levels, 2.0), c)
     max_match, max_flip = sign_rates(maxnorm_quantize(c, levels), c)
-    print(f"bits={bits} L={levels}: l1 match {l1_match:.4f} flip {l1_flip:.5f}; "
-          f"max-norm match {max_match:.4f} flip {max_flip:.5f}")
+    print(
+        f"bits={bits} L={levels}: l1 match {l1_match:.4f} flip {l1_flip:.5f}; "
+        f"max-norm match {max_match:.4f} flip {max_flip:.5f}"
+    )
     assert l1_match >= max_match + margin
     assert l1_flip <= max_flip
     assert l1_flip == 0.0  # rounding a positively scaled value never flips its sign
@@ -215,8 +217,10 @@ def test_l1_vote_tracks_exact_lion_better_than_max_norm() -> None:
     max_sum = sum(maxnorm_quantize(c, levels) for c in workers)
     l1_match, l1_flip = sign_rates(l1_sum, exact)
     max_match, max_flip = sign_rates(max_sum, exact)
-    print(f"vote of 4, 8 bits: l1 match {l1_match:.4f} flip {l1_flip:.4f}; "
-          f"max-norm match {max_match:.4f} flip {max_flip:.4f}")
+    print(
+        f"vote of 4, 8 bits: l1 match {l1_match:.4f} flip {l1_flip:.4f}; "
+        f"max-norm match {max_match:.4f} flip {max_flip:.4f}"
+    )
     assert l1_match >= max_match + 0.2
     assert l1_flip <= max_flip
 

@@ -21,7 +21,12 @@ T = torch.tensor
 
 # p = 4. Local signs (zeros resolved by the tie) sum to 0 in columns 0 and 1 (vote ties) and the
 # zeros of column 2 flip the vote of column 2 between odd and even steps.
-UPDATES_P4 = [T([1.0, -1.0, 0.0, 2.0]), T([1.0, -1.0, -3.0, -1.0]), T([-1.0, 1.0, 5.0, -1.0]), T([-1.0, 1.0, 0.0, -1.0])]
+UPDATES_P4 = [
+    T([1.0, -1.0, 0.0, 2.0]),
+    T([1.0, -1.0, -3.0, -1.0]),
+    T([-1.0, 1.0, 5.0, -1.0]),
+    T([-1.0, 1.0, 0.0, -1.0]),
+]
 
 
 def test_tie_value() -> None:
@@ -44,8 +49,9 @@ def test_vote_1bit_ties_odd_and_even_step() -> None:
 
 def test_vote_kbit_sign() -> None:
     for step in (1, 2):
-        assert torch.equal(brute_force_vote_kbit(UPDATES_P4, step, 4, "sign", "vote"),
-                           brute_force_vote_1bit(UPDATES_P4, step))
+        assert torch.equal(
+            brute_force_vote_kbit(UPDATES_P4, step, 4, "sign", "vote"), brute_force_vote_1bit(UPDATES_P4, step)
+        )
     # mean = S / p: S = [0, 0, 2, -2] on odd steps, [0, 0, -2, -2] on even steps
     assert brute_force_vote_kbit(UPDATES_P4, 1, 4, "sign", "mean").tolist() == [0.0, 0.0, 0.5, -0.5]
     assert brute_force_vote_kbit(UPDATES_P4, 2, 4, "sign", "mean", "alltoall").tolist() == [0.0, 0.0, -0.5, -0.5]
@@ -84,7 +90,8 @@ def test_vote_kbit_l1_by_hand() -> None:
     assert torch.equal(mean, T([0.0, -1.0, 1.0, 0.0, 1.0, 0.0]) / 6)
     # all-to-all: L = 7. rank 0: c*3.5 -> [7, -4, 2, 0, -2, -7]; rank 1: c*1.75 -> [-7, 2, 0, 0, 5, 7]
     assert brute_force_vote_kbit(c, 2, 4, "l1", "mean", "alltoall").tolist() == pytest.approx(
-        [0.0, -2 / 14, 2 / 14, 0.0, 3 / 14, 0.0])
+        [0.0, -2 / 14, 2 / 14, 0.0, 3 / 14, 0.0]
+    )
 
 
 def test_vote_kbit_l1_segments() -> None:
@@ -144,18 +151,22 @@ def _grads(rank: int, step: int, params: list[torch.Tensor], same: bool) -> list
     return [torch.randn(p.shape, generator=gen) + 0.1 * p for p in params]
 
 
-@pytest.mark.parametrize("world_size, mode", [
-    (2, dict(compression="none")),  # p = 2: (g + g) / 2 == g exactly
-    (3, dict(compression="1bit")),
-    (3, dict(compression="kbit", bits=4, quantizer="sign")),
-    (3, dict(compression="kbit", bits=2, quantizer="sign", kbit_algorithm="alltoall")),
-])
+@pytest.mark.parametrize(
+    "world_size, mode",
+    [
+        (2, dict(compression="none")),  # p = 2: (g + g) / 2 == g exactly
+        (3, dict(compression="1bit")),
+        (3, dict(compression="kbit", bits=4, quantizer="sign")),
+        (3, dict(compression="kbit", bits=2, quantizer="sign", kbit_algorithm="alltoall")),
+    ],
+)
 def test_simulation_with_identical_grads_is_exact_lion(world_size: int, mode: dict) -> None:
     # Same grads everywhere: every vote is unanimous and c has no zeros, so LionCub == Lion bitwise.
     init = [torch.randn(3, 4, generator=torch.Generator().manual_seed(1)), torch.randn(5)]
     lr = lambda t: 0.01 / t  # noqa: E731  (a schedule, to check per-step lr is honoured)
-    params, exp_avgs = simulate_lioncub(init, lambda r, t, ps: _grads(r, t, ps, True), world_size, 4,
-                                        lr=lr, weight_decay=0.1, **mode)
+    params, exp_avgs = simulate_lioncub(
+        init, lambda r, t, ps: _grads(r, t, ps, True), world_size, 4, lr=lr, weight_decay=0.1, **mode
+    )
     ref = [t.clone() for t in init]
     ref_m = [torch.zeros_like(t) for t in init]
     for t in range(1, 5):
@@ -169,8 +180,16 @@ def test_simulation_with_identical_grads_is_exact_lion(world_size: int, mode: di
 
 def test_simulation_momentum_sync() -> None:
     init = [torch.zeros(6), torch.zeros(2)]
-    _, exp_avgs = simulate_lioncub(init, lambda r, t, ps: _grads(r, t, ps, False), 3, 2,
-                                   compression="kbit", quantizer="l1", bits=8,
-                                   momentum_sync_interval=2, momentum_sync_params=[0])
-    assert all(torch.equal(exp_avgs[0][0], m[0]) for m in exp_avgs)       # synced
-    assert not torch.equal(exp_avgs[0][1], exp_avgs[1][1])                # not selected
+    _, exp_avgs = simulate_lioncub(
+        init,
+        lambda r, t, ps: _grads(r, t, ps, False),
+        3,
+        2,
+        compression="kbit",
+        quantizer="l1",
+        bits=8,
+        momentum_sync_interval=2,
+        momentum_sync_params=[0],
+    )
+    assert all(torch.equal(exp_avgs[0][0], m[0]) for m in exp_avgs)  # synced
+    assert not torch.equal(exp_avgs[0][1], exp_avgs[1][1])  # not selected

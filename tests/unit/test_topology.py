@@ -20,7 +20,9 @@ def test_every_rank_is_in_one_node_and_one_vote_group_with_the_same_local_index(
     for members in layout.node_groups:  # a node is a block of consecutive ranks (launchers number node-major)
         assert list(members) == list(range(members[0], members[0] + node_size))
     for j, members in enumerate(layout.vote_groups):  # one rank per node, all with local index j
-        assert [m // node_size for m in members] == list(range(layout.nodes)) and {m % node_size for m in members} == {j}
+        assert [m // node_size for m in members] == list(range(layout.nodes)) and {m % node_size for m in members} == {
+            j
+        }
 
 
 def test_two_nodes_of_two_as_the_tests_emulate_them() -> None:

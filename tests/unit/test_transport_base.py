@@ -165,9 +165,7 @@ def test_world_of_one_returns_copies_and_counts_nothing(transport: TransportBase
 @pytest.mark.parametrize("p", (2, 3, 4))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.bfloat16, torch.float16))
 @pytest.mark.parametrize("numel", (1, 5, 12, 1001))
-def test_float_sum_is_bit_identical_to_the_rank_order_sum_on_every_rank(
-    p: int, dtype: torch.dtype, numel: int
-) -> None:
+def test_float_sum_is_bit_identical_to_the_rank_order_sum_on_every_rank(p: int, dtype: torch.dtype, numel: int) -> None:
     def run(transport: ThreadTransport) -> torch.Tensor:
         tensor = rank_input(transport.rank, numel, dtype)
         assert transport.all_reduce_sum(tensor) is tensor
@@ -248,7 +246,7 @@ def test_each_call_counts_one_collective_and_the_bandwidth_optimal_bytes(p: int)
             before = (transport.stats.collectives, transport.stats.bytes_sent, transport.stats.bytes_received)
             call()
             after = (transport.stats.collectives, transport.stats.bytes_sent, transport.stats.bytes_received)
-            counts.append(tuple(a - b for a, b in zip(after, before)))
+            counts.append(tuple(a - b for a, b in zip(after, before, strict=True)))
         return counts
 
     # pairwise all-to-all: p - 1 chunks of 10 bytes; ring all-gather: p - 1 messages;

@@ -80,7 +80,7 @@ def simulate_ring_all_reduce(message_bytes: int, p: int) -> list[int]:
     for chunk, rank in owners.items():
         owned_bytes[rank] = chunk_bytes[chunk]
     gathered = simulate_ring_all_gather(owned_bytes)
-    return [a + b for a, b in zip(sent, gathered)]
+    return [a + b for a, b in zip(sent, gathered, strict=True)]
 
 
 def simulate_pairwise_all_to_all(message_bytes: int, p: int) -> list[int]:

@@ -103,7 +103,9 @@ def momenta(engine: Any) -> list[torch.Tensor]:
     return [lioncub.state[p]["exp_avg"].float().clone() for p in lioncub._flat_params()]
 
 
-def train(engine: Any, data: torch.Tensor, first_step: int, steps: int, record: dict[str, Any] | None = None) -> list[float]:
+def train(
+    engine: Any, data: torch.Tensor, first_step: int, steps: int, record: dict[str, Any] | None = None
+) -> list[float]:
     rank = dist.get_rank()
     accumulation = engine.gradient_accumulation_steps()
     micro_size = engine.train_micro_batch_size_per_gpu()
@@ -215,8 +217,16 @@ def run_bad_configs() -> dict[str, Any]:
     }
     results: dict[str, Any] = {}
     cases = [(name, {**base, "optimizer": optimizer}) for name, optimizer in bad.items()]
-    cases.append(("zero-compressed", {**base, "zero_optimization": {"stage": 1},
-                                      "optimizer": {"type": "LionCub", "params": {"compression": "1bit"}}}))
+    cases.append(
+        (
+            "zero-compressed",
+            {
+                **base,
+                "zero_optimization": {"stage": 3},
+                "optimizer": {"type": "LionCub", "params": {"compression": "1bit"}},
+            },
+        )
+    )
     for name, config in cases:
         try:
             build(config)
@@ -232,8 +242,12 @@ def run_resume_other_world(args: argparse.Namespace, data: torch.Tensor) -> dict
     engine.load_checkpoint(str(args.checkpoint))
     loaded = momenta(engine)
     losses = train(engine, data, CHECKPOINT_STEPS + 1, CHECKPOINT_STEPS)
-    return {"loaded_momenta": loaded, "params": full_params(engine), "losses": losses,
-            "lioncub_step": find_lioncub(engine.optimizer).param_groups[0]["step"]}
+    return {
+        "loaded_momenta": loaded,
+        "params": full_params(engine),
+        "losses": losses,
+        "lioncub_step": find_lioncub(engine.optimizer).param_groups[0]["step"],
+    }
 
 
 def run_fp16(data: torch.Tensor) -> dict[str, Any]:

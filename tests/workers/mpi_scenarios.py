@@ -91,8 +91,13 @@ def run_training(rank: int, world_size: int) -> dict[str, Any]:
         for mode, options in sc.training_modes(world_size).items():
             params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
             optimizer = LionCub(
-                list(params.items()), lr=sc.TRAIN_LR, betas=sc.TRAIN_BETAS, weight_decay=sc.TRAIN_WEIGHT_DECAY,
-                bucket_size=sc.BUCKET_SIZE, comm_backend_name=backend_name, **options,
+                list(params.items()),
+                lr=sc.TRAIN_LR,
+                betas=sc.TRAIN_BETAS,
+                weight_decay=sc.TRAIN_WEIGHT_DECAY,
+                bucket_size=sc.BUCKET_SIZE,
+                comm_backend_name=backend_name,
+                **options,
             )
             for step in range(1, sc.TRAIN_STEPS + 1):
                 optimizer.zero_grad()

@@ -124,7 +124,7 @@ def mpi_cuda_support(mpi: Any) -> bool | None:
         return True
     for library in (getattr(mpi, "__file__", None), None):
         try:
-            query = getattr(ctypes.CDLL(library), "MPIX_Query_cuda_support")
+            query = ctypes.CDLL(library).MPIX_Query_cuda_support
         except (OSError, AttributeError, TypeError):
             continue
         query.restype = ctypes.c_int

@@ -1,0 +1,195 @@
+"""Bit packing for the compressed collectives: the single entry point.
+
+Every compressed message is a flat uint8 tensor in one of two layouts, least significant bit first
+(:mod:`.layout`): sign bits (1 means +1) or ``b``-bit unsigned fields, ``b`` in 1, 2, 4, 8.
+
+Each function checks its arguments here, once, and then calls the implementation chosen for the
+tensor's device type (:mod:`.dispatch`): the op-builder kernels of ``ops/csrc`` (:mod:`.compiled`,
+built by :mod:`.builders`), cupy for the 1-bit layouts of CUDA tensors (:mod:`.cupy_impl`), or pure
+torch (:mod:`.torch_impl`). All three give the same bytes. ``DS_LIONCUB_PACKING`` or
+:func:`set_packing_path` forces one; ``python -m ds_lioncub.report`` shows which one runs and why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ds_lioncub.comm.packing.dispatch import (
+    PACKING_ENV,
+    PACKING_MODES,
+    PackingPath,
+    _chosen,  # noqa: F401 - the cache of choices, reachable as packing._chosen (tests clear it)
+    ops_for,
+    packing_path,
+    requested_mode,
+    set_packing_path,
+)
+from ds_lioncub.comm.packing.layout import FIELD_WIDTHS, L1_FIELD_WIDTHS, PackingOps, packed_length
+from ds_lioncub.comm.packing.torch_impl import sign_bits
+
+
+def _check_width(bits: int) -> None:
+    if bits not in FIELD_WIDTHS:
+        raise ValueError(f"field width must be one of {FIELD_WIDTHS}, got {bits}")
+
+
+def _message_bytes(numel: int, bits: int, nbytes: int | None) -> int:
+    """The length of a message of ``numel`` ``bits``-wide fields: ``nbytes``, or just enough when None."""
+    needed = packed_length(numel, bits)
+    if nbytes is not None and nbytes < needed:
+        raise ValueError(f"nbytes={nbytes} is smaller than the {needed} bytes the message needs")
+    return needed if nbytes is None else nbytes
+
+
+def _check_stack(packed_rows: torch.Tensor) -> None:
+    if packed_rows.dim() != 2:
+        raise ValueError(f"packed_rows must be a (p, nbytes) stack, got shape {tuple(packed_rows.shape)}")
+
+
+# ====================================================================== fields
+
+
+def pack_fields(values: torch.Tensor, bits: int, *, nbytes: int | None = None) -> torch.Tensor:
+    """Pack unsigned ``bits``-wide fields (entries must be < 2**bits) into uint8.
+
+    ``nbytes`` pads the message with zero bytes to that length.
+    """
+    _check_width(bits)
+    flat = values.reshape(-1)
+    return ops_for(flat).pack_fields(flat, bits, _message_bytes(flat.numel(), bits, nbytes))
+
+
+def unpack_fields(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_fields`: uint8 tensor of the first ``numel`` fields."""
+    _check_width(bits)
+    flat = packed.reshape(-1)
+    if flat.numel() * 8 < numel * bits:
+        raise ValueError(f"{flat.numel()} bytes hold fewer than {numel} {bits}-bit fields")
+    return ops_for(flat).unpack_fields(flat, bits, numel)
+
+
+def sum_fields_per_position(packed_rows: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """For a ``(p, nbytes)`` stack of packed b-bit messages, the int32 sum of the p fields at each position."""
+    _check_width(bits)
+    _check_stack(packed_rows)
+    if packed_rows.size(1) * 8 < numel * bits:
+        raise ValueError(f"rows of {packed_rows.size(1)} bytes hold fewer than {numel} {bits}-bit fields")
+    return ops_for(packed_rows).sum_fields_per_position(packed_rows, bits, numel)
+
+
+# ====================================================================== signs and the 1-bit vote
+
+
+def pack_signs(
+    x: torch.Tensor, zero_is_positive: bool = True, *, bits: int = 1, nbytes: int | None = None
+) -> torch.Tensor:
+    """Pack the signs of a flat tensor into ``ceil(n/8)`` bytes; zeros follow ``zero_is_positive``.
+
+    ``bits`` > 1 writes each sign as a ``bits``-wide field (1 for +1, 0 for -1), the k-bit "sign"
+    quantizer; ``nbytes`` pads the message with zero bytes to that length.
+    """
+    _check_width(bits)
+    flat = x.reshape(-1)
+    return ops_for(flat).pack_signs(flat, zero_is_positive, bits, _message_bytes(flat.numel(), bits, nbytes))
+
+
+def unpack_signs(
+    packed: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Unpack the first ``numel`` sign bits to +1/-1 in ``dtype``.
+
+    ``out``: a contiguous tensor of ``numel`` elements to write into (its dtype wins over ``dtype``);
+    it may be the very tensor whose signs were packed, which saves a buffer the size of the output.
+    """
+    if out is not None:
+        if out.numel() != numel or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous tensor of {numel} elements, got shape {tuple(out.shape)}")
+        dtype = out.dtype
+    flat = packed.reshape(-1)
+    if flat.numel() * 8 < numel:
+        raise ValueError(f"{flat.numel()} bytes hold fewer than {numel} signs")
+    signs = ops_for(flat).unpack_signs(flat, numel, dtype, None if out is None else out.view(-1))
+    return signs if out is None else out
+
+
+def count_set_bits_per_position(packed_rows: torch.Tensor, numel: int) -> torch.Tensor:
+    """For a ``(p, nbytes)`` stack of packed sign messages, the number of +1 votes at each position.
+
+    This is the server half of the 1-bit vote: the returned int32 counts ``k`` give the vote sum
+    ``2*k - p``. Temporaries are one unpacked row at a time, so memory stays at the chunk size.
+    """
+    return sum_fields_per_position(packed_rows, 1, numel)
+
+
+def vote_packed_signs(packed_rows: torch.Tensor, numel: int, zero_is_positive: bool = True) -> torch.Tensor:
+    """The fused server step of the 1-bit vote: majority of a ``(p, nbytes)`` stack of sign messages.
+
+    Returns the packed vote of the first ``numel`` positions (``ceil(numel/8)`` bytes, padding bits
+    0): +1 where the vote sum ``2k - p`` is positive, and where it is 0 if ``zero_is_positive``. The
+    compiled kernels count with bit-sliced adders and never unpack a bit.
+    """
+    _check_stack(packed_rows)
+    if packed_rows.size(0) < 1:
+        raise ValueError("vote_packed_signs needs at least one row")
+    if packed_rows.size(1) * 8 < numel:
+        raise ValueError(f"rows of {packed_rows.size(1)} bytes hold fewer than {numel} signs")
+    return ops_for(packed_rows).vote_packed_signs(packed_rows, numel, zero_is_positive)
+
+
+# ====================================================================== the L1 quantizer
+
+
+def pack_l1_fields(
+    c: torch.Tensor,
+    scales: torch.Tensor | Sequence[float],
+    segment_sizes: Sequence[int],
+    levels: int,
+    bits: int,
+    *,
+    nbytes: int | None = None,
+) -> torch.Tensor:
+    """The L1 quantizer fused with packing: fields ``q + L`` of ``q = clamp(round(c * s), -L, L)``.
+
+    ``c`` is split into segments of ``segment_sizes``; segment i uses the fp32 scale ``scales[i]``
+    (:func:`ds_lioncub.comm.quantize.l1_scale`: ``L / (clip * mu)``, 0 when mu is 0 — then every q
+    is 0). Rounding is half to even, as ``torch.round``. Equal to
+    ``pack_fields(quantize_l1(...) + L, bits)`` bit for bit.
+    """
+    if bits not in L1_FIELD_WIDTHS:
+        raise ValueError(f"L1 fields are 2, 4 or 8 bits wide, got {bits}")
+    flat = c.reshape(-1)
+    sizes = [int(size) for size in segment_sizes]
+    scales_t = torch.as_tensor(scales, dtype=torch.float32).reshape(-1)
+    if len(sizes) != scales_t.numel() or sum(sizes) != flat.numel() or any(size < 0 for size in sizes):
+        raise ValueError(
+            f"pack_l1_fields: {len(sizes)} segment sizes (total {sum(sizes)}) and {scales_t.numel()} scales "
+            f"do not describe {flat.numel()} elements"
+        )
+    if not (levels >= 1 and 2 * levels <= (1 << bits) - 1):
+        raise ValueError(f"pack_l1_fields: {levels} levels do not fit {bits}-bit fields")
+    message_bytes = _message_bytes(flat.numel(), bits, nbytes)
+    return ops_for(flat).pack_l1_fields(flat, scales_t, sizes, levels, bits, message_bytes)
+
+
+__all__ = [
+    "FIELD_WIDTHS",
+    "PACKING_ENV",
+    "PACKING_MODES",
+    "PackingOps",
+    "PackingPath",
+    "count_set_bits_per_position",
+    "pack_fields",
+    "pack_l1_fields",
+    "pack_signs",
+    "packed_length",
+    "packing_path",
+    "requested_mode",
+    "set_packing_path",
+    "sign_bits",
+    "sum_fields_per_position",
+    "unpack_fields",
+    "unpack_signs",
+    "vote_packed_signs",
+]

@@ -1,0 +1,106 @@
+"""The compiled implementation: the op-builder kernels of ``ops/csrc`` (C++/OpenMP/AVX2 on CPU, CUDA on GPU).
+
+The kernels write into preallocated outputs and read contiguous inputs of a few dtypes, listed once
+below. Any other dtype goes to the pure torch implementation, which gives the same bytes: an exotic
+dtype costs speed, never a failure. The CPU and CUDA ops have the same functions, so one class serves
+both; :mod:`.dispatch` loads the op for the device and builds one :class:`CompiledPacking` around it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ds_lioncub.comm.packing.layout import PackingOps, packed_length
+
+# The dtypes the kernels accept.
+SIGN_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.bool)  # pack_signs
+SIGN_OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # unpack_signs
+FIELD_INPUT_DTYPES = (torch.uint8, torch.bool, torch.int32)  # pack_fields
+L1_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # quantize_l1_pack
+MESSAGE_DTYPE = torch.uint8  # what unpack_fields, unpack_signs, sum_fields and vote_packed_signs read
+
+
+class CompiledPacking:
+    """:class:`~.layout.PackingOps` on a loaded op module; ``fallback`` takes what the kernels do not."""
+
+    def __init__(self, module: Any, fallback: PackingOps) -> None:
+        self.module = module
+        self.fallback = fallback
+
+    def pack_fields(self, flat: torch.Tensor, bits: int, nbytes: int) -> torch.Tensor:
+        if flat.dtype not in FIELD_INPUT_DTYPES:
+            return self.fallback.pack_fields(flat, bits, nbytes)
+        out = _new_bytes(nbytes, flat)
+        self.module.pack_fields(flat.contiguous(), bits, out)
+        return out
+
+    def unpack_fields(self, packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+        if packed.dtype != MESSAGE_DTYPE:
+            return self.fallback.unpack_fields(packed, bits, numel)
+        out = _new_bytes(numel, packed)
+        self.module.unpack_fields(packed.contiguous(), bits, out)
+        return out
+
+    def pack_signs(self, flat: torch.Tensor, zero_is_positive: bool, bits: int, nbytes: int) -> torch.Tensor:
+        if flat.dtype not in SIGN_INPUT_DTYPES:
+            return self.fallback.pack_signs(flat, zero_is_positive, bits, nbytes)
+        out = _new_bytes(nbytes, flat)
+        self.module.pack_signs(flat.contiguous(), zero_is_positive, bits, out)
+        return out
+
+    def unpack_signs(
+        self, packed: torch.Tensor, numel: int, dtype: torch.dtype, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        if dtype not in SIGN_OUTPUT_DTYPES or packed.dtype != MESSAGE_DTYPE:
+            return self.fallback.unpack_signs(packed, numel, dtype, out)
+        target = torch.empty(numel, dtype=dtype, device=packed.device) if out is None else out
+        self.module.unpack_signs(packed.contiguous(), target)
+        return target
+
+    def sum_fields_per_position(self, rows: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+        if rows.dtype != MESSAGE_DTYPE:
+            return self.fallback.sum_fields_per_position(rows, bits, numel)
+        out = torch.empty(numel, dtype=torch.int32, device=rows.device)
+        self.module.sum_fields(rows.contiguous(), bits, numel, out)
+        return out
+
+    def vote_packed_signs(self, rows: torch.Tensor, numel: int, zero_is_positive: bool) -> torch.Tensor:
+        if rows.dtype != MESSAGE_DTYPE:
+            return self.fallback.vote_packed_signs(rows, numel, zero_is_positive)
+        out = _new_bytes(packed_length(numel), rows)
+        self.module.vote_packed_signs(rows.contiguous(), numel, zero_is_positive, out)
+        return out
+
+    def pack_l1_fields(
+        self, flat: torch.Tensor, scales: torch.Tensor, sizes: list[int], levels: int, bits: int, nbytes: int
+    ) -> torch.Tensor:
+        if flat.dtype not in L1_INPUT_DTYPES:
+            return self.fallback.pack_l1_fields(flat, scales, sizes, levels, bits, nbytes)
+        # The kernel takes segment boundaries (int64, 0 first, numel last) next to the fp32 scales, both
+        # on the device of the data.
+        offsets = torch.zeros(len(sizes) + 1, dtype=torch.int64)
+        if sizes:
+            torch.cumsum(torch.tensor(sizes, dtype=torch.int64), 0, out=offsets[1:])
+        if flat.is_cuda:
+            offsets, scales = offsets.to(flat.device), scales.to(flat.device)
+        else:
+            scales = scales.cpu()
+        out = _new_bytes(nbytes, flat)
+        self.module.quantize_l1_pack(flat.contiguous(), offsets, scales.contiguous(), levels, bits, out)
+        return out
+
+
+def _new_bytes(nbytes: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
+
+
+__all__ = [
+    "FIELD_INPUT_DTYPES",
+    "L1_INPUT_DTYPES",
+    "MESSAGE_DTYPE",
+    "SIGN_INPUT_DTYPES",
+    "SIGN_OUTPUT_DTYPES",
+    "CompiledPacking",
+]

@@ -1,0 +1,127 @@
+"""The pure torch implementation of the packing operations: the reference, on any device.
+
+Vectorised torch only, so it runs wherever torch does; the compiled kernels and the cupy path are
+tested bit for bit against it. It is also what :mod:`.compiled` hands the dtypes its kernels do not
+read. The composite operations (signs, sums, the vote, L1) are written with ``self.pack_fields`` and
+``self.unpack_fields``, so :class:`~.cupy_impl.CupyPacking` changes only those two.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_lioncub.comm.packing.layout import packed_length
+
+
+def sign_bits(x: torch.Tensor, zero_is_positive: bool = True) -> torch.Tensor:
+    """Boolean tensor: True where ``x`` counts as +1 (x > 0, or x == 0 with ``zero_is_positive``)."""
+    if x.dtype == torch.bool:
+        return x
+    return x >= 0 if zero_is_positive else x > 0
+
+
+def pad_bytes(packed: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """``packed`` followed by zero bytes up to ``nbytes`` (which the caller made >= its length)."""
+    if nbytes == packed.numel():
+        return packed
+    return torch.cat([packed, packed.new_zeros(nbytes - packed.numel())])
+
+
+def _pad_to_multiple(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    remainder = x.numel() % multiple
+    if remainder == 0:
+        return x
+    return torch.cat([x, x.new_zeros(multiple - remainder)])
+
+
+# Multiplying eight 0/1 bytes, read as one little-endian int64, by this constant gathers byte j's
+# bit into bit 56 + j without carries, so one multiply and one shift pack eight signs.
+_GATHER_EIGHT_BITS = 0x0102040810204080
+_REPEAT_BYTE = 0x0101010101010101
+_BIT_J_OF_BYTE_J = 0x8040201008040201 - (1 << 64)  # as a signed int64
+
+
+def _pack(flat: torch.Tensor, bits: int) -> torch.Tensor:
+    """The fields of ``flat`` in ``packed_length(numel, bits)`` bytes."""
+    flat = flat.view(torch.uint8) if flat.dtype == torch.bool else flat.to(torch.uint8)
+    if bits == 8:
+        return flat.clone()
+    if flat.numel() == 0:  # an empty strided view stays strided after .contiguous(), and cannot be viewed wider
+        return torch.empty(0, dtype=torch.uint8, device=flat.device)
+    # Read each byte group as one wider integer and move its fields together with shifts.
+    grouped = _pad_to_multiple(flat, 8 // bits).contiguous()
+    if grouped.storage_offset() % (8 // bits) != 0:
+        grouped = grouped.clone()  # a wide-integer view needs an aligned start
+    if bits == 1:
+        words = grouped.view(torch.int64)
+        return ((words * _GATHER_EIGHT_BITS) >> 56).to(torch.uint8)
+    if bits == 2:
+        words = grouped.view(torch.int32)
+        return (words | (words >> 6) | (words >> 12) | (words >> 18)).to(torch.uint8)
+    words = grouped.view(torch.int16)
+    return (words | (words >> 4)).to(torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    if bits == 8:
+        return packed[:numel].clone()
+    if bits == 1:
+        # Copy each byte into all eight bytes of an int64, keep bit j in byte j, test for non-zero.
+        words = packed.to(torch.int64) * _REPEAT_BYTE
+        words.bitwise_and_(_BIT_J_OF_BYTE_J)
+        return words.view(torch.uint8).ne(0).view(torch.uint8)[:numel]
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    mask = (1 << bits) - 1
+    fields = (packed.reshape(-1, 1) >> shifts).bitwise_and_(mask)
+    return fields.reshape(-1)[:numel]
+
+
+class TorchPacking:
+    """:class:`~.layout.PackingOps` in vectorised torch."""
+
+    def pack_fields(self, flat: torch.Tensor, bits: int, nbytes: int) -> torch.Tensor:
+        return pad_bytes(_pack(flat, bits), nbytes)
+
+    def unpack_fields(self, packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+        return _unpack(packed, bits, numel)
+
+    def pack_signs(self, flat: torch.Tensor, zero_is_positive: bool, bits: int, nbytes: int) -> torch.Tensor:
+        return self.pack_fields(sign_bits(flat, zero_is_positive), bits, nbytes)
+
+    def unpack_signs(
+        self, packed: torch.Tensor, numel: int, dtype: torch.dtype, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        signs = self.unpack_fields(packed, 1, numel).to(dtype).mul_(2).sub_(1)
+        return signs if out is None else out.copy_(signs)
+
+    def sum_fields_per_position(self, rows: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+        # One unpacked row at a time: temporaries stay at the size of one row's fields.
+        sums = torch.zeros(numel, dtype=torch.int32, device=rows.device)
+        for row in rows:
+            sums.add_(self.unpack_fields(row, bits, numel))
+        return sums
+
+    def vote_packed_signs(self, rows: torch.Tensor, numel: int, zero_is_positive: bool) -> torch.Tensor:
+        p = rows.size(0)
+        plus_votes = self.sum_fields_per_position(rows, 1, numel)
+        # vote sum S = 2k - p; S > 0 <=> 2k > p, and S == 0 is a tie.
+        vote = 2 * plus_votes >= p if zero_is_positive else 2 * plus_votes > p
+        return self.pack_fields(vote, 1, packed_length(numel))
+
+    def pack_l1_fields(
+        self, flat: torch.Tensor, scales: torch.Tensor, sizes: list[int], levels: int, bits: int, nbytes: int
+    ) -> torch.Tensor:
+        fields = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
+        start = 0
+        for size, scale in zip(sizes, scales.tolist(), strict=True):
+            segment = flat[start : start + size]
+            if scale == 0:
+                fields[start : start + size] = levels
+            else:
+                q = torch.round(segment.float() * torch.tensor(scale, dtype=torch.float32, device=flat.device))
+                fields[start : start + size] = q.clamp_(-levels, levels).to(torch.int32).add_(levels).to(torch.uint8)
+            start += size
+        return self.pack_fields(fields, bits, nbytes)
+
+
+__all__ = ["TorchPacking", "pad_bytes", "sign_bits"]

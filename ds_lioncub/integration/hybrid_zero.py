@@ -1,0 +1,170 @@
+"""Compressed LionCub under ZeRO-1/2: shard inside a node, vote across nodes.
+
+N ranks run as M nodes of G ranks (:mod:`ds_lioncub.comm.topology`). Inside a node ZeRO does what it
+always does, in full precision: it reduce-scatters the gradients, keeps the master weights and the
+optimizer state partitioned, and all-gathers the parameters. Each node is one Lion Cub worker:
+rank (k, j) keeps node k's momentum for shard j and votes on its shard with the ranks (k', j) of
+the other nodes. Every copy of shard j applies the same update, so the masters stay identical on
+every node.
+
+How it is wired into DeepSpeed's engine (whose data-parallel world stays N: batch size, the initial
+broadcast and checkpoint metadata are unchanged):
+
+- while ``DeepSpeedEngine._configure_zero_optimizer`` runs, the engine's data-parallel group is the
+  rank's node group and the ZeRO-1/2 class is :class:`HybridZeroOptimizer`; both are restored after;
+- :class:`HybridZeroOptimizer` makes ZeRO's skip decisions world-wide: its overflow flag and the
+  validity of its gradient norm are reduced over the node (by ZeRO) and then over the vote group,
+  so a NaN on any rank skips the step on every rank. Without that, one node would vote while the
+  other skips, and the votes of different steps would pair up silently, then hang;
+- LionCub communicates over the vote group; its own finite check agrees over the whole world.
+
+Clipping stays DeepSpeed's: each node clips its averaged gradient by that node's norm.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.utils import is_invalid_grad_norm
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+from ds_lioncub._logging import get_logger
+from ds_lioncub.comm import wire
+from ds_lioncub.comm.kbit import KbitCodec
+from ds_lioncub.comm.topology import HybridGroups
+from ds_lioncub.errors import LionCubSetupError
+from ds_lioncub.optimizer import LionCub
+
+# The attribute of a DeepSpeedEngine that holds its hybrid set-up (absent: not a hybrid engine).
+ENGINE_ATTRIBUTE = "_lioncub_hybrid"
+
+
+@dataclass
+class HybridSetup:
+    """What the wiring decided for one engine: the groups and where G came from."""
+
+    groups: HybridGroups
+    node_size_source: str
+
+
+def _any_rank(flag: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether ``flag`` is true on any rank of ``group`` (one byte, MAX)."""
+    value = torch.tensor([1 if flag else 0], dtype=torch.uint8, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+class HybridZeroOptimizer(DeepSpeedZeroOptimizer):
+    """ZeRO-1/2 inside a node whose step-skipping decisions agree across the nodes.
+
+    ZeRO reduces its overflow flag and its gradient norm over its data-parallel group, which is
+    the node here; both are then reduced over the vote group (one rank per node), which makes them
+    world-wide. :func:`zero_class_for` binds the vote group.
+    """
+
+    _lioncub_vote_group: dist.ProcessGroup | None = None
+
+    def _flag_device(self) -> torch.device:
+        return self.single_partition_of_fp32_groups[0].device
+
+    def has_overflow(self, partition_gradients: bool = True) -> bool:
+        overflow = bool(super().has_overflow(partition_gradients))
+        return _any_rank(overflow, self._lioncub_vote_group, self._flag_device())
+
+    def scaled_global_norm(self, norm_type: int = 2) -> Any:
+        norm = super().scaled_global_norm(norm_type)
+        if _any_rank(is_invalid_grad_norm(norm), self._lioncub_vote_group, self._flag_device()):
+            # What DeepSpeed's norm helpers report for an invalid norm: ZeRO then skips the step.
+            return torch.full_like(norm, float("inf")) if torch.is_tensor(norm) else float("inf")
+        return norm
+
+
+def zero_class_for(vote_group: dist.ProcessGroup | None) -> type[HybridZeroOptimizer]:
+    """A :class:`HybridZeroOptimizer` subclass bound to ``vote_group`` (ZeRO's constructor takes no extra argument)."""
+    return type("HybridZeroOptimizer", (HybridZeroOptimizer,), {"_lioncub_vote_group": vote_group})
+
+
+def configure_hybrid_zero(engine: Any, configure: Any, optimizer: Any) -> Any:
+    """Run the engine's ``_configure_zero_optimizer`` with the node as ZeRO's group and the hybrid class."""
+    import deepspeed.runtime.engine as engine_module
+
+    setup: HybridSetup = getattr(engine, ENGINE_ATTRIBUTE)
+    world_group, zero_class = engine.seq_data_parallel_group, engine_module.DeepSpeedZeroOptimizer
+    engine.seq_data_parallel_group = setup.groups.node_group
+    engine_module.DeepSpeedZeroOptimizer = zero_class_for(setup.groups.vote_group)
+    try:
+        zero = configure(engine, optimizer)
+    finally:
+        engine.seq_data_parallel_group = world_group
+        engine_module.DeepSpeedZeroOptimizer = zero_class
+    _check_shards_match(zero, setup)
+    lioncub = optimizer if isinstance(optimizer, LionCub) else None
+    if lioncub is not None:
+        # LionCub now steps one flat shard per param group: name them so errors say what they are.
+        lioncub.param_names = [f"param group {i} (ZeRO shard)" for i in range(len(lioncub.param_groups))]
+        _log_topology(setup, zero, lioncub)
+    return zero
+
+
+def _check_shards_match(zero: Any, setup: HybridSetup) -> None:
+    """Raise unless every rank of the vote group holds shards of the same sizes (the same elements)."""
+    sizes = torch.tensor([p.numel() for p in zero.single_partition_of_fp32_groups], dtype=torch.int64)
+    gathered = [torch.empty_like(sizes) for _ in range(setup.groups.layout.nodes)]
+    dist.all_gather(gathered, sizes, group=setup.groups.vote_group)
+    if any(not torch.equal(other, sizes) for other in gathered):
+        raise LionCubSetupError(
+            f"LionCub: the ZeRO shards of the ranks that vote together differ in size "
+            f"({[g.tolist() for g in gathered]}); every node must build the same model with the same "
+            f"param groups and ZeRO settings."
+        )
+
+
+def _log_topology(setup: HybridSetup, zero: Any, lioncub: LionCub) -> None:
+    layout = setup.groups.layout
+    if dist.get_rank() != 0:
+        return
+    shard = sum(p.numel() for p in zero.single_partition_of_fp32_groups)
+    options = lioncub.options
+    if options.compression == "1bit":
+        per_step = wire.vote_1bit_bytes(shard, layout.nodes)
+    else:
+        codec = KbitCodec.build(layout.nodes, options.bits, options.quantizer, options.kbit_algorithm)
+        per_step = wire.kbit_bytes(shard, codec, options.aggregation)
+    get_logger().info(
+        f"LionCub hybrid ZeRO: {layout.nodes} node(s) x {layout.node_size} rank(s) (node size from "
+        f"{setup.node_size_source}); node groups {list(layout.node_groups)}, vote groups "
+        f"{list(layout.vote_groups)}; each rank votes on a {shard}-element shard and sends {per_step} bytes "
+        f"across nodes per step"
+    )
+
+
+def check_node_blocks_on_one_host(setup: HybridSetup) -> None:
+    """When G came from the launcher, require each node block of ranks to be one machine."""
+    hosts: list[str] = [""] * setup.groups.layout.world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    split = [
+        (k, sorted({hosts[rank] for rank in members}))
+        for k, members in enumerate(setup.groups.layout.node_groups)
+        if len({hosts[rank] for rank in members}) > 1
+    ]
+    if split:
+        k, names = split[0]
+        raise LionCubSetupError(
+            f"LionCub: node {k} (ranks {list(setup.groups.layout.node_groups[k])}) spans hosts {names}, but the node "
+            f"size {setup.groups.layout.node_size} came from {setup.node_size_source}: ranks are not numbered "
+            f"machine by machine. Launch the same number of ranks on every machine, or set hybrid.node_size."
+        )
+
+
+__all__ = [
+    "ENGINE_ATTRIBUTE",
+    "HybridSetup",
+    "HybridZeroOptimizer",
+    "check_node_blocks_on_one_host",
+    "configure_hybrid_zero",
+    "zero_class_for",
+]
