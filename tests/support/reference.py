@@ -416,7 +416,7 @@ class HybridRun:
     def shard(self, vector: Tensor, group: int, local_index: int) -> Tensor:
         """Shard ``local_index`` of a padded flat vector of ``group``."""
         size = self.partition_sizes[group]
-        return vector[local_index * size:(local_index + 1) * size]
+        return vector[local_index * size : (local_index + 1) * size]
 
 
 def _node_gradient(
@@ -537,8 +537,10 @@ def simulate_hybrid(
     for step in range(1, steps + 1):
         micro_grads = [
             [
-                [g.detach().float() * (1.0 / gradient_accumulation_steps)
-                 for g in grads_fn(rank, step, micro, [t.clone() for t in params])]
+                [
+                    g.detach().float() * (1.0 / gradient_accumulation_steps)
+                    for g in grads_fn(rank, step, micro, [t.clone() for t in params])
+                ]
                 for micro in range(gradient_accumulation_steps)
             ]
             for rank in range(world)
@@ -571,13 +573,22 @@ def simulate_hybrid(
             elif compression == "1bit":
                 delta = brute_force_vote_1bit(flat_c, lioncub_step, tie_break)
             else:
-                delta = brute_force_vote_kbit(flat_c, lioncub_step, bits, quantizer, aggregation, kbit_algorithm,
-                                              tie_break, l1_clip, [partition_sizes[i]] * node_size)
+                delta = brute_force_vote_kbit(
+                    flat_c,
+                    lioncub_step,
+                    bits,
+                    quantizer,
+                    aggregation,
+                    kbit_algorithm,
+                    tie_break,
+                    l1_clip,
+                    [partition_sizes[i]] * node_size,
+                )
             _apply_update(masters[i], delta, step_lr, decays[i])
             start = 0
             for p in group:
                 size = params[p].numel()
-                params[p] = masters[i][start:start + size].reshape(params[p].shape).clone()
+                params[p] = masters[i][start : start + size].reshape(params[p].shape).clone()
                 start += size
         if momentum_sync_interval > 0 and lioncub_step % momentum_sync_interval == 0:
             for i in range(len(groups)):

@@ -42,15 +42,17 @@ def test_hand_worked_l1_mean_takes_the_scale_over_the_whole_shard_padding_includ
     # node 0: shard 0 [.5, -1] mu .75 -> [1, -2]; shard 1 [0, 0] -> [0, 0].
     # node 1: shard 0 [-1, 1] mu 1 -> [-2 (half to even), 2]; shard 1 [1, 0] mu .5 (padding counts) -> [3, 0].
     # Delta = sum / (2 * 3) = [-1/6, 0, 1/2, 0] (mean: no tie rule); without the padding mu would be 1 -> 2/6.
-    run = simulate_hybrid([torch.zeros(3)], _hand_grads, 2, 2, 1, compression="kbit", bits=4, quantizer="l1",
-                          aggregation="mean", **HAND)
+    run = simulate_hybrid(
+        [torch.zeros(3)], _hand_grads, 2, 2, 1, compression="kbit", bits=4, quantizer="l1", aggregation="mean", **HAND
+    )
     torch.testing.assert_close(run.masters[0], -0.5 * T([-1 / 6, 0.0, 0.5, 0.0]), rtol=0, atol=1e-7)
 
 
 def test_node_average_divides_then_sums_and_clipping_is_per_node() -> None:
     grads = [T([3.0, 4.0]), T([3.0, 4.0]), T([0.3, 0.4]), T([0.3, 0.4])]
-    run = simulate_hybrid([torch.zeros(2)], lambda r, t, m, ps: [grads[r]], 2, 2, 1, groups_padding=[0],
-                          gradient_clipping=1.0, lr=0.1)
+    run = simulate_hybrid(
+        [torch.zeros(2)], lambda r, t, m, ps: [grads[r]], 2, 2, 1, groups_padding=[0], gradient_clipping=1.0, lr=0.1
+    )
     assert run.node_grad_norms[0] == pytest.approx([5.0, 0.5])  # node 1's norm is under the clip: unchanged
     # momentum = (1 - b2) * clipped node gradient: node 0 scaled by 1 / (5 + 1e-6), node 1 not at all
     torch.testing.assert_close(run.momenta[0][0], 0.01 * T([0.6, 0.8]), rtol=1e-6, atol=0)
@@ -61,8 +63,17 @@ def test_accumulation_orders_and_scaling() -> None:
     # Two micro-batches per rank, each divided by 2; either order gives (1 + 3)/2 on one rank of one node.
     micro = [[T([1.0])], [T([3.0])]]
     for after in (False, True):
-        run = simulate_hybrid([torch.zeros(1)], lambda r, t, m, ps: micro[m], 1, 1, 1, groups_padding=[0],
-                              gradient_accumulation_steps=2, accumulate_after_reduce=after, betas=(0.9, 0.5))
+        run = simulate_hybrid(
+            [torch.zeros(1)],
+            lambda r, t, m, ps: micro[m],
+            1,
+            1,
+            1,
+            groups_padding=[0],
+            gradient_accumulation_steps=2,
+            accumulate_after_reduce=after,
+            betas=(0.9, 0.5),
+        )
         assert run.momenta[0][0].tolist() == [1.0]  # (1 - 0.5) * 2
 
 
@@ -86,26 +97,37 @@ def _random_grads(rank: int, step: int, micro: int, params: list[Tensor]) -> lis
 INIT = [torch.randn(3, 4, generator=torch.Generator().manual_seed(1)), torch.randn(5), torch.randn(2, 3)]
 
 
-@pytest.mark.parametrize("mode", [
-    dict(compression="1bit"),
-    dict(compression="1bit", tie_break="positive"),
-    dict(compression="kbit", bits=4, quantizer="sign"),
-    dict(compression="kbit", bits=2, quantizer="sign", kbit_algorithm="alltoall", aggregation="mean"),
-    dict(compression="1bit", momentum_sync_interval=2),
-])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        dict(compression="1bit"),
+        dict(compression="1bit", tie_break="positive"),
+        dict(compression="kbit", bits=4, quantizer="sign"),
+        dict(compression="kbit", bits=2, quantizer="sign", kbit_algorithm="alltoall", aggregation="mean"),
+        dict(compression="1bit", momentum_sync_interval=2),
+    ],
+)
 @pytest.mark.parametrize("padding", [0, 3])
 def test_node_size_one_is_stage0_lioncub(mode: dict, padding: int) -> None:
     """G = 1: every rank is a node, its gradient its own; the padding elements never touch a parameter."""
     lr = lambda t: 0.01 / t  # noqa: E731
     run = simulate_hybrid(INIT, _random_grads, 4, 1, 5, groups_padding=[padding], lr=lr, weight_decay=0.1, **mode)
     sync = mode.pop("momentum_sync_interval", 0)
-    params, exp_avgs = simulate_lioncub(INIT, lambda r, t, ps: _random_grads(r, t, 0, ps), 4, 5, lr=lr,
-                                        weight_decay=0.1, momentum_sync_interval=sync, **mode)
+    params, exp_avgs = simulate_lioncub(
+        INIT,
+        lambda r, t, ps: _random_grads(r, t, 0, ps),
+        4,
+        5,
+        lr=lr,
+        weight_decay=0.1,
+        momentum_sync_interval=sync,
+        **mode,
+    )
     for a, b in zip(run.params_per_step[-1], params, strict=True):
         assert torch.equal(a, b)
     for node in range(4):
         flat = torch.cat([m.reshape(-1) for m in exp_avgs[node]])
-        assert torch.equal(run.momenta[node][0][:flat.numel()], flat)
+        assert torch.equal(run.momenta[node][0][: flat.numel()], flat)
 
 
 def test_node_size_one_l1_equals_stage0_for_a_single_unpadded_tensor() -> None:
@@ -118,8 +140,9 @@ def test_node_size_one_l1_equals_stage0_for_a_single_unpadded_tensor() -> None:
 
 
 def test_one_node_of_exact_lion_is_lion_on_the_node_average() -> None:
-    run = simulate_hybrid(INIT, _random_grads, 1, 2, 3, groups_padding=[1], compression="none", lr=0.01,
-                          weight_decay=0.1)
+    run = simulate_hybrid(
+        INIT, _random_grads, 1, 2, 3, groups_padding=[1], compression="none", lr=0.01, weight_decay=0.1
+    )
     ref = [t.clone() for t in INIT]
     ref_m = [torch.zeros_like(t) for t in INIT]
     for step in range(1, 4):
@@ -133,8 +156,9 @@ def test_one_node_of_exact_lion_is_lion_on_the_node_average() -> None:
 def test_param_groups_are_flattened_and_stepped_separately() -> None:
     """Two groups with their own padding and weight decay; nodes vote per element, so groups only split the data."""
     groups = [[0, 2], [1]]
-    run = simulate_hybrid(INIT, _random_grads, 2, 2, 3, groups_padding=[2, 1], param_groups=groups, lr=0.01,
-                          weight_decay=[0.1, 0.0])
+    run = simulate_hybrid(
+        INIT, _random_grads, 2, 2, 3, groups_padding=[2, 1], param_groups=groups, lr=0.01, weight_decay=[0.1, 0.0]
+    )
     assert run.partition_sizes == [(12 + 6 + 2) // 2, (5 + 1) // 2]
     assert run.masters[1][:5].tolist() == run.params_per_step[-1][1].tolist()
     assert torch.equal(run.masters[0][12:18], run.params_per_step[-1][2].reshape(-1))

@@ -40,8 +40,9 @@ from tests.support.hybrid_cases import (
 
 def build(case: HybridCase) -> Any:
     model = build_model()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=case.model_parameters(model),
-                                      config=case.ds_config())
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=case.model_parameters(model), config=case.ds_config()
+    )
     return engine
 
 
@@ -191,6 +192,7 @@ def run_resume(out: Path) -> dict[str, Any]:
             results[f"resume_at/{node_size}"] = None
         except Exception as error:  # noqa: BLE001 - the test checks the message
             results[f"resume_at/{node_size}"] = error_text(error)
+            results[f"resume_at/{node_size}/traceback"] = traceback.format_exc()
     return results
 
 
