@@ -9,6 +9,7 @@ per parameter, and every rank applies the same update, so parameters stay bitwis
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -20,6 +21,7 @@ from torch import nn
 from ds_lioncub._logging import get_logger
 from ds_lioncub.aggregation import COMM_DTYPES, Aggregator, Bucket, ExactMean, build_aggregation
 from ds_lioncub.buckets import Piece, plan_buckets
+from ds_lioncub.comm.backend import CompressedBackend
 from ds_lioncub.comm.quantize import tie_sign
 from ds_lioncub.comm.transport import CommStats, TorchTransport, Transport, make_transport
 from ds_lioncub.config import LionCubConfig, parse_config
@@ -150,6 +152,26 @@ class LionCub(torch.optim.Optimizer):
         self._aggregator = build_aggregation(self.options, self.transport, gradients_averaged)
         self._resolve_names()
         self._log_setting()
+
+    def attach(self, process_group: dist.ProcessGroup | None, module: nn.Module | None) -> None:
+        """Deprecated (removed in 0.3.0): use :meth:`bind`."""
+        warnings.warn(
+            "LionCub.attach() is deprecated and will be removed in 0.3.0; use LionCub.bind(process_group, module, "
+            "gradients_averaged=...)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.bind(process_group, module, gradients_averaged=self.gradients_are_averaged)
+
+    @property
+    def backend(self) -> CompressedBackend:
+        """Deprecated (removed in 0.3.0): the collectives over :attr:`transport`; use ``transport``."""
+        warnings.warn(
+            "LionCub.backend is deprecated and will be removed in 0.3.0; use LionCub.transport",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return CompressedBackend.from_transport(self.transport)
 
     def _log_setting(self) -> None:
         """Log the resolved options once per (world, aggregation), on rank 0, as the step will run them."""

@@ -106,6 +106,13 @@ class CompressedBackend:
     ) -> None:
         self.transport: Transport = make_transport(process_group, comm_backend_name, cuda_aware)
 
+    @classmethod
+    def from_transport(cls, transport: Transport) -> CompressedBackend:
+        """A backend over an existing transport (sharing its byte accounting)."""
+        backend = cls.__new__(cls)
+        backend.transport = transport
+        return backend
+
     @property
     def comm_backend_name(self) -> str:
         return self.transport.name
