@@ -5,7 +5,8 @@ scenario of tests.support.hybrid_cases, saves a checkpoint and builds every refu
 second resumes the checkpoint and tries to load it at other node sizes. The references are the plain-torch
 simulation (tests.support.reference.simulate_hybrid, fed the partition geometry ZeRO reports), the stage-0
 simulation, the uninterrupted run for the resume, WarmupLR's formula, and the layout of nodes and shards
-(docs/design.md, section 13: invariants).
+(docs/design.md, section 16 (ZeRO-1/2 hybrid: shard inside a node, vote across nodes) and section 13
+(exactness invariants)).
 """
 
 from __future__ import annotations
