@@ -67,9 +67,25 @@ def save_local_momentum(optimizer: LionCub, save_dir: str, tag: str, hybrid: Hyb
     ds_dist.barrier()
 
 
-def load_local_momentum(optimizer: LionCub, load_dir: str, tag: str | None, hybrid: HybridSetup | None = None) -> None:
-    """Restore this rank's momentum from ``load_dir/tag`` (``None``: DeepSpeed's latest tag), if saved."""
-    directory = os.path.join(load_dir, tag if tag is not None else latest_tag(load_dir))
+def tag_directory(load_dir: str, tag: str | None) -> str | None:
+    """The directory ``load_checkpoint(load_dir, tag)`` reads (``None``: no tag given and no ``latest`` file)."""
+    if tag is not None:
+        return os.path.join(load_dir, tag)
+    if not os.path.isfile(os.path.join(load_dir, "latest")):
+        return None
+    return os.path.join(load_dir, latest_tag(load_dir))
+
+
+def check_saved_layout(load_dir: str, tag: str | None, hybrid: HybridSetup | None) -> None:
+    """Refuse, before DeepSpeed reads anything, a checkpoint whose LionCub layout this engine cannot load.
+
+    Under the hybrid DeepSpeed's own ZeRO files are named by the rank inside a node, so at another
+    topology DeepSpeed's load fails differently on different ranks (missing files, shape mismatches);
+    this check runs first and gives every rank the same message: every rank reads the same file.
+    """
+    directory = tag_directory(load_dir, tag)
+    if directory is None or not os.path.isdir(directory):
+        return  # DeepSpeed reports a missing checkpoint itself
     plain, hybrid_files = momentum_files(directory), momentum_files(directory, HYBRID_FILE_PREFIX)
     if hybrid is None:
         if hybrid_files:
@@ -78,34 +94,43 @@ def load_local_momentum(optimizer: LionCub, load_dir: str, tag: str | None, hybr
                 f"{HYBRID_FILE_PREFIX}*), but this engine runs at ZeRO stage 0; resume it under the same ZeRO stage "
                 f"and hybrid topology."
             )
-        if plain:
-            load_momentum(optimizer, plain)
         return
-    load_hybrid_momentum(optimizer, directory, hybrid_files, hybrid, saved_without_hybrid=bool(plain))
-
-
-def load_hybrid_momentum(
-    optimizer: LionCub, directory: str, files: list[str], hybrid: HybridSetup, saved_without_hybrid: bool
-) -> None:
-    """Restore this global rank's shard momentum from a hybrid checkpoint of the same topology."""
     layout = hybrid.groups.layout
     current = f"{layout.nodes} node(s) x {layout.node_size} rank(s)"
-    if saved_without_hybrid or not files:
+    if plain or not hybrid_files:
         raise LionCubSetupError(
             f"LionCub: {directory} holds no ZeRO hybrid momentum files ({HYBRID_FILE_PREFIX}*), so it was not saved by "
             f"compressed LionCub under the hybrid; this engine runs {current}. Resume with the configuration it was "
             f"saved with."
         )
+    first = torch.load(hybrid_files[0], map_location="cpu", weights_only=True)
+    saved = f"{first['nodes']} node(s) x {first['node_size']} rank(s)"
+    if (first["nodes"], first["node_size"]) != (layout.nodes, layout.node_size) or len(
+        hybrid_files
+    ) != layout.world_size:
+        raise LionCubSetupError(
+            f"LionCub: {directory} was saved by the ZeRO hybrid as {saved} ({len(hybrid_files)} files), but this "
+            f"engine runs {current}; the momenta are per node and per shard, so they cannot be redistributed. "
+            f"Resume with hybrid.node_size={first['node_size']} on {first['nodes'] * first['node_size']} ranks."
+        )
+
+
+def load_local_momentum(optimizer: LionCub, load_dir: str, tag: str | None, hybrid: HybridSetup | None = None) -> None:
+    """Restore this rank's momentum from ``load_dir/tag`` (``None``: DeepSpeed's latest tag), if saved.
+
+    :func:`check_saved_layout` has accepted the checkpoint before DeepSpeed loaded it.
+    """
+    directory = tag_directory(load_dir, tag)
+    if directory is None:
+        return
+    if hybrid is None:
+        plain = momentum_files(directory)
+        if plain:
+            load_momentum(optimizer, plain)
+        return
     state = torch.load(
         momentum_file(directory, dist.get_rank(), HYBRID_FILE_PREFIX), map_location="cpu", weights_only=True
     )
-    saved = f"{state['nodes']} node(s) x {state['node_size']} rank(s)"
-    if (state["nodes"], state["node_size"]) != (layout.nodes, layout.node_size) or len(files) != layout.world_size:
-        raise LionCubSetupError(
-            f"LionCub: {directory} was saved by the ZeRO hybrid as {saved} ({len(files)} files), but this engine runs "
-            f"{current}; the momenta are per node and per shard, so they cannot be redistributed. Resume with "
-            f"hybrid.node_size={state['node_size']} on {state['nodes'] * state['node_size']} ranks."
-        )
     optimizer.load_local_momentum(state["exp_avg"])
 
 

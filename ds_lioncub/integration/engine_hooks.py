@@ -24,7 +24,7 @@ from typing import Any
 from ds_lioncub.config import parse_config
 from ds_lioncub.integration import checkpoint
 from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE, configure_hybrid_zero
-from ds_lioncub.integration.wiring import wire_engine
+from ds_lioncub.integration.wiring import refuse_before_construction, wire_engine
 from ds_lioncub.optimizer import LionCub
 
 OPTIMIZER_NAME = "lioncub"
@@ -77,7 +77,8 @@ def _wrap_configure_basic_optimizer(original: Callable[..., Any]) -> Callable[..
         if engine.optimizer_name() != OPTIMIZER_NAME:
             return original(engine, model_parameters)
         params = dict(engine.optimizer_params() or {})
-        parse_config(params)  # the same message on every rank, before anything is allocated
+        # The same message on every rank, before anything is allocated (an MPI transport would be).
+        refuse_before_construction(engine, parse_config(params))
         if model_parameters is None:
             model_parameters = engine.module.parameters()
         return LionCub(model_parameters, process_group=engine.seq_data_parallel_group, module=engine.module, **params)
@@ -137,14 +138,17 @@ def _wrap_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _wrap_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
     def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
-        result = original(engine, load_dir, tag, *args, **kwargs)
         lioncub = _compressed_lioncub(engine)
-        load_path = result[0] if isinstance(result, tuple) else None
+        hybrid = getattr(engine, ENGINE_ATTRIBUTE, None)
+        tag_name = None if tag is None else str(tag)
         skip_optimizer = kwargs.get("load_module_only", False) or not kwargs.get("load_optimizer_states", True)
+        if lioncub is not None and not skip_optimizer:
+            checkpoint.check_saved_layout(load_dir, tag_name, hybrid)
+        result = original(engine, load_dir, tag, *args, **kwargs)
+        load_path = result[0] if isinstance(result, tuple) else None
         if lioncub is None or load_path is None or skip_optimizer:
             return result
-        hybrid = getattr(engine, ENGINE_ATTRIBUTE, None)
-        checkpoint.load_local_momentum(lioncub, load_dir, None if tag is None else str(tag), hybrid)
+        checkpoint.load_local_momentum(lioncub, load_dir, tag_name, hybrid)
         return result
 
     return load_checkpoint

@@ -19,12 +19,33 @@ from typing import Any
 import deepspeed
 
 from ds_lioncub.comm.topology import create_groups, plan_hybrid, resolve_node_size
+from ds_lioncub.config import LionCubConfig
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE, HybridSetup, check_node_blocks_on_one_host
 from ds_lioncub.optimizer import LionCub
 
 # The hybrid relies on private parts of DeepSpeed's engine and ZeRO-1/2 optimizer, checked against these releases.
 TESTED_DEEPSPEED_MINOR = (0, 19)
+
+
+def _hybrid_refusal(options: LionCubConfig, stage: int, what: str, fix: str) -> LionCubConfigError:
+    return LionCubConfigError(
+        f"LionCub: compression={options.compression!r} under ZeRO stage {stage} (the hybrid: ZeRO inside each node, "
+        f"Lion Cub's vote across nodes) does not support {what}. To use it, {fix}; or use compression='none' "
+        f"(exact Lion under ZeRO)."
+    )
+
+
+def refuse_before_construction(engine: Any, options: LionCubConfig) -> None:
+    """What must be refused before LionCub is built from a ds_config (building it would already communicate)."""
+    stage = int(engine.zero_optimization_stage())
+    if options.compression != "none" and stage in (1, 2) and options.comm_backend_name != "torch":
+        raise _hybrid_refusal(
+            options,
+            stage,
+            "comm_backend_name='mpi' (the MPI world would have to be the vote group)",
+            "use comm_backend_name='torch'",
+        )
 
 
 def wire_engine(engine: Any, optimizer: LionCub) -> None:
@@ -77,7 +98,6 @@ def _refuse_what_the_hybrid_cannot_do(engine: Any, optimizer: LionCub, stage: in
             f"DeepSpeed {'.'.join(map(str, TESTED_DEEPSPEED_MINOR))}.x, but {deepspeed.__version__} is installed. "
             f"Install deepspeed=={'.'.join(map(str, TESTED_DEEPSPEED_MINOR))}.8, or run at zero_optimization.stage 0."
         )
-    label = f"compression={optimizer.options.compression!r} under ZeRO stage {stage}"
     refusals = [
         (
             engine.zero_offload_optimizer() is not None and str(engine.zero_offload_optimizer().device) != "none",
@@ -116,7 +136,4 @@ def _refuse_what_the_hybrid_cannot_do(engine: Any, optimizer: LionCub, stage: in
     ]
     for refused, what, fix in refusals:
         if refused:
-            raise LionCubConfigError(
-                f"LionCub: {label} (the hybrid: ZeRO inside each node, Lion Cub's vote across nodes) does not "
-                f"support {what}. To use it, {fix}; or use compression='none' (exact Lion under ZeRO)."
-            )
+            raise _hybrid_refusal(optimizer.options, stage, what, fix)

@@ -74,16 +74,6 @@ BITWISE = [
 # a norm summed in another order, or a node of 4 ranks whose sum order the collective library chooses.
 MOMENTA_CLOSE = {"zero2_1bit_binding_clip", "zero2_1bit_node_size4"}
 
-# Library behaviour that does not meet the specification yet (strict: a fix turns these into failures to remove).
-KNOWN_BUG_LOAD_AT_LARGER_NODE = (
-    "a 2x2 checkpoint loaded at node_size 4 fails inside DeepSpeed's own load (size mismatch / missing "
-    "zero_pp_rank_2 file, different errors on different ranks) before LionCub's topology check runs"
-)
-KNOWN_BUG_MPI = (
-    "comm_backend_name='mpi' builds the MPI transport when LionCub is constructed, so under the deepspeed "
-    "launcher the MPI-singleton error comes first and the hybrid refusal is never reached"
-)
-
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory, packing_op_build: tuple[Any, Any]) -> dict[str, Any]:
@@ -515,13 +505,7 @@ def test_checkpoint_holds_one_lioncub_file_per_rank_and_deepspeed_files_from_nod
     assert len(optimizer_files) == NODE_SIZE, files
 
 
-@pytest.mark.parametrize(
-    "node_size",
-    [
-        pytest.param(size, marks=pytest.mark.xfail(strict=True, reason=reason)) if reason else size
-        for size, reason in zip(OTHER_TOPOLOGIES, (None, KNOWN_BUG_LOAD_AT_LARGER_NODE), strict=True)
-    ],
-)
+@pytest.mark.parametrize("node_size", OTHER_TOPOLOGIES)
 def test_loading_at_another_topology_is_refused_naming_both(launched: dict[str, Any], node_size: int) -> None:
     """The same message on every rank, naming the saved topology (2 nodes of 2) and the current one."""
     messages = {results[f"resume_at/{node_size}"] for results in launched["resume"]}
@@ -537,15 +521,7 @@ def test_loading_at_another_topology_is_refused_naming_both(launched: dict[str, 
 # ---------------------------------------------------------------------------------------------- refusals
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BUG_MPI))
-        if name == "mpi_backend"
-        else name
-        for name in REFUSED
-    ],
-)
+@pytest.mark.parametrize("name", list(REFUSED))
 def test_unsupported_hybrid_configs_are_refused_identically_on_every_rank(launched: dict[str, Any], name: str) -> None:
     _, fragments = REFUSED[name]
     messages = {results[f"refused/{name}"] for results in launched["main"]}
