@@ -24,10 +24,12 @@ from torch import Tensor
 
 from tests.support.hybrid_cases import (
     BETAS,
+    BF16,
     BIAS_WEIGHT_DECAY,
     BINDING_CLIP,
     CHECKPOINT_AT,
     CHECKPOINTED,
+    FINITE_CHECK_ONLY,
     LR,
     NAN_RANK,
     NAN_STEP,
@@ -578,3 +580,43 @@ def test_steps_are_counted(launched: dict[str, Any]) -> None:
     for name, case in TRAINED_BY_NAME.items():
         for record in _trained(launched, name):
             assert len(record["params"]) == case.steps and len(record["lr"]) == case.steps, name
+
+
+# ---------------------------------------------------------------------------------- bf16, LionCub's own finite check
+
+
+def test_bf16_hybrid_keeps_ranks_identical_and_skips_a_nan_step_everywhere(launched: dict[str, Any]) -> None:
+    """bf16 (ZeRO's overflow check agreed across nodes): no simulation, but every rank identical every step."""
+    case = BF16
+    records = _ok([results[f"trained/{case.name}"] for results in launched["main"]], case.name)
+    for rank, record in enumerate(records):
+        assert record["skipped_steps"] == [0] * (NAN_STEP - 1) + [1] * (case.steps - NAN_STEP + 1), f"rank {rank}"
+        for got, expected in zip(record["params"], records[0]["params"], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), f"rank {rank}"
+    first, last = records[0]["params"][0], records[0]["params"][-1]
+    assert any(not torch.equal(a, b) for a, b in zip(first, last, strict=True)), "bf16 run did not train"
+
+
+def test_with_deepspeeds_norm_check_off_lioncubs_check_stops_every_rank_of_every_node(launched: dict[str, Any]) -> None:
+    """compute_grad_norm false: ZeRO skips nothing; LionCub's finite check, over the whole world, raises everywhere."""
+    case = FINITE_CHECK_ONLY
+    records = [results[f"trained/{case.name}"] for results in launched["main"]]
+    assert all(record["error"] is not None for record in records), [record["error"] for record in records]
+    # The same verdict everywhere; only the tail naming this rank's own offending parameters differs.
+    verdicts = {record["error"].split(" (this rank's")[0] for record in records}
+    assert len(verdicts) == 1, verdicts
+    verdict = verdicts.pop()
+    assert verdict.startswith("NonFiniteGradientError: LionCub: "), verdict
+    # Rank 3's NaN enters its node's average, so both ranks of that node hold non-finite shard gradients.
+    assert f"on {NODE_SIZE} of {WORLD} ranks at step {NAN_STEP}" in verdict, verdict
+    for rank, record in enumerate(records):
+        assert len(record["params"]) == NAN_STEP - 1, f"rank {rank} went past the NaN step"
+
+
+def test_one_node_of_all_ranks_equals_zero2_exact_lion_bitwise(launched: dict[str, Any]) -> None:
+    """G = N: one worker's vote is its own sign, so the hybrid is exact Lion under ZeRO-2 (no c is exactly 0 here)."""
+    one_node = _trained(launched, "zero2_1bit_node_size4")
+    exact = _trained(launched, "zero2_exact_control")
+    for rank in range(WORLD):
+        for step, (got, expected) in enumerate(zip(one_node[rank]["params"], exact[rank]["params"], strict=True)):
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), f"rank {rank}, step {step + 1}"

@@ -47,7 +47,9 @@ def batch(rank: int, step: int, micro: int) -> tuple[Tensor, Tensor]:
 def loss_of(model: nn.Module, rank: int, step: int, micro: int, nan_at: tuple[int, int] | None) -> Tensor:
     """The micro-batch's mean squared error; times NaN on rank/step ``nan_at`` (a broken gradient on one rank)."""
     x, y = batch(rank, step, micro)
-    loss = nn.functional.mse_loss(model(x), y)
+    # bf16 engines get bf16 inputs; the loss is taken in fp32 (no-ops for the fp32 model)
+    dtype = next(model.parameters()).dtype
+    loss = nn.functional.mse_loss(model(x.to(dtype)).float(), y)
     if nan_at == (rank, step):
         loss = loss * float("nan")
     return loss
@@ -160,6 +162,16 @@ TRAINED = [
     ),
 ]
 TRAINED_BY_NAME = {case.name: case for case in TRAINED}
+
+# Trained in the main launch but not simulated: bf16 (forward and backward in bf16), with a NaN on one rank.
+BF16 = HybridCase("zero2_1bit_bf16_nan_on_one_rank", nan_at=(NAN_RANK, NAN_STEP), extra={"bf16": {"enabled": True}})
+# DeepSpeed's norm check off (fp32, no clipping): LionCub's own finite check is the only one, over the world.
+FINITE_CHECK_ONLY = HybridCase(
+    "zero2_1bit_finite_check_only",
+    nan_at=(NAN_RANK, NAN_STEP),
+    extra={"zero_optimization": {"compute_grad_norm": False}},
+)
+UNSIMULATED = [BF16, FINITE_CHECK_ONLY]
 
 # Saved after CHECKPOINT_AT steps in the main launch, resumed for STEPS - CHECKPOINT_AT more in the second.
 CHECKPOINTED = HybridCase("zero2_1bit", stage=2)

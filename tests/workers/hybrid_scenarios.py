@@ -32,6 +32,7 @@ from tests.support.hybrid_cases import (
     OTHER_TOPOLOGIES,
     REFUSED,
     TRAINED,
+    UNSIMULATED,
     HybridCase,
     build_model,
     loss_of,
@@ -130,7 +131,7 @@ def final_state(engine: Any, record: dict[str, Any]) -> None:
 
 def run_trained() -> dict[str, Any]:
     results: dict[str, Any] = {}
-    for case in TRAINED:
+    for case in [*TRAINED, *UNSIMULATED]:
         record: dict[str, Any] = {"error": None}
         try:
             engine = build(case)
