@@ -25,7 +25,12 @@ from ds_lioncub.comm.backend import CompressedBackend
 from ds_lioncub.comm.quantize import tie_sign
 from ds_lioncub.comm.transport import CommStats, TorchTransport, Transport, make_transport
 from ds_lioncub.config import LionCubConfig, parse_config
-from ds_lioncub.errors import LionCubConfigError, NonFiniteGradientError, UnsupportedParameterError
+from ds_lioncub.errors import (
+    LionCubConfigError,
+    LionCubSetupError,
+    NonFiniteGradientError,
+    UnsupportedParameterError,
+)
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
 from ds_lioncub.param_selection import select_parameters
 
@@ -232,16 +237,9 @@ class LionCub(torch.optim.Optimizer):
 
     def comm_stats(self) -> CommStats:
         """Collectives issued and bytes sent / received by this rank's LionCub so far."""
-        stats = CommStats(
-            self.transport.stats.collectives, self.transport.stats.bytes_sent, self.transport.stats.bytes_received
-        )
-        if self._agreement_transport is not self.transport:
-            extra = self._agreement_transport.stats
-            stats = CommStats(
-                stats.collectives + extra.collectives,
-                stats.bytes_sent + extra.bytes_sent,
-                stats.bytes_received + extra.bytes_received,
-            )
+        stats = self.transport.stats + CommStats()  # a copy: the transport keeps counting
+        if self._agreement_transport is not self.transport:  # the world-wide finite check under ZeRO hybrid
+            stats = stats + self._agreement_transport.stats
         return stats
 
     @property
@@ -258,8 +256,6 @@ class LionCub(torch.optim.Optimizer):
 
         Raises :class:`~ds_lioncub.errors.LionCubSetupError` when the count does not match.
         """
-        from ds_lioncub.errors import LionCubSetupError
-
         params = self._flat_params()
         if len(momenta) != len(params):
             raise LionCubSetupError(
@@ -412,9 +408,9 @@ class LionCub(torch.optim.Optimizer):
             if aggregator.needs_whole_tensor_mean_abs
             else []
         )
-        pending = aggregator.start(Bucket(update, sizes, mean_abs), positive_ties)
-        # The result overwrites the directions it was packed from: one bucket-sized buffer, not two.
-        delta = aggregator.finish(pending, out=update)
+        # The result overwrites the directions it was packed from: one bucket-sized buffer, not two (and
+        # the received messages are released before the update is applied).
+        delta = aggregator.finish(aggregator.start(Bucket(update, sizes, mean_abs), positive_ties), out=update)
         for piece, piece_delta in zip(bucket, delta.split(sizes), strict=True):
             entry = entries[piece.tensor_index]
             apply_update(_piece_of(entry.param, piece), piece_delta, entry.group["lr"], entry.group["weight_decay"])

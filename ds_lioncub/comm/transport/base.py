@@ -38,6 +38,13 @@ class CommStats:
             self.bytes_received - other.bytes_received,
         )
 
+    def __add__(self, other: CommStats) -> CommStats:
+        return CommStats(
+            self.collectives + other.collectives,
+            self.bytes_sent + other.bytes_sent,
+            self.bytes_received + other.bytes_received,
+        )
+
 
 class Transport(Protocol):
     """What CompressedBackend needs from a transport."""
