@@ -12,6 +12,7 @@ found; the CPU op always.
 
 import importlib.util
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -75,7 +76,7 @@ if BUILD_EXT is not None:
 
 setup(
     name="ds_lioncub",
-    version="0.1.0",
+    version=re.search(r'__version__ = "([^"]+)"', (HERE / "ds_lioncub" / "_version.py").read_text()).group(1),
     description="Lion Cub for DeepSpeed: Lion with 1-8 bit compressed majority-vote communication",
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",

@@ -3,6 +3,7 @@
 Importing the package registers ``"type": "LionCub"`` with DeepSpeed (:func:`ds_lioncub.integration.register`).
 """
 
+from ds_lioncub._version import __version__
 from ds_lioncub.comm import CommStats, CompressedBackend
 from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.errors import (
@@ -17,9 +18,8 @@ from ds_lioncub.errors import (
 from ds_lioncub.integration import register as register_with_deepspeed
 from ds_lioncub.optimizer import LionCub
 
-__version__ = "0.1.0"
-
 __all__ = [
+    "__version__",
     "CommStats",
     "CompressedBackend",
     "LionCub",

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_lioncub._logging import get_logger
+from ds_lioncub._version import __version__
 from ds_lioncub.aggregation import COMM_DTYPES, Aggregator, Bucket, ExactMean, build_aggregation
 from ds_lioncub.buckets import Piece, plan_buckets
 from ds_lioncub.comm.backend import CompressedBackend
@@ -31,6 +32,7 @@ from ds_lioncub.errors import (
     NonFiniteGradientError,
     UnsupportedParameterError,
 )
+from ds_lioncub.fingerprint import check_same_on_every_rank, describe_parameters
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
 from ds_lioncub.param_selection import select_parameters
 
@@ -96,6 +98,8 @@ class LionCub(torch.optim.Optimizer):
         self._states_only = False
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
         super().__init__(params, defaults)
+        # Before anything that could issue collectives of option-dependent sizes: every rank the same set-up.
+        self._check_same_set_up_on_every_rank()
         self._aggregator: Aggregator | None = build_aggregation(self.options, self.transport, False)
         self._ready = True
         self._resolve_names()
@@ -190,6 +194,26 @@ class LionCub(torch.optim.Optimizer):
             f"{self.options.summary()}"
         )
 
+    def _check_same_set_up_on_every_rank(self) -> None:
+        """Raise the same error on every rank if the ranks were built with different options or models."""
+        groups = [
+            (len(group["params"]), group["lr"], tuple(group["betas"]), group["weight_decay"])
+            for group in self.param_groups
+        ]
+        components = [
+            ("ds_lioncub version", __version__),
+            ("world size", str(self.transport.world_size)),
+            ("transport", self.transport.name),
+            *((f"option {name}", repr(value)) for name, value in self.options.model_dump().items()),
+            ("param groups (size, lr, betas, weight_decay)", repr(groups)),
+        ]
+        known = self._names_by_position()
+        names: list[str | None] = list(known) if known is not None else [None] * len(self._flat_params())
+        # comm_stats() counts the steps' traffic only: the check's all-gather is left out.
+        counted = self.transport.stats + CommStats()
+        check_same_on_every_rank(self.transport, components, describe_parameters(names, self._flat_params()))
+        self.transport.stats = counted
+
     def _make_transport(self, process_group: dist.ProcessGroup | None) -> Transport:
         return make_transport(process_group, self.options.comm_backend_name, self.options.cuda_aware)
 
@@ -198,6 +222,16 @@ class LionCub(torch.optim.Optimizer):
 
     def _resolve_names(self) -> None:
         """Name every parameter (from named params or the module) and select momentum-sync layers."""
+        names = self._names_by_position()
+        self.param_names = names
+        sync = self.options.momentum_sync
+        if sync.interval == 0:
+            return
+        selected = select_parameters(self._flat_params(), names, sync.layers, self.module)
+        self._momentum_synced = {position for position, chosen in enumerate(selected) if chosen}
+
+    def _names_by_position(self) -> list[str] | None:
+        """Every parameter's name (from named params or the module), by flat position; None if one has none."""
         from_module = {}
         if self.module is not None:
             from_module = {id(p): name for name, p in self.module.named_parameters()}
@@ -213,12 +247,7 @@ class LionCub(torch.optim.Optimizer):
                 names.append(name)
             if names is None:
                 break
-        self.param_names = names
-        sync = self.options.momentum_sync
-        if sync.interval == 0:
-            return
-        selected = select_parameters(self._flat_params(), names, sync.layers, self.module)
-        self._momentum_synced = {position for position, chosen in enumerate(selected) if chosen}
+        return names
 
     @contextmanager
     def initialising_states(self) -> Iterator[None]:
@@ -236,7 +265,7 @@ class LionCub(torch.optim.Optimizer):
     # ------------------------------------------------------------------ public helpers
 
     def comm_stats(self) -> CommStats:
-        """Collectives issued and bytes sent / received by this rank's LionCub so far."""
+        """Collectives issued and bytes sent / received by this rank's LionCub steps so far (not the set-up check)."""
         stats = self.transport.stats + CommStats()  # a copy: the transport keeps counting
         if self._agreement_transport is not self.transport:  # the world-wide finite check under ZeRO hybrid
             stats = stats + self._agreement_transport.stats

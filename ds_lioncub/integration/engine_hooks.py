@@ -1,5 +1,8 @@
 """Registration with DeepSpeed: the optimizer name, ZeRO's list of optimizers, five engine-method wrappers.
 
+- ``_configure_distributed_model`` (runs before DeepSpeed broadcasts rank 0's parameters): with
+  ``"type": "LionCub"`` every rank first checks that all ranks built the same model and optimizer
+  params, so a mismatch is a clear error on every rank instead of a crash inside the broadcast;
 - ``_configure_basic_optimizer``: builds LionCub from the ds_config params (validated by the same
   model as the Python API) over the engine's data-parallel group, with the engine's module for names;
 - ``_do_optimizer_sanity_check`` (runs after the basic optimizer exists, before any wrapper): wires a
@@ -21,7 +24,10 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from ds_lioncub._version import __version__
+from ds_lioncub.comm.transport import TorchTransport
 from ds_lioncub.config import parse_config
+from ds_lioncub.fingerprint import check_same_on_every_rank, describe_parameters
 from ds_lioncub.integration import checkpoint
 from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE, configure_hybrid_zero
 from ds_lioncub.integration.wiring import refuse_before_construction, wire_engine
@@ -40,6 +46,15 @@ def find_lioncub(optimizer: Any) -> LionCub | None:
         optimizer = getattr(optimizer, "optimizer", None)
         seen += 1
     return None
+
+
+def check_same_model_on_every_rank(model: Any, optimizer_params: dict[str, Any]) -> None:
+    """Every rank of the world built the same model (names, shapes, dtypes) and LionCub params, or all raise."""
+    named = list(model.named_parameters())
+    options = parse_config(optimizer_params).model_dump()  # every field on every rank: the same components
+    components = [("ds_lioncub version", __version__), *((f"option {key}", repr(v)) for key, v in options.items())]
+    parameters = describe_parameters([name for name, _ in named], [param for _, param in named])
+    check_same_on_every_rank(TorchTransport(None), components, parameters)
 
 
 def _wrap(cls: type, name: str, make_wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -64,12 +79,22 @@ def register() -> None:
     if LionCub not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
         zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(LionCub)
 
+    _wrap(DeepSpeedEngine, "_configure_distributed_model", _wrap_configure_distributed_model)
     _wrap(DeepSpeedEngine, "_configure_basic_optimizer", _wrap_configure_basic_optimizer)
     _wrap(DeepSpeedEngine, "_do_optimizer_sanity_check", _wrap_optimizer_sanity_check)
     _wrap(DeepSpeedEngine, "_configure_fp16_optimizer", _wrap_configure_fp16_optimizer)
     _wrap(DeepSpeedEngine, "_configure_zero_optimizer", _wrap_configure_zero_optimizer)
     _wrap(DeepSpeedEngine, "save_checkpoint", _wrap_save_checkpoint)
     _wrap(DeepSpeedEngine, "load_checkpoint", _wrap_load_checkpoint)
+
+
+def _wrap_configure_distributed_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    def configure_distributed_model(engine: Any, model: Any) -> Any:
+        if engine.optimizer_name() == OPTIMIZER_NAME:
+            check_same_model_on_every_rank(model, dict(engine.optimizer_params() or {}))
+        return original(engine, model)
+
+    return configure_distributed_model
 
 
 def _wrap_configure_basic_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -33,7 +33,8 @@ ENGINE_CHECK = textwrap.dedent(
     import ds_lioncub
     from ds_lioncub.integration import find_lioncub, register
 
-    HOOKED = ["_configure_basic_optimizer", "_do_optimizer_sanity_check", "_configure_fp16_optimizer",
+    HOOKED = ["_configure_distributed_model", "_configure_basic_optimizer", "_do_optimizer_sanity_check",
+              "_configure_fp16_optimizer",
               "_configure_zero_optimizer",
               "save_checkpoint", "load_checkpoint"]
     before = [getattr(DeepSpeedEngine, name) for name in HOOKED]

@@ -620,3 +620,25 @@ def test_one_node_of_all_ranks_equals_zero2_exact_lion_bitwise(launched: dict[st
     for rank in range(WORLD):
         for step, (got, expected) in enumerate(zip(one_node[rank]["params"], exact[rank]["params"], strict=True)):
             assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), f"rank {rank}, step {step + 1}"
+
+
+# ------------------------------------------------------------------------------------------ ranks set up differently
+
+
+@pytest.mark.parametrize(
+    ("name", "fragments"),
+    [
+        ("options", ["option compression", "ranks 0, 2, 3: '1bit'", "rank 1: 'kbit'"]),
+        ("model", ["parameter #0", "0.weight (16, 8)", "rank 1: 0.weight (12, 8)"]),
+    ],
+)
+def test_a_rank_built_differently_stops_every_rank_before_deepspeeds_broadcast(
+    launched: dict[str, Any], name: str, fragments: list[str]
+) -> None:
+    """Rank 1 alone has other LionCub options, or another model: the same error on every rank, naming it."""
+    messages = {results[f"mismatch/{name}"] for results in launched["main"]}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert message is not None and message.startswith("LionCubConfigError: LionCub: the ranks"), message
+    for fragment in fragments:
+        assert fragment in message, message

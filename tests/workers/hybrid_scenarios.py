@@ -169,6 +169,26 @@ def run_refused() -> dict[str, Any]:
     return results
 
 
+def run_mismatched() -> dict[str, Any]:
+    """Rank 1 built differently from the others: every rank must raise the same error, without a hang."""
+    rank = dist.get_rank()
+    results: dict[str, Any] = {}
+    stage0 = HybridCase("mismatched", stage=0, node_size=None)
+    for name, options, hidden in (
+        ("options", {"compression": "kbit"} if rank == 1 else {"compression": "1bit"}, 16),
+        ("model", {"compression": "1bit"}, 12 if rank == 1 else 16),
+    ):
+        case = dataclasses.replace(stage0, options=options)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 3))
+        try:
+            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=case.ds_config())
+            results[f"mismatch/{name}"] = None
+        except Exception as error:  # noqa: BLE001 - the test checks the message
+            results[f"mismatch/{name}"] = error_text(error)
+    return results
+
+
 def run_resume(out: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
     record: dict[str, Any] = {"error": None}
@@ -210,6 +230,7 @@ def main() -> None:
         results.update(run_trained())
         results.update(run_save(args.out))
         results.update(run_refused())
+        results.update(run_mismatched())
     else:
         results.update(run_resume(args.out))
     torch.save(results, args.out / f"{args.phase}-rank{dist.get_rank()}.pt")

@@ -1,0 +1,57 @@
+"""Ranks built with different options or models: the same clear error on every rank, never a hang.
+
+Three real gloo ranks; rank 1 differs from ranks 0 and 2 in one thing per scenario
+(tests/workers/set_up_scenarios.py). A scenario that raises must leave every rank ready for the next
+one, which the final identical scenario shows by completing a vote.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.launch import REPO, run_ranks
+
+pytestmark = pytest.mark.distributed
+
+WORKER = REPO / "tests" / "workers" / "set_up_scenarios.py"
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory, packing_op_build: tuple[Any, Any]) -> list[dict[str, Any]]:
+    # A hang would fail here at the time limit instead of blocking the suite.
+    return run_ranks(WORKER, 3, Path(tmp_path_factory.mktemp("set-up")), timeout_s=120)
+
+
+def _message(ranks: list[dict[str, Any]], scenario: str) -> str:
+    messages = {results[scenario] for results in ranks}
+    assert len(messages) == 1, f"{scenario}: the ranks raised different errors: {messages}"
+    message = messages.pop()
+    assert message is not None, f"{scenario}: accepted"
+    return str(message)
+
+
+@pytest.mark.parametrize("scenario", ["same", "same_again"])
+def test_ranks_built_alike_train(ranks: list[dict[str, Any]], scenario: str) -> None:
+    assert all(results[scenario] is None for results in ranks)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "fragments"),
+    [
+        ("compression", ["option compression", "ranks 0, 2: '1bit'", "rank 1: 'kbit'"]),
+        ("lr", ["option lr", "ranks 0, 2: 0.01", "rank 1: 0.02"]),
+        ("shape", ["parameter #0", "ranks 0, 2: w (4, 3) float32", "rank 1: w (4, 2) float32"]),
+        ("count", ["param groups (size, lr, betas, weight_decay)", "ranks 0, 2: [(2,", "rank 1: [(3,"]),
+        ("dtype", ["parameter #1", "rank 1: b (4,) float64"]),
+    ],
+)
+def test_a_rank_built_differently_raises_the_same_error_on_every_rank(
+    ranks: list[dict[str, Any]], scenario: str, fragments: list[str]
+) -> None:
+    message = _message(ranks, scenario)
+    assert message.startswith("LionCubConfigError: LionCub: the ranks"), message
+    for fragment in fragments:
+        assert fragment in message, message
