@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 from ds_lioncub.integration import OPTIMIZER_NAME, find_lioncub, register, wire_engine
-from ds_lioncub.integration.checkpoint import load_momentum, momentum_state
+from ds_lioncub.integration.checkpoint import momentum_state
 
-__all__ = ["OPTIMIZER_NAME", "find_lioncub", "load_momentum", "momentum_state", "register", "wire_engine"]
+__all__ = ["OPTIMIZER_NAME", "find_lioncub", "momentum_state", "register", "wire_engine"]

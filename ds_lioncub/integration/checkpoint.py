@@ -1,17 +1,29 @@
-"""LionCub's side files in DeepSpeed checkpoints: one momentum file per data-parallel rank.
+"""LionCub's side files in DeepSpeed checkpoints: one momentum file per rank, validated as a set.
 
 With compression each rank's momentum differs, and DeepSpeed saves only one rank's optimizer state,
-so each rank writes ``lioncub_dp_rank_XXXXX.pt`` (its ``exp_avg`` by flat parameter position and
-the world size) into the tag's directory beside DeepSpeed's files, and reads it back on load.
+so each data-parallel rank writes ``lioncub_dp_rank_XXXXX.pt`` into the tag's directory beside
+DeepSpeed's files, and reads it back on load. Under the ZeRO hybrid every global rank holds its
+node's momentum for its own shard, and DeepSpeed's optimizer files come from node 0 only: each global
+rank writes ``lioncub_hybrid_rank_XXXXX.pt``.
 
-Resharding rule: loaded at the world size it was saved with, rank r reads file r; at another world
-size every rank starts from the element-wise mean of all saved momenta (parameters with no saved
-state anywhere keep theirs).
+A file holds its format version, the world size, its rank, the LionCub step, the parameter layout
+(names, shapes, dtypes in optimizer order), the hybrid topology where there is one, and ``exp_avg``
+by flat parameter position. It is written to a temporary name and renamed, and every rank's file is
+complete before DeepSpeed's own save starts, so DeepSpeed's ``latest`` only ever names a tag whose
+LionCub set is complete (a save interrupted part-way leaves ``latest`` at the previous tag).
 
-Under the ZeRO hybrid every global rank holds its node's momentum for its own shard, and DeepSpeed's
-optimizer files come from node 0 only; each rank writes ``lioncub_hybrid_rank_XXXXX.pt`` (global
-rank) with the topology, and loading requires the same topology (M nodes x G ranks): a different
-one is refused, naming both.
+Loading validates the whole set before DeepSpeed reads anything, and every rank reaches the same
+verdict (the ranks exchange what they found): a missing, truncated or unreadable file, a file from
+another run or another world size, a parameter layout that changed, or a hybrid topology that
+changed is refused with :class:`~ds_lioncub.errors.LionCubSetupError` naming the files and what is
+wrong. What may change across a resume: lr and its schedule, betas, weight decay, the compression
+mode and its options, bucket size (the momenta are the same kind of tensor in every mode). What may
+not: the parameter layout, and the hybrid topology (M nodes x G ranks).
+
+Resharding rule (per-rank files): loaded at the world size it was saved with, rank r reads file r; at
+another world size, and only from a complete set, every rank starts from the element-wise mean of all
+saved momenta (parameters with no saved state anywhere keep theirs). Files written by ds_lioncub
+0.1.0 (no format field) are read without the layout checks.
 """
 
 from __future__ import annotations
@@ -23,7 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_lioncub.comm.transport import TorchTransport
 from ds_lioncub.errors import LionCubSetupError
+from ds_lioncub.fingerprint import describe_parameters, gather_texts
 from ds_lioncub.integration.hybrid_zero import HybridSetup
 from ds_lioncub.optimizer import LionCub
 
@@ -47,21 +61,46 @@ def latest_tag(load_dir: str) -> str:
         return latest.read().strip()
 
 
-def momentum_state(optimizer: LionCub) -> dict[str, Any]:
-    """This rank's momentum file content: the world size and ``exp_avg`` by flat parameter position."""
+FORMAT = 2
+_TEMPORARY_SUFFIX = ".tmp"  # the temporary name keeps "lioncub" in it, so it is recognisable
+
+
+def _parameter_layout(optimizer: LionCub) -> list[str]:
+    params = optimizer._flat_params()
+    names: list[str | None] = list(optimizer.param_names) if optimizer.param_names else [None] * len(params)
+    return describe_parameters(names, params)
+
+
+def momentum_state(optimizer: LionCub, rank: int, hybrid: HybridSetup | None = None) -> dict[str, Any]:
+    """This rank's momentum file content (see the module docstring)."""
     momenta = optimizer.local_momentum_state()
-    return {"world_size": optimizer.transport.world_size, "exp_avg": [None if m is None else m.cpu() for m in momenta]}
+    state: dict[str, Any] = {
+        "format": FORMAT,
+        "world_size": dist.get_world_size() if hybrid is not None else optimizer.transport.world_size,
+        "rank": rank,
+        "step": optimizer.param_groups[0]["step"] if optimizer.param_groups else 0,
+        "parameters": _parameter_layout(optimizer),
+        "exp_avg": [None if m is None else m.cpu() for m in momenta],
+    }
+    if hybrid is not None:
+        state.update(nodes=hybrid.groups.layout.nodes, node_size=hybrid.groups.layout.node_size)
+    return state
 
 
 def save_local_momentum(optimizer: LionCub, save_dir: str, tag: str, hybrid: HybridSetup | None = None) -> None:
-    """Write this rank's momentum file into ``save_dir/tag`` and wait for every rank to have written."""
+    """Write this rank's momentum file into ``save_dir/tag`` atomically; return when every rank has written.
+
+    Call it before DeepSpeed's own save, which writes ``latest`` last.
+    """
     directory = os.path.join(save_dir, tag)
+    os.makedirs(directory, exist_ok=True)
     if hybrid is None:
-        torch.save(momentum_state(optimizer), momentum_file(directory, optimizer.transport.rank))
+        rank, prefix = optimizer.transport.rank, MOMENTUM_FILE_PREFIX
     else:
-        layout = hybrid.groups.layout
-        state = {**momentum_state(optimizer), "nodes": layout.nodes, "node_size": layout.node_size}
-        torch.save(state, momentum_file(directory, dist.get_rank(), HYBRID_FILE_PREFIX))
+        rank, prefix = dist.get_rank(), HYBRID_FILE_PREFIX
+    path = momentum_file(directory, rank, prefix)
+    torch.save(momentum_state(optimizer, rank, hybrid), path + _TEMPORARY_SUFFIX)
+    os.replace(path + _TEMPORARY_SUFFIX, path)
     import deepspeed.comm as ds_dist
 
     ds_dist.barrier()
@@ -76,82 +115,153 @@ def tag_directory(load_dir: str, tag: str | None) -> str | None:
     return os.path.join(load_dir, latest_tag(load_dir))
 
 
-def check_saved_layout(load_dir: str, tag: str | None, hybrid: HybridSetup | None) -> None:
-    """Refuse, before DeepSpeed reads anything, a checkpoint whose LionCub layout this engine cannot load.
+class _Problems(Exception):
+    """What one rank found wrong with the saved set (collected, then agreed on by every rank)."""
 
-    Under the hybrid DeepSpeed's own ZeRO files are named by the rank inside a node, so at another
-    topology DeepSpeed's load fails differently on different ranks (missing files, shape mismatches);
-    this check runs first and gives every rank the same message: every rank reads the same file.
-    """
-    directory = tag_directory(load_dir, tag)
-    if directory is None or not os.path.isdir(directory):
-        return  # DeepSpeed reports a missing checkpoint itself
+
+def _read(path: str) -> dict[str, Any]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a truncated or damaged file: torch's own message names neither
+        detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise _Problems(f"{os.path.basename(path)} is truncated or unreadable ({detail})") from None
+    if not isinstance(state, dict) or "exp_avg" not in state or "world_size" not in state:
+        raise _Problems(f"{os.path.basename(path)} is not a LionCub momentum file")
+    return state
+
+
+def _check_file(state: dict[str, Any], path: str, rank: int, world_size: int, layout: list[str]) -> None:
+    """Raise _Problems unless the file is rank ``rank``'s of a ``world_size``-rank save of this model."""
+    name = os.path.basename(path)
+    if state["world_size"] != world_size or state.get("rank", rank) != rank:
+        raise _Problems(
+            f"{name} comes from another run (it says rank {state.get('rank', '?')} of {state['world_size']}, "
+            f"the set is {world_size} files)"
+        )
+    if "parameters" in state and state["parameters"] != layout:
+        saved, now = state["parameters"], layout
+        if len(saved) != len(now):
+            difference = f"{len(saved)} parameters saved, {len(now)} now"
+        else:
+            position = next(i for i, (a, b) in enumerate(zip(saved, now, strict=True)) if a != b)
+            difference = f"parameter #{position} was {saved[position]}, is {now[position]}"
+        raise _Problems(f"{name} was saved for another model ({difference})")
+    if len(state["exp_avg"]) != len(layout):
+        raise _Problems(f"{name} holds {len(state['exp_avg'])} momenta for {len(layout)} parameters")
+
+
+def _momenta_to_restore(
+    optimizer: LionCub, directory: str, hybrid: HybridSetup | None
+) -> list[torch.Tensor | None] | None:
+    """This rank's momenta from a validated set (None: no LionCub files); raises _Problems."""
     plain, hybrid_files = momentum_files(directory), momentum_files(directory, HYBRID_FILE_PREFIX)
-    if hybrid is None:
-        if hybrid_files:
-            raise LionCubSetupError(
-                f"LionCub: {directory} was saved by compressed LionCub under the ZeRO hybrid (files "
-                f"{HYBRID_FILE_PREFIX}*), but this engine runs at ZeRO stage 0; resume it under the same ZeRO stage "
-                f"and hybrid topology."
+    if hybrid is None and hybrid_files:
+        raise _Problems(
+            f"the tag was saved by compressed LionCub under the ZeRO hybrid ({HYBRID_FILE_PREFIX}* files), but this "
+            f"engine runs at ZeRO stage 0; resume under the same ZeRO stage and hybrid topology"
+        )
+    if hybrid is not None and (plain or not hybrid_files):
+        topology = hybrid.groups.layout
+        raise _Problems(
+            f"the tag holds no ZeRO hybrid momentum files ({HYBRID_FILE_PREFIX}*), so it was not saved by compressed "
+            f"LionCub under the hybrid, and this engine runs {topology.nodes} node(s) x {topology.node_size} rank(s); "
+            f"resume with the configuration it was saved with"
+        )
+    files, prefix = (plain, MOMENTUM_FILE_PREFIX) if hybrid is None else (hybrid_files, HYBRID_FILE_PREFIX)
+    if not files:
+        return None  # nothing LionCub-specific was saved (e.g. by compression "none")
+    first = _read(files[0])
+    saved_world = int(first["world_size"])
+    expected = [momentum_file(directory, rank, prefix) for rank in range(saved_world)]
+    missing = [os.path.basename(path) for path in expected if path not in files]
+    foreign = [os.path.basename(path) for path in files if path not in expected]
+    if missing or foreign:
+        raise _Problems(
+            f"the set of {prefix}* files is incomplete or mixed: saved by {saved_world} ranks"
+            + (f", missing {', '.join(missing)}" if missing else "")
+            + (f", not part of it: {', '.join(foreign)}" if foreign else "")
+        )
+    layout = _parameter_layout(optimizer)
+    if hybrid is not None:
+        current = hybrid.groups.layout
+        saved = (first.get("nodes"), first.get("node_size"))
+        if saved != (current.nodes, current.node_size):
+            raise _Problems(
+                f"it was saved by the ZeRO hybrid as {saved[0]} node(s) x {saved[1]} rank(s), but this engine runs "
+                f"{current.nodes} node(s) x {current.node_size} rank(s); the momenta are per node and per shard, so "
+                f"they cannot be redistributed. Resume with hybrid.node_size={saved[1]} on "
+                f"{(saved[0] or 0) * (saved[1] or 0)} ranks"
             )
-        return
-    layout = hybrid.groups.layout
-    current = f"{layout.nodes} node(s) x {layout.node_size} rank(s)"
-    if plain or not hybrid_files:
-        raise LionCubSetupError(
-            f"LionCub: {directory} holds no ZeRO hybrid momentum files ({HYBRID_FILE_PREFIX}*), so it was not saved by "
-            f"compressed LionCub under the hybrid; this engine runs {current}. Resume with the configuration it was "
-            f"saved with."
-        )
-    first = torch.load(hybrid_files[0], map_location="cpu", weights_only=True)
-    saved = f"{first['nodes']} node(s) x {first['node_size']} rank(s)"
-    if (first["nodes"], first["node_size"]) != (layout.nodes, layout.node_size) or len(
-        hybrid_files
-    ) != layout.world_size:
-        raise LionCubSetupError(
-            f"LionCub: {directory} was saved by the ZeRO hybrid as {saved} ({len(hybrid_files)} files), but this "
-            f"engine runs {current}; the momenta are per node and per shard, so they cannot be redistributed. "
-            f"Resume with hybrid.node_size={first['node_size']} on {first['nodes'] * first['node_size']} ranks."
-        )
-
-
-def load_local_momentum(optimizer: LionCub, load_dir: str, tag: str | None, hybrid: HybridSetup | None = None) -> None:
-    """Restore this rank's momentum from ``load_dir/tag`` (``None``: DeepSpeed's latest tag), if saved.
-
-    :func:`check_saved_layout` has accepted the checkpoint before DeepSpeed loaded it.
-    """
-    directory = tag_directory(load_dir, tag)
-    if directory is None:
-        return
-    if hybrid is None:
-        plain = momentum_files(directory)
-        if plain:
-            load_momentum(optimizer, plain)
-        return
-    state = torch.load(
-        momentum_file(directory, dist.get_rank(), HYBRID_FILE_PREFIX), map_location="cpu", weights_only=True
-    )
-    optimizer.load_local_momentum(state["exp_avg"])
-
-
-def load_momentum(optimizer: LionCub, files: list[str]) -> None:
-    """Restore this rank's momentum from the saved files; from a different world size, their mean."""
+        rank = dist.get_rank()
+        state = _read(expected[rank])
+        _check_file(state, expected[rank], rank, saved_world, layout)
+        return list(state["exp_avg"])
     world_size, rank = optimizer.transport.world_size, optimizer.transport.rank
-    if len(files) == world_size:
-        saved = [torch.load(files[rank], map_location="cpu", weights_only=True)["exp_avg"]]
-    else:
-        saved = [torch.load(path, map_location="cpu", weights_only=True)["exp_avg"] for path in files]
-    counts = sorted({len(momenta) for momenta in saved})
-    if len(counts) != 1:
-        raise LionCubSetupError(
-            f"LionCub: the checkpoint's per-rank momentum files disagree on the number of tensors ({counts}); "
-            f"they come from different runs or were damaged. Save the checkpoint again."
-        )
+    if saved_world == world_size:
+        state = _read(expected[rank])
+        _check_file(state, expected[rank], rank, saved_world, layout)
+        return list(state["exp_avg"])
+    states = []
+    for saved_rank, path in enumerate(expected):
+        state = _read(path)
+        _check_file(state, path, saved_rank, saved_world, layout)
+        states.append(state["exp_avg"])
+    return _mean_momenta(states)
+
+
+def _mean_momenta(saved: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
+    """The resharding rule: per parameter, the element-wise mean of the saved ranks' momenta."""
     merged: list[torch.Tensor | None] = []
-    for position in range(counts[0]):
-        values = [momenta[position] for momenta in saved if momenta[position] is not None]
+    for position in range(len(saved[0])):
+        values = [value for momenta in saved if (value := momenta[position]) is not None]
         if not values:
             merged.append(None)
         else:
             merged.append(torch.stack([v.float() for v in values]).mean(dim=0) if len(values) > 1 else values[0])
-    optimizer.load_local_momentum(merged)
+    return merged
+
+
+def prepare_load(
+    optimizer: LionCub, load_dir: str, tag: str | None, hybrid: HybridSetup | None
+) -> list[torch.Tensor | None] | None:
+    """Validate the saved LionCub set before DeepSpeed reads the checkpoint; this rank's momenta to restore after.
+
+    Collective over the world: the ranks exchange what they found, and if any found a problem every rank
+    raises the same :class:`~ds_lioncub.errors.LionCubSetupError`. ``None``: nothing to restore.
+    """
+    directory = tag_directory(load_dir, tag)
+    if directory is None or not os.path.isdir(directory):
+        return None  # DeepSpeed reports a missing checkpoint itself
+    momenta: list[torch.Tensor | None] | None = None
+    try:
+        momenta = _momenta_to_restore(optimizer, directory, hybrid)
+        found = ""
+    except _Problems as problem:
+        found = str(problem)
+    reports = gather_texts(TorchTransport(None), found) if dist.is_initialized() else [found]
+    problems: dict[str, list[int]] = {}
+    for rank, report in enumerate(reports):
+        if report:
+            problems.setdefault(report, []).append(rank)
+    if problems:
+        listed = "; ".join(
+            f"{report} (found by rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+            for report, ranks in problems.items()
+        )
+        raise LionCubSetupError(
+            f"LionCub: cannot resume from {directory}: {listed}. Nothing was loaded. Resume from a complete "
+            f"checkpoint of this model (another tag), or start without load_checkpoint."
+        )
+    return momenta
+
+
+__all__ = [
+    "FORMAT",
+    "HYBRID_FILE_PREFIX",
+    "MOMENTUM_FILE_PREFIX",
+    "momentum_file",
+    "momentum_files",
+    "momentum_state",
+    "prepare_load",
+    "save_local_momentum",
+]

@@ -153,10 +153,10 @@ def _wrap_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
         lioncub = _compressed_lioncub(engine)
         if tag is None:
             tag = f"global_step{engine.global_steps}"  # DeepSpeed's own default, fixed before saving
-        result = original(engine, save_dir, tag, *args, **kwargs)
         if lioncub is not None:
+            # First, so that DeepSpeed's latest (written at the end of its save) never names an incomplete set.
             checkpoint.save_local_momentum(lioncub, save_dir, str(tag), getattr(engine, ENGINE_ATTRIBUTE, None))
-        return result
+        return original(engine, save_dir, tag, *args, **kwargs)
 
     return save_checkpoint
 
@@ -167,13 +167,13 @@ def _wrap_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
         hybrid = getattr(engine, ENGINE_ATTRIBUTE, None)
         tag_name = None if tag is None else str(tag)
         skip_optimizer = kwargs.get("load_module_only", False) or not kwargs.get("load_optimizer_states", True)
+        momenta = None
         if lioncub is not None and not skip_optimizer:
-            checkpoint.check_saved_layout(load_dir, tag_name, hybrid)
+            momenta = checkpoint.prepare_load(lioncub, load_dir, tag_name, hybrid)  # before DeepSpeed reads anything
         result = original(engine, load_dir, tag, *args, **kwargs)
         load_path = result[0] if isinstance(result, tuple) else None
-        if lioncub is None or load_path is None or skip_optimizer:
-            return result
-        checkpoint.load_local_momentum(lioncub, load_dir, tag_name, hybrid)
+        if lioncub is not None and load_path is not None and momenta is not None:
+            lioncub.load_local_momentum(momenta)
         return result
 
     return load_checkpoint

@@ -171,6 +171,37 @@ def test_resume_at_another_world_size_starts_from_the_mean_momentum(launched: di
             assert torch.equal(results["params"][name], value), name
 
 
+@pytest.mark.parametrize(
+    ("kind", "fragments"),
+    [
+        ("missing", ["incomplete", "saved by 2 ranks", "missing lioncub_dp_rank_00001.pt"]),
+        ("truncated", ["lioncub_dp_rank_00000.pt is truncated or unreadable"]),
+        ("foreign", ["lioncub_dp_rank_00001.pt comes from another run", "rank 1 of 3"]),
+        ("other_model", ["lioncub_dp_rank_00001.pt was saved for another model", "parameter #0"]),
+    ],
+)
+def test_a_damaged_checkpoint_is_refused_on_every_rank_naming_the_file(
+    launched: dict[str, Any], kind: str, fragments: list[str]
+) -> None:
+    """Resumed at another world size (3 ranks from a 2-rank save), where every file is read: nothing is loaded."""
+    messages = {results[f"damaged/{kind}"] for results in launched["resume"]}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert message is not None and message.startswith("LionCubSetupError: LionCub: cannot resume from"), message
+    for fragment in fragments:
+        assert fragment in message, message
+    assert all(results[f"damaged/{kind}/unchanged"] for results in launched["resume"])
+
+
+def test_side_files_record_their_run(launched: dict[str, Any]) -> None:
+    tag = (launched["checkpoint"] / "latest").read_text().strip()
+    for rank in range(2):
+        state = torch.load(launched["checkpoint"] / tag / f"lioncub_dp_rank_{rank:05d}.pt", weights_only=True)
+        assert (state["format"], state["world_size"], state["rank"]) == (2, 2, rank)
+        assert state["step"] == 4 and len(state["parameters"]) == len(state["exp_avg"])
+    assert not list((launched["checkpoint"] / tag).glob("*.tmp"))  # written to a temporary name, then renamed
+
+
 @pytest.mark.parametrize("kind", ["object", "callable"])
 def test_client_lioncub_gets_the_same_wiring(launched: dict[str, Any], kind: str) -> None:
     records = [results[f"client/{kind}"] for results in launched["main"]]

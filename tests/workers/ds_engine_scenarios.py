@@ -261,6 +261,51 @@ def run_fp16(data: torch.Tensor) -> dict[str, Any]:
     return {"fp16": record}
 
 
+DAMAGES = ("missing", "truncated", "foreign", "other_model")
+
+
+def damage(checkpoint: Path, target: Path, kind: str) -> None:
+    """A copy of ``checkpoint`` with one LionCub side file damaged the way ``kind`` says."""
+    import shutil
+
+    shutil.copytree(checkpoint, target)
+    tag = (target / "latest").read_text().strip()
+    rank0, rank1 = target / tag / "lioncub_dp_rank_00000.pt", target / tag / "lioncub_dp_rank_00001.pt"
+    if kind == "missing":
+        rank1.unlink()
+    elif kind == "truncated":
+        data = rank0.read_bytes()
+        rank0.write_bytes(data[: len(data) // 2])
+    elif kind == "foreign":  # a rank-1 file of a 3-rank save, in place of this 2-rank save's
+        state = torch.load(rank1, weights_only=True)
+        torch.save({**state, "world_size": 3}, rank1)
+    else:  # saved for a model whose first parameter had another shape
+        state = torch.load(rank1, weights_only=True)
+        state["parameters"][0] = state["parameters"][0].replace("(", "(7, ", 1)
+        torch.save(state, rank1)
+
+
+def run_damaged_checkpoints(args: argparse.Namespace) -> dict[str, Any]:
+    """Load each damaged copy: every rank must refuse with the same message, before anything is loaded."""
+    results: dict[str, Any] = {}
+    if dist.get_rank() == 0:
+        for kind in DAMAGES:
+            damage(args.checkpoint, args.out / f"damaged-{kind}", kind)
+    dist.barrier()
+    config = json.loads((REPO / "configs" / "lioncub_1bit.json").read_text())
+    for kind in DAMAGES:
+        engine = build(config)
+        before = full_params(engine)
+        try:
+            engine.load_checkpoint(str(args.out / f"damaged-{kind}"))
+            results[f"damaged/{kind}"] = None
+        except Exception as error:  # noqa: BLE001 - the test checks type and message
+            results[f"damaged/{kind}"] = f"{type(error).__name__}: {error}"
+        after = full_params(engine)
+        results[f"damaged/{kind}/unchanged"] = all(torch.equal(before[name], after[name]) for name in before)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=0)
@@ -283,6 +328,7 @@ def main() -> None:
         results.update(run_bad_configs())
     elif args.phase == "resume":
         results.update(run_resume_other_world(args, data))
+        results.update(run_damaged_checkpoints(args))
     else:
         results.update(run_fp16(data))
     torch.save(results, args.out / f"{args.phase}-rank{dist.get_rank()}.pt")
