@@ -60,6 +60,17 @@ class MomentumSyncConfig(DeepSpeedConfigModel):
         return layers
 
 
+class ConsistencyCheckConfig(DeepSpeedConfigModel):
+    """Replica checksums: confirm every few steps that all ranks hold bitwise identical parameters."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    interval: int = Field(100, ge=0)
+    """Every K-th step the ranks compare a checksum of their parameters (one read pass over them and an
+    8-byte all-gather) and all raise, naming the step and the parameter, if they differ; 0 never checks.
+    At 100 the cost is well under 1% of a step (benchmarks/RESULTS.md)."""
+
+
 class HybridConfig(DeepSpeedConfigModel):
     """Compressed LionCub under DeepSpeed ZeRO-1/2: shard inside a node, vote across nodes.
 
@@ -134,6 +145,9 @@ class LionCubConfig(DeepSpeedConfigModel):
     cuda_aware: bool = False
     """With "mpi", hand GPU buffers straight to a CUDA-aware MPI instead of staging them through
     pinned host memory."""
+
+    consistency_check: ConsistencyCheckConfig = ConsistencyCheckConfig()
+    """Replica checksums every ``interval`` steps."""
 
     hybrid: HybridConfig | None = None
     """Options of compressed LionCub under ZeRO stage 1 or 2 (used there even when not given)."""
@@ -230,6 +244,8 @@ def parse_config(options: dict[str, Any]) -> LionCubConfig:
         if any(e["type"] == "extra_forbidden" for e in errors):
             hint = (
                 f" Valid options: {', '.join(LionCubConfig.model_fields)}; momentum_sync takes "
-                f"{', '.join(MomentumSyncConfig.model_fields)}; hybrid takes {', '.join(HybridConfig.model_fields)}."
+                f"{', '.join(MomentumSyncConfig.model_fields)}; consistency_check takes "
+                f"{', '.join(ConsistencyCheckConfig.model_fields)}; hybrid takes "
+                f"{', '.join(HybridConfig.model_fields)}."
             )
         raise LionCubConfigError(f"LionCub: invalid options: {problems}.{hint}") from None

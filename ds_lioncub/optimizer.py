@@ -35,6 +35,7 @@ from ds_lioncub.errors import (
 from ds_lioncub.fingerprint import check_same_on_every_rank, describe_parameters
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
 from ds_lioncub.param_selection import select_parameters
+from ds_lioncub.replica_check import check_replicas
 
 
 class Entry(NamedTuple):
@@ -90,6 +91,8 @@ class LionCub(torch.optim.Optimizer):
         self._agreement_transport: Transport = self.transport
         # Whether the caller (DeepSpeed's engine) hands over gradients it has already averaged.
         self.gradients_are_averaged = False
+        # Whether every rank of the group holds the same parameters (the replica check compares them).
+        self._params_are_replicas = True
         # Names and the momentum-sync selection are kept by flat position (group order, then
         # parameter order): DeepSpeed's mixed-precision wrapper swaps the parameters for fp32
         # copies in place, which keeps positions but not identities.
@@ -140,6 +143,7 @@ class LionCub(torch.optim.Optimizer):
         *,
         gradients_averaged: bool,
         agreement_group: dist.ProcessGroup | None = None,
+        params_are_replicas: bool = True,
     ) -> None:
         """Communicate over ``process_group``, take names from ``module``, and say who averages gradients.
 
@@ -147,6 +151,8 @@ class LionCub(torch.optim.Optimizer):
         with compression "none"), so exact Lion must not average them again. ``agreement_group``:
         the ranks that must all skip a step together when one has a non-finite gradient, when they
         are more than ``process_group`` (under ZeRO hybrid: the whole world, not just the voters).
+        ``params_are_replicas``: whether the ranks of ``process_group`` hold the same parameters (not so
+        when ZeRO hands each rank its own partition of them); the replica check runs only if they do.
         Used by the DeepSpeed wiring; must run while the optimizer still holds the module's own
         parameters, so names resolve. The transport is rebuilt only for a different group (an MPI
         transport's construction is itself a collective).
@@ -158,6 +164,7 @@ class LionCub(torch.optim.Optimizer):
         if module is not None:
             self.module = module
         self.gradients_are_averaged = gradients_averaged
+        self._params_are_replicas = params_are_replicas
         self._aggregator = build_aggregation(self.options, self.transport, gradients_averaged)
         self._resolve_names()
         self._log_setting()
@@ -323,6 +330,11 @@ class LionCub(torch.optim.Optimizer):
         interval = self.options.momentum_sync.interval
         if interval and step % interval == 0:
             self._sync_momentum()
+        check_interval = self.options.consistency_check.interval
+        if check_interval and step % check_interval == 0 and self._params_are_replicas:
+            params = self._flat_params()
+            names = self.param_names or [f"parameter #{i} of shape {tuple(p.shape)}" for i, p in enumerate(params)]
+            check_replicas(self.transport, params, [repr(name) for name in names] if self.param_names else names, step)
         return loss
 
     def _participants(self) -> list[Entry]:

@@ -58,7 +58,10 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
             "every rank is a voter already. Drop hybrid, or set zero_optimization.stage to 1 or 2."
         )
     if compression == "none":
-        optimizer.bind(engine.seq_data_parallel_group, engine.module, gradients_averaged=True)
+        # Under ZeRO each rank steps its own partition: those are not replicas to compare.
+        optimizer.bind(
+            engine.seq_data_parallel_group, engine.module, gradients_averaged=True, params_are_replicas=stage == 0
+        )
         return
     if stage >= 3:
         raise LionCubConfigError(

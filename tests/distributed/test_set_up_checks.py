@@ -33,7 +33,7 @@ def _message(ranks: list[dict[str, Any]], scenario: str) -> str:
     return str(message)
 
 
-@pytest.mark.parametrize("scenario", ["same", "same_again"])
+@pytest.mark.parametrize("scenario", ["same", "same_again", "checked"])
 def test_ranks_built_alike_train(ranks: list[dict[str, Any]], scenario: str) -> None:
     assert all(results[scenario] is None for results in ranks)
 
@@ -55,3 +55,10 @@ def test_a_rank_built_differently_raises_the_same_error_on_every_rank(
     assert message.startswith("LionCubConfigError: LionCub: the ranks"), message
     for fragment in fragments:
         assert fragment in message, message
+
+
+def test_a_parameter_changed_on_one_rank_is_caught_at_the_next_check_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    """consistency_check every 2 steps; rank 1 changes 'b' after step 2: every rank raises at step 4."""
+    message = _message(ranks, "perturbed")
+    assert message.startswith("LionCubSetupError: LionCub: the ranks' parameters differ after step 4"), message
+    assert "first at 'b'" in message and "ranks 0, 2 vs ranks 1" in message, message

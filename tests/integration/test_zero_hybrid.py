@@ -29,6 +29,7 @@ from tests.support.hybrid_cases import (
     BINDING_CLIP,
     CHECKPOINT_AT,
     CHECKPOINTED,
+    CONSISTENCY_CHECKED,
     FINITE_CHECK_ONLY,
     LR,
     NAN_RANK,
@@ -642,3 +643,13 @@ def test_a_rank_built_differently_stops_every_rank_before_deepspeeds_broadcast(
     assert message is not None and message.startswith("LionCubConfigError: LionCub: the ranks"), message
     for fragment in fragments:
         assert fragment in message, message
+
+
+@pytest.mark.parametrize("case", CONSISTENCY_CHECKED, ids=lambda case: case.name)
+def test_replica_checks_every_step_pass_on_shards_and_skip_partitions(
+    launched: dict[str, Any], case: HybridCase
+) -> None:
+    records = _ok([results[f"trained/{case.name}"] for results in launched["main"]], case.name)
+    for record in records[1:]:
+        for got, expected in zip(record["params"], records[0]["params"], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), case.name

@@ -171,7 +171,17 @@ FINITE_CHECK_ONLY = HybridCase(
     nan_at=(NAN_RANK, NAN_STEP),
     extra={"zero_optimization": {"compute_grad_norm": False}},
 )
-UNSIMULATED = [BF16, FINITE_CHECK_ONLY]
+# Replica checks every step: the hybrid compares shards across nodes; exact Lion under ZeRO holds
+# partitions, not replicas, and must not compare them. Neither may raise.
+CONSISTENCY_CHECKED = [
+    HybridCase("zero2_1bit_consistency_checked", options={"compression": "1bit", "consistency_check": {"interval": 1}}),
+    HybridCase(
+        "zero2_exact_consistency_checked",
+        node_size=None,
+        options={"compression": "none", "consistency_check": {"interval": 1}},
+    ),
+]
+UNSIMULATED = [BF16, FINITE_CHECK_ONLY, *CONSISTENCY_CHECKED]
 
 # Saved after CHECKPOINT_AT steps in the main launch, resumed for STEPS - CHECKPOINT_AT more in the second.
 CHECKPOINTED = HybridCase("zero2_1bit", stage=2)

@@ -31,6 +31,8 @@ def parameters(rank: int, scenario: str) -> list[tuple[str, torch.nn.Parameter]]
 
 def options(rank: int, scenario: str) -> dict[str, Any]:
     base: dict[str, Any] = {"lr": 1e-2, "compression": "1bit"}
+    if scenario in ("checked", "perturbed"):
+        base.update(consistency_check={"interval": 2})
     if rank == 1 and scenario == "compression":
         base.update(compression="kbit", bits=4)
     if rank == 1 and scenario == "lr":
@@ -38,7 +40,8 @@ def options(rank: int, scenario: str) -> dict[str, Any]:
     return base
 
 
-SCENARIOS = ("same", "compression", "lr", "shape", "count", "dtype", "same_again")
+SCENARIOS = ("same", "compression", "lr", "shape", "count", "dtype", "same_again", "checked", "perturbed")
+TRAIN_STEPS = 4
 
 
 def main() -> None:
@@ -49,9 +52,14 @@ def main() -> None:
         named = parameters(rank, scenario)
         try:
             optimizer = LionCub(named, **options(rank, scenario))
-            for _, param in named:
-                param.grad = torch.ones_like(param)
-            optimizer.step()  # a real vote: it completes only if every rank reached it
+            steps = TRAIN_STEPS if scenario in ("checked", "perturbed") else 1
+            for step in range(1, steps + 1):
+                for _, param in named:
+                    param.grad = torch.full_like(param, float(rank + step))
+                optimizer.step()  # a real vote: it completes only if every rank reached it
+                if scenario == "perturbed" and step == 2 and rank == 1:
+                    with torch.no_grad():
+                        named[1][1][0] += 1.0  # rank 1's "b" leaves the replicas after the step-2 check
             results[scenario] = None
         except Exception as error:  # noqa: BLE001 - the test checks type and message
             results[scenario] = f"{type(error).__name__}: {error}"
