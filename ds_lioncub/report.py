@@ -1,5 +1,8 @@
 """``python -m ds_lioncub.report``: which packing path is active and why (in the spirit of ``ds_report``).
 
+For a compiled or cupy path it also runs the self-check (:mod:`ds_lioncub.comm.packing.self_check`)
+for the dtypes training uses and shows whether it passed, or what did not match.
+
 By default the report resolves the path exactly as training would, so on a fresh checkout it may
 JIT-build the CPU op once (about a minute; later runs reuse the cache). ``--no-build`` only looks:
 it reports whether a prebuilt module or a JIT cache exists and what ``auto`` would try.
@@ -105,7 +108,28 @@ def _active_paths(devices: list[str]) -> list[str]:
             lines.append(_line(f"active path ({device})", f"{choice.path.upper()}: {choice.reason}"))
         except RuntimeError as error:
             lines.append(_line(f"active path ({device})", f"ERROR: {error}"))
+            continue
+        lines.append(_line(f"self-check ({device})", _self_check(choice.ops)))
     return lines
+
+
+def _self_check(ops: object) -> str:
+    """The self-check of the active implementation against torch, run now for the dtypes training uses."""
+    from ds_lioncub.comm.packing.self_check import TRAINING_DTYPES, SelfCheckedPacking, dtype_name
+
+    if not isinstance(ops, SelfCheckedPacking):
+        return "not needed: the torch path is the reference the others are checked against"
+    try:
+        results = [ops.check(dtype) for dtype in TRAINING_DTYPES]
+    except Exception as error:  # noqa: BLE001 - the report shows what went wrong instead of stopping
+        return f"ERROR: the check itself failed: {type(error).__name__}: {error}"
+    failed = [record for record in results if record.failure is not None]
+    if failed:
+        return "FAILED: " + " | ".join(f"{dtype_name(record.dtype)}: {record.failure}" for record in failed)
+    cases = sum(record.cases for record in results)
+    milliseconds = sum(record.milliseconds for record in results)
+    names = ", ".join(dtype_name(record.dtype) for record in results)
+    return f"PASSED against torch: {names} ({cases} cases, {milliseconds:.0f} ms once per process)"
 
 
 def _predicted_paths(devices: list[str], mode: str) -> list[str]:

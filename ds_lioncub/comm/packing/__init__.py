@@ -6,7 +6,9 @@ Every compressed message is a flat uint8 tensor in one of two layouts, least sig
 Each function checks its arguments here, once, and then calls the implementation chosen for the
 tensor's device type (:mod:`.dispatch`): the op-builder kernels of ``ops/csrc`` (:mod:`.compiled`,
 built by :mod:`.builders`), cupy for the 1-bit layouts of CUDA tensors (:mod:`.cupy_impl`), or pure
-torch (:mod:`.torch_impl`). All three give the same bytes. ``DS_LIONCUB_PACKING`` or
+torch (:mod:`.torch_impl`). All three give the same bytes, and the first two are held to it: each
+dtype they are asked to handle is first checked against torch (:mod:`.self_check`), and a mismatch
+raises instead of computing. ``DS_LIONCUB_PACKING`` or
 :func:`set_packing_path` forces one; ``python -m ds_lioncub.report`` shows which one runs and why.
 """
 

@@ -9,6 +9,11 @@ forcing ``compiled`` where it cannot run, or ``cupy`` for CUDA tensors without c
 :class:`~ds_lioncub.errors.LionCubSetupError` instead of falling back (``cupy`` leaves CPU tensors to
 torch). The choice and its reason are logged once per device type and requested mode and shown by
 ``python -m ds_lioncub.report``.
+
+The compiled and cupy implementations are handed out wrapped in :class:`~.self_check.SelfCheckedPacking`:
+each dtype they are asked to handle is first checked against the torch implementation, and a mismatch
+raises instead of computing (:mod:`.self_check`). The torch implementation is the reference and runs
+unwrapped.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from ds_lioncub._logging import get_logger
 from ds_lioncub.comm.packing.compiled import CompiledPacking
 from ds_lioncub.comm.packing.cupy_impl import CupyPacking
 from ds_lioncub.comm.packing.layout import PackingOps
+from ds_lioncub.comm.packing.self_check import SelfCheckedPacking
 from ds_lioncub.comm.packing.torch_impl import TorchPacking
 from ds_lioncub.errors import LionCubConfigError, LionCubSetupError
 
@@ -109,7 +115,9 @@ def _choose(device_type: str, mode: str) -> PackingPath:
         degraded = compiled is None and why.startswith("loading the op failed")
         if compiled is not None:
             forced = f"{_origin()}=compiled; " if mode == "compiled" else ""
-            return PackingPath("compiled", forced + why, CompiledPacking(compiled, _TORCH), compiled)
+            name = f"compiled op {getattr(compiled, '__name__', type(compiled).__name__)}"
+            ops = SelfCheckedPacking(CompiledPacking(compiled, _TORCH), name, device_type, compiled)
+            return PackingPath("compiled", forced + why, ops, compiled)
         if mode == "compiled":
             raise LionCubSetupError(f"{_origin()}=compiled, but the compiled packing op is unavailable: {why}")
         notes.append(f"compiled op unavailable: {why}")
@@ -117,7 +125,8 @@ def _choose(device_type: str, mode: str) -> PackingPath:
         cupy, why = _load_cupy(device_type)
         if cupy is not None:
             forced = f"{_origin()}=cupy; " if mode == "cupy" else ""
-            return PackingPath("cupy", forced + why, CupyPacking(cupy), cupy, degraded)
+            ops = SelfCheckedPacking(CupyPacking(cupy), f"cupy {cupy.__version__}", device_type, cupy)
+            return PackingPath("cupy", forced + why, ops, cupy, degraded)
         if mode == "cupy" and device_type == "cuda":
             raise LionCubSetupError(f"{_origin()}=cupy, but cupy is unavailable: {why}")
         notes.append(f"cupy: {why}")

@@ -1,0 +1,434 @@
+"""The self-check: a compiled or cupy implementation is compared with the torch reference before it computes.
+
+A kernel that gives other bytes than :mod:`.torch_impl` (a miscompiled op, a new compiler or CUDA
+version, an unusual CPU) would silently change the votes. So the first time such an implementation is
+asked to handle a dtype on a device type, :class:`SelfCheckedPacking` runs every operation it provides
+for that dtype on a small deterministic random input, with both implementations on that device, and
+compares the results exactly:
+
+- floating dtypes and bool: ``pack_signs`` at each field width, both tie rules, with and without
+  padding (``nbytes``), sizes 0, 13 and 1029 with zeros of both signs, NaN, infinities and subnormals,
+  and a strided view;
+- floating dtypes: ``unpack_signs`` into that dtype (a new tensor and ``out``) and ``pack_l1_fields``
+  (widths 2/4/8, 1 to the most levels, exact halves for round-half-to-even, a zero scale, an empty
+  segment, padding);
+- bool and integer dtypes: ``pack_fields`` at each width, padded and not; signed integers also
+  ``unpack_signs`` into them;
+- uint8, the dtype of every message: ``unpack_fields`` at each width, ``sum_fields_per_position`` at each
+  width for 1 to 17 rows, and the fused ``vote_packed_signs`` for 1 to 64 voters (every bit-plane count
+  of the compiled kernels), both tie rules, even voter counts that meet ties, rows longer than the
+  message and non-contiguous rows.
+
+An operation called with a dtype outside this list (``pack_signs`` of int8, say) is checked for that
+dtype on its first call too, so no result of an implementation reaches a caller before the same
+operation on the same dtype has matched.
+The input is made on the CPU with a fixed seed and moved to the device; a case on which the torch
+reference itself raises has nothing to compare and is skipped.
+
+A passing check is recorded per (device type, loaded op or cupy module, dtype) for the rest of the
+process. A mismatch raises :class:`~ds_lioncub.errors.LionCubSetupError` naming the implementation,
+the operation, the dtype and the first differing element, and advising ``DS_LIONCUB_PACKING=torch``;
+every later call of that dtype raises it again. Nothing switches to another path on its own: a
+kernel that is wrong must be looked at, and forcing the torch path is the user's decision.
+
+The torch implementation is the reference and is never checked. Cost, measured on the CPU op (AVX2,
+a 2-core machine that another job kept busy): 65 to 90 ms of CPU time once per process for the six
+dtypes training uses (float32, bfloat16, float16, bool, uint8, int32), 48 to 80 ms of wall time
+while that job left the cores half free and up to 0.25 s while it ran four processes. Per dtype, at
+the lower load: 6 to 18 ms for each float dtype, 17 to 30 ms for uint8 (the torch reference of the
+vote with up to 64 voters is most of it), 2 to 5 ms for bool and int32; almost all of it is the torch
+side. After that, each call pays one set lookup (about 1 µs). ``python -m ds_lioncub.report`` runs the
+check and prints its time.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, NamedTuple
+
+import torch
+
+from ds_lioncub.comm.packing.layout import FIELD_WIDTHS, L1_FIELD_WIDTHS, PackingOps, packed_length
+from ds_lioncub.comm.packing.torch_impl import TorchPacking
+from ds_lioncub.errors import LionCubSetupError
+
+OPERATIONS = (
+    "pack_fields",
+    "unpack_fields",
+    "pack_signs",
+    "unpack_signs",
+    "sum_fields_per_position",
+    "vote_packed_signs",
+    "pack_l1_fields",
+)
+MESSAGE_OPERATIONS = ("unpack_fields", "sum_fields_per_position", "vote_packed_signs")
+
+# The dtypes training hands the packing functions (gradients, momenta, fields, messages); the report
+# checks these.
+TRAINING_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.bool, torch.uint8, torch.int32)
+
+SIZES = (0, 13, 1029)  # 1029 signs: two full 64-byte vote blocks of the compiled vote and a ragged byte
+VOTERS = (1, 2, 3, 4, 8, 16, 33, 64)  # bit planes 1 to 7 of the compiled vote
+SUMMED_ROWS = (1, 2, 3, 17)
+SEED = 20240521
+
+_REFERENCE = TorchPacking()
+
+
+def operations_for(dtype: torch.dtype) -> tuple[str, ...]:
+    """The operations whose element dtype can be ``dtype``: what the check of ``dtype`` runs."""
+    if dtype.is_complex:
+        return ()
+    if dtype.is_floating_point:
+        return ("pack_signs", "unpack_signs", "pack_l1_fields")
+    if dtype == torch.bool:
+        return ("pack_signs", "pack_fields")
+    operations = ["pack_fields"]
+    if dtype.is_signed:
+        operations.append("unpack_signs")
+    if dtype == torch.uint8:
+        operations += MESSAGE_OPERATIONS
+    return tuple(operations)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class CheckRecord:
+    """The self-check of one implementation on one device type for one dtype."""
+
+    implementation: str
+    device_type: str
+    dtype: torch.dtype
+    operations: set[str] = field(default_factory=set)
+    cases: int = 0
+    milliseconds: float = 0.0
+    failure: str | None = None  # the message of the LionCubSetupError, if an operation did not match
+
+
+# (device type, op or cupy module, dtype) -> record. The module, not the wrapper: the dispatch cache may
+# build several wrappers around one loaded op (one per requested mode), and the check is per process.
+_records: dict[tuple[str, Any, torch.dtype], CheckRecord] = {}
+_lock = threading.RLock()
+
+
+class _Fresh(NamedTuple):
+    """An argument made anew for each run of a case (an ``out`` tensor the implementation writes)."""
+
+    make: Callable[[], torch.Tensor]
+
+
+class _Case(NamedTuple):
+    """``operation(*args)``, to be run on the implementation under check and on the reference."""
+
+    operation: str
+    description: str
+    args: tuple[Any, ...]
+
+    def run(self, ops: PackingOps) -> torch.Tensor:
+        args = tuple(arg.make() if isinstance(arg, _Fresh) else arg for arg in self.args)
+        result: torch.Tensor = getattr(ops, self.operation)(*args)
+        return result
+
+
+class SelfCheckedPacking:
+    """:class:`~.layout.PackingOps` that hands each operation and dtype to ``ops`` only once it has matched torch.
+
+    ``implementation`` names it in messages (``"compiled op lioncub_packing_cpu"``, ``"cupy 13.3.0"``);
+    ``module`` is the loaded op or cupy module, the identity under which passing checks are recorded.
+    """
+
+    def __init__(self, ops: PackingOps, implementation: str, device_type: str, module: Any) -> None:
+        self.ops = ops
+        self.implementation = implementation
+        self.device_type = device_type
+        self.module = module
+        self._passed: set[tuple[str, torch.dtype]] = set()  # the hot path: one set lookup per call
+
+    # ------------------------------------------------------------------ the check
+
+    def check(
+        self, dtype: torch.dtype, operation: str | None = None, device: torch.device | None = None
+    ) -> CheckRecord:
+        """Run the check of ``dtype`` (and of ``operation`` on it) unless it ran; the record, failed or not.
+
+        The check runs on ``device`` (the device of the tensor that asked), by default the device type's
+        current device.
+        """
+        key = (self.device_type, self.module, dtype)
+        with _lock:
+            record = _records.get(key)
+            if record is None:
+                record = _records[key] = CheckRecord(self.implementation, self.device_type, dtype)
+            asked = (*operations_for(dtype), *([] if operation is None else [operation]))
+            wanted = [name for name in dict.fromkeys(asked) if name not in record.operations]
+            if wanted and record.failure is None:
+                _run_check(self.ops, record, wanted, device or torch.device(self.device_type))
+            record.operations.update(wanted)
+        return record
+
+    def _verify(self, operation: str, dtype: torch.dtype, tensor: torch.Tensor) -> None:
+        """Raise unless ``operation`` on ``dtype`` matched torch (checking it now, on ``tensor``'s device, if new)."""
+        if (operation, dtype) in self._passed:
+            return
+        record = self.check(dtype, operation, tensor.device)
+        if record.failure is not None:
+            raise LionCubSetupError(record.failure)
+        self._passed.add((operation, dtype))
+
+    # ------------------------------------------------------------------ PackingOps
+
+    def pack_fields(self, flat: torch.Tensor, bits: int, nbytes: int) -> torch.Tensor:
+        self._verify("pack_fields", flat.dtype, flat)
+        return self.ops.pack_fields(flat, bits, nbytes)
+
+    def unpack_fields(self, packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+        self._verify("unpack_fields", packed.dtype, packed)
+        return self.ops.unpack_fields(packed, bits, numel)
+
+    def pack_signs(self, flat: torch.Tensor, zero_is_positive: bool, bits: int, nbytes: int) -> torch.Tensor:
+        self._verify("pack_signs", flat.dtype, flat)
+        return self.ops.pack_signs(flat, zero_is_positive, bits, nbytes)
+
+    def unpack_signs(
+        self, packed: torch.Tensor, numel: int, dtype: torch.dtype, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        self._verify("unpack_signs", dtype if out is None else out.dtype, packed)
+        return self.ops.unpack_signs(packed, numel, dtype, out)
+
+    def sum_fields_per_position(self, rows: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+        self._verify("sum_fields_per_position", rows.dtype, rows)
+        return self.ops.sum_fields_per_position(rows, bits, numel)
+
+    def vote_packed_signs(self, rows: torch.Tensor, numel: int, zero_is_positive: bool) -> torch.Tensor:
+        self._verify("vote_packed_signs", rows.dtype, rows)
+        return self.ops.vote_packed_signs(rows, numel, zero_is_positive)
+
+    def pack_l1_fields(
+        self, flat: torch.Tensor, scales: torch.Tensor, sizes: list[int], levels: int, bits: int, nbytes: int
+    ) -> torch.Tensor:
+        self._verify("pack_l1_fields", flat.dtype, flat)
+        return self.ops.pack_l1_fields(flat, scales, sizes, levels, bits, nbytes)
+
+
+def _run_check(ops: PackingOps, record: CheckRecord, operations: list[str], device: torch.device) -> None:
+    """Every case of ``operations`` on ``record.dtype``, ``ops`` against torch; the first mismatch fails the record."""
+    start = time.perf_counter()
+    try:
+        for operation in operations:
+            for case in _cases(operation, record.dtype, device):
+                try:
+                    expected = case.run(_REFERENCE)
+                except Exception:  # noqa: BLE001 - torch refuses this input too: nothing to hold ops to
+                    continue
+                record.cases += 1
+                try:
+                    got = case.run(ops)
+                except Exception as error:  # noqa: BLE001 - reported as a failed check, with the error
+                    record.failure = _message(record, case, f"raised {type(error).__name__}: {error}")
+                    return
+                difference = _difference(got, expected)
+                if difference is not None:
+                    record.failure = _message(record, case, difference)
+                    return
+    finally:
+        record.milliseconds += (time.perf_counter() - start) * 1000.0
+
+
+def _difference(got: torch.Tensor, expected: torch.Tensor) -> str | None:
+    """None if identical (dtype, shape, every element); else where they first differ."""
+    if got.dtype != expected.dtype or got.shape != expected.shape or got.device != expected.device:
+        return (
+            f"gave {got.dtype} of shape {tuple(got.shape)} on {got.device} instead of {expected.dtype} "
+            f"of shape {tuple(expected.shape)} on {expected.device}"
+        )
+    if torch.equal(got, expected):
+        return None
+    got_flat, expected_flat = got.reshape(-1).cpu(), expected.reshape(-1).cpu()
+    index = int((got_flat != expected_flat).nonzero()[0, 0])
+    return f"element {index} is {got_flat[index].item()} instead of {expected_flat[index].item()}"
+
+
+def _message(record: CheckRecord, case: _Case, difference: str) -> str:
+    return (
+        f"the {record.implementation} packing implementation does not match the torch reference on "
+        f"{record.device_type} tensors: {case.operation} on {dtype_name(record.dtype)} ({case.description}) "
+        f"{difference}. LionCub will not use results it cannot trust; set DS_LIONCUB_PACKING=torch to run "
+        "the pure torch path (the same bytes, slower), and report this with the output of "
+        "`python -m ds_lioncub.report`."
+    )
+
+
+# ====================================================================== the inputs
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(SEED + seed)
+
+
+def _elements(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Values whose signs get packed: zeros of both signs, NaN, infinities and subnormals among floats."""
+    g = _generator(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g, device="cpu").bool()
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return torch.randint(-3 if dtype.is_signed else 0, 4, (n,), generator=g, device="cpu").to(dtype)
+    x = torch.randn(n, generator=g, device="cpu")
+    x[torch.rand(n, generator=g, device="cpu") < 0.25] = 0.0
+    specials = (-0.0, float("nan"), float("inf"), float("-inf"), 1e-40, -1e-40, 0.0, -float("nan"))
+    for i, value in enumerate(specials[: n // 4]):
+        x[3 * i + 1] = value
+    return x.to(dtype)
+
+
+def _fields(n: int, bits: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Fields below 2**bits, held in ``dtype`` (which must hold them exactly)."""
+    high = 2 if dtype == torch.bool else 1 << bits
+    if dtype.is_signed and not dtype.is_floating_point and dtype.itemsize == 1:
+        high = min(high, 128)
+    values = torch.randint(0, high, (n,), generator=_generator(seed), device="cpu")
+    return values.bool() if dtype == torch.bool else values.to(dtype)
+
+
+def _bytes(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random message bytes, as ``dtype`` (the same bits for a 1-byte integer dtype)."""
+    raw = torch.randint(0, 256, (n,), generator=_generator(seed), device="cpu").to(torch.uint8)
+    if dtype == torch.uint8:
+        return raw
+    if dtype.itemsize == 1 and not dtype.is_floating_point and dtype != torch.bool:
+        return raw.view(dtype)
+    return raw.to(dtype)
+
+
+def _cases(operation: str, dtype: torch.dtype, device: torch.device) -> Iterator[_Case]:
+    builders = {
+        "pack_fields": _pack_fields_cases,
+        "unpack_fields": _unpack_fields_cases,
+        "pack_signs": _pack_signs_cases,
+        "unpack_signs": _unpack_signs_cases,
+        "sum_fields_per_position": _sum_fields_cases,
+        "vote_packed_signs": _vote_cases,
+        "pack_l1_fields": _pack_l1_cases,
+    }
+    return builders[operation](dtype, device)
+
+
+def _pack_signs_cases(dtype: torch.dtype, device: torch.device) -> Iterator[_Case]:
+    for n in SIZES:
+        x = _elements(n, dtype, seed=n).to(device)
+        for bits in FIELD_WIDTHS:
+            for zero_is_positive in (True, False):
+                for pad in (0, 3):
+                    nbytes = packed_length(n, bits) + pad
+                    yield _Case(
+                        "pack_signs",
+                        f"{n} elements, {bits}-bit fields, zero_is_positive={zero_is_positive}, nbytes={nbytes}",
+                        (x, zero_is_positive, bits, nbytes),
+                    )
+    strided = _elements(2 * SIZES[-1], dtype, seed=1).to(device)[::2]
+    yield _Case(
+        "pack_signs",
+        f"a strided view of {strided.numel()} elements",
+        (strided, False, 1, packed_length(strided.numel())),
+    )
+
+
+def _unpack_signs_cases(dtype: torch.dtype, device: torch.device) -> Iterator[_Case]:
+    for n in SIZES:
+        packed = _bytes(packed_length(n) + 2, torch.uint8, seed=n).to(device)  # bits past numel are noise
+        yield _Case("unpack_signs", f"{n} signs", (packed, n, dtype, None))
+        out = _Fresh(partial(torch.full, (n,), 7, dtype=dtype, device=device))
+        yield _Case("unpack_signs", f"{n} signs into out", (packed, n, dtype, out))
+
+
+def _pack_l1_cases(dtype: torch.dtype, device: torch.device) -> Iterator[_Case]:
+    scales = torch.tensor([0.25, 1.5, 0.0, 1.7], dtype=torch.float32, device="cpu")  # 0: the whole segment is q = 0
+    for bits in L1_FIELD_WIDTHS:
+        top = ((1 << bits) - 1) // 2
+        for levels in sorted({1, max(1, top // 2), top}):
+            # c * 0.25 lands exactly on k + 1/2 for these: round half to even decides
+            halves = 4 * (torch.arange(-levels - 2, levels + 2, dtype=torch.float32, device="cpu") + 0.5)
+            for n in (1029,):
+                noise = _elements(n, torch.float32, seed=n + levels).nan_to_num(0.0, math.inf, -math.inf) * 3
+                c = torch.cat([halves, noise]).to(dtype).to(device)
+                third = c.numel() // 3
+                sizes = [third, 0, third, c.numel() - 2 * third]  # an empty segment, too
+                for pad in (0, 3):
+                    nbytes = packed_length(c.numel(), bits) + pad
+                    yield _Case(
+                        "pack_l1_fields",
+                        f"{c.numel()} elements, {bits}-bit fields, {levels} levels, nbytes={nbytes}",
+                        (c, scales, sizes, levels, bits, nbytes),
+                    )
+
+
+def _pack_fields_cases(dtype: torch.dtype, device: torch.device) -> Iterator[_Case]:
+    for n in SIZES:
+        for bits in FIELD_WIDTHS:
+            values = _fields(n, bits, dtype, seed=10 * n + bits).to(device)
+            for pad in (0, 3):
+                nbytes = packed_length(n, bits) + pad
+                yield _Case(
+                    "pack_fields",
+                    f"{n} fields of {bits} bits, nbytes={nbytes}",
+                    (values, bits, nbytes),
+                )
+
+
+def _unpack_fields_cases(dtype: torch.dtype, device: torch.device) -> Iterator[_Case]:
+    for n in SIZES:
+        for bits in FIELD_WIDTHS:
+            packed = _bytes(packed_length(n, bits) + 3, dtype, seed=100 * n + bits).to(device)
+            yield _Case(
+                "unpack_fields",
+                f"{n} fields of {bits} bits",
+                (packed, bits, n),
+            )
+
+
+def _sum_fields_cases(dtype: torch.dtype, device: torch.device) -> Iterator[_Case]:
+    for bits in FIELD_WIDTHS:
+        for p in SUMMED_ROWS:
+            for n in (13, 1029):
+                row_bytes = packed_length(n, bits) + 2  # bytes past the fields must not count
+                rows = _bytes(p * row_bytes, dtype, seed=1000 * p + 10 * n + bits).view(p, row_bytes).to(device)
+                yield _Case(
+                    "sum_fields_per_position",
+                    f"{p} rows of {n} {bits}-bit fields",
+                    (rows, bits, n),
+                )
+        rows = _bytes(3 * 40, dtype, seed=bits).view(3, 40).to(device)[:, 1:]
+        yield _Case(
+            "sum_fields_per_position",
+            f"3 non-contiguous rows of {bits}-bit fields",
+            (rows, bits, 39 * 8 // bits),
+        )
+
+
+def _vote_cases(dtype: torch.dtype, device: torch.device) -> Iterator[_Case]:
+    for p in VOTERS:
+        for n in (1029,):
+            row_bytes = packed_length(n) + 1  # the bits past numel are noise and must not vote
+            rows = _bytes(p * row_bytes, dtype, seed=100 * p + n).view(p, row_bytes).to(device)
+            for zero_is_positive in (True, False):
+                yield _Case(
+                    "vote_packed_signs",
+                    f"{p} voters, {n} signs, zero_is_positive={zero_is_positive}",
+                    (rows, n, zero_is_positive),
+                )
+    rows = _bytes(4 * 140, dtype, seed=4).view(4, 140).to(device)[:, 1:]
+    yield _Case(
+        "vote_packed_signs",
+        "4 non-contiguous rows, 1029 signs",
+        (rows, 1029, False),
+    )
+
+
+__all__ = ["OPERATIONS", "TRAINING_DTYPES", "CheckRecord", "SelfCheckedPacking", "dtype_name", "operations_for"]
