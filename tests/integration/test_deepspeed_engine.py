@@ -180,17 +180,18 @@ def test_resume_at_another_world_size_starts_from_the_mean_momentum(launched: di
         ("other_model", ["lioncub_dp_rank_00001.pt was saved for another model", "parameter #0"]),
     ],
 )
+@pytest.mark.parametrize("config", ["lioncub_1bit", "lioncub_4bit_sign"])  # fp32 and bf16
 def test_a_damaged_checkpoint_is_refused_on_every_rank_naming_the_file(
-    launched: dict[str, Any], kind: str, fragments: list[str]
+    launched: dict[str, Any], config: str, kind: str, fragments: list[str]
 ) -> None:
     """Resumed at another world size (3 ranks from a 2-rank save), where every file is read: nothing is loaded."""
-    messages = {results[f"damaged/{kind}"] for results in launched["resume"]}
+    messages = {results[f"damaged/{config}/{kind}"] for results in launched["resume"]}
     assert len(messages) == 1, messages
     message = messages.pop()
     assert message is not None and message.startswith("LionCubSetupError: LionCub: cannot resume from"), message
     for fragment in fragments:
         assert fragment in message, message
-    assert all(results[f"damaged/{kind}/unchanged"] for results in launched["resume"])
+    assert all(results[f"damaged/{config}/{kind}/unchanged"] for results in launched["resume"])
 
 
 def test_side_files_record_their_run(launched: dict[str, Any]) -> None:

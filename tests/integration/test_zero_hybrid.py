@@ -653,3 +653,21 @@ def test_replica_checks_every_step_pass_on_shards_and_skip_partitions(
     for record in records[1:]:
         for got, expected in zip(record["params"], records[0]["params"], strict=True):
             assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), case.name
+
+
+@pytest.mark.parametrize(
+    ("kind", "fragments"),
+    [
+        ("missing", ["incomplete", "saved by 4 ranks", "missing lioncub_hybrid_rank_00002.pt"]),
+        ("truncated", ["lioncub_hybrid_rank_00003.pt is truncated or unreadable", "found by rank 3"]),
+    ],
+)
+def test_a_damaged_hybrid_checkpoint_is_refused_on_every_rank(
+    launched: dict[str, Any], kind: str, fragments: list[str]
+) -> None:
+    messages = {results[f"damaged/{kind}"] for results in launched["resume"]}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert message is not None and message.startswith("LionCubSetupError: LionCub: cannot resume from"), message
+    for fragment in fragments:
+        assert fragment in message, message

@@ -285,24 +285,30 @@ def damage(checkpoint: Path, target: Path, kind: str) -> None:
         torch.save(state, rank1)
 
 
+# fp32 (lioncub_1bit) and bf16 (lioncub_4bit_sign) checkpoints of the main phase, damaged each way.
+DAMAGED_CONFIGS = ("lioncub_1bit", "lioncub_4bit_sign")
+
+
 def run_damaged_checkpoints(args: argparse.Namespace) -> dict[str, Any]:
     """Load each damaged copy: every rank must refuse with the same message, before anything is loaded."""
     results: dict[str, Any] = {}
     if dist.get_rank() == 0:
-        for kind in DAMAGES:
-            damage(args.checkpoint, args.out / f"damaged-{kind}", kind)
+        for name in DAMAGED_CONFIGS:
+            for kind in DAMAGES:
+                damage(args.checkpoint.parent / f"ckpt-{name}", args.out / f"damaged-{name}-{kind}", kind)
     dist.barrier()
-    config = json.loads((REPO / "configs" / "lioncub_1bit.json").read_text())
-    for kind in DAMAGES:
-        engine = build(config)
-        before = full_params(engine)
-        try:
-            engine.load_checkpoint(str(args.out / f"damaged-{kind}"))
-            results[f"damaged/{kind}"] = None
-        except Exception as error:  # noqa: BLE001 - the test checks type and message
-            results[f"damaged/{kind}"] = f"{type(error).__name__}: {error}"
-        after = full_params(engine)
-        results[f"damaged/{kind}/unchanged"] = all(torch.equal(before[name], after[name]) for name in before)
+    for name in DAMAGED_CONFIGS:
+        config = json.loads((REPO / "configs" / f"{name}.json").read_text())
+        for kind in DAMAGES:
+            engine = build(config)
+            before = full_params(engine)
+            try:
+                engine.load_checkpoint(str(args.out / f"damaged-{name}-{kind}"))
+                results[f"damaged/{name}/{kind}"] = None
+            except Exception as error:  # noqa: BLE001 - the test checks type and message
+                results[f"damaged/{name}/{kind}"] = f"{type(error).__name__}: {error}"
+            after = full_params(engine)
+            results[f"damaged/{name}/{kind}/unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
     return results
 
 

@@ -189,6 +189,31 @@ def run_mismatched() -> dict[str, Any]:
     return results
 
 
+def run_damaged(out: Path) -> dict[str, Any]:
+    """The hybrid checkpoint with one side file missing, or truncated, loaded at its own topology: refused."""
+    import shutil
+
+    results: dict[str, Any] = {}
+    if dist.get_rank() == 0:
+        for kind in ("missing", "truncated"):
+            target = out / f"damaged-{kind}"
+            shutil.copytree(out / "ckpt", target)
+            tag = (target / "latest").read_text().strip()
+            if kind == "missing":
+                (target / tag / "lioncub_hybrid_rank_00002.pt").unlink()
+            else:
+                path = target / tag / "lioncub_hybrid_rank_00003.pt"
+                path.write_bytes(path.read_bytes()[:100])
+    dist.barrier()
+    for kind in ("missing", "truncated"):
+        try:
+            build(CHECKPOINTED).load_checkpoint(str(out / f"damaged-{kind}"))
+            results[f"damaged/{kind}"] = None
+        except Exception as error:  # noqa: BLE001 - the test checks the message
+            results[f"damaged/{kind}"] = error_text(error)
+    return results
+
+
 def run_resume(out: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
     record: dict[str, Any] = {"error": None}
@@ -205,6 +230,7 @@ def run_resume(out: Path) -> dict[str, Any]:
         record["error"] = error_text(error)
         record["traceback"] = traceback.format_exc()
     results["resume"] = record
+    results.update(run_damaged(out))
     for node_size in OTHER_TOPOLOGIES:
         case = dataclasses.replace(CHECKPOINTED, name=f"resume_node_size{node_size}", node_size=node_size)
         try:
