@@ -7,10 +7,11 @@ node's momentum for its own shard, and DeepSpeed's optimizer files come from nod
 rank writes ``lioncub_hybrid_rank_XXXXX.pt``.
 
 A file holds its format version, the world size, its rank, the LionCub step, the parameter layout
-(names, shapes, dtypes in optimizer order), the hybrid topology where there is one, and ``exp_avg``
-by flat parameter position. It is written to a temporary name and renamed, and every rank's file is
-complete before DeepSpeed's own save starts, so DeepSpeed's ``latest`` only ever names a tag whose
-LionCub set is complete (a save interrupted part-way leaves ``latest`` at the previous tag).
+(names, shapes, dtypes in optimizer order), the options the run used, the hybrid topology where there
+is one, and ``exp_avg`` by flat parameter position. It is written to a temporary name and renamed,
+and every rank's file is complete before DeepSpeed's own save starts, so DeepSpeed's ``latest`` only
+ever names a tag whose LionCub set is complete (a save interrupted part-way leaves ``latest`` at the
+previous tag).
 
 Loading validates the whole set before DeepSpeed reads anything, and every rank reaches the same
 verdict (the ranks exchange what they found): a missing, truncated or unreadable file, a file from
@@ -80,6 +81,7 @@ def momentum_state(optimizer: LionCub, rank: int, hybrid: HybridSetup | None = N
         "rank": rank,
         "step": optimizer.param_groups[0]["step"] if optimizer.param_groups else 0,
         "parameters": _parameter_layout(optimizer),
+        "options": repr(optimizer.options.model_dump()),  # what the run used; options may change across a resume
         "exp_avg": [None if m is None else m.cpu() for m in momenta],
     }
     if hybrid is not None:

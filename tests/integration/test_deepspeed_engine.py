@@ -200,6 +200,7 @@ def test_side_files_record_their_run(launched: dict[str, Any]) -> None:
         state = torch.load(launched["checkpoint"] / tag / f"lioncub_dp_rank_{rank:05d}.pt", weights_only=True)
         assert (state["format"], state["world_size"], state["rank"]) == (2, 2, rank)
         assert state["step"] == 4 and len(state["parameters"]) == len(state["exp_avg"])
+        assert "'compression': '1bit'" in state["options"]
     assert not list((launched["checkpoint"] / tag).glob("*.tmp"))  # written to a temporary name, then renamed
 
 
