@@ -14,6 +14,8 @@ loss vs step and vs training time::
     sudo python -m benchmarks.bench_train --ranks 4 --bandwidth 1gbit --steps 200 --out-dir runs/train_1gbit
     python -m benchmarks.bench_train --report-only --out-dir runs/train_1gbit     # tables and plots again
     python -m benchmarks.bench_train --loopback --ranks 2 --steps 20 --out-dir /tmp/t  # no root: local, unshaped
+    sudo python -m benchmarks.bench_train --ranks 4 --node-size 2 --bandwidth 1gbit --out-dir runs/zero \
+        --methods lioncub_1bit,lion_zero2,lioncub_1bit_zero2_hybrid     # 2 nodes x 2 ranks, ZeRO inside a node
 
 (from the repository root). Methods run one after another, each as a fresh set of processes in the same
 cluster, started by path (benchmarks/train_worker.py) with this checkout first on PYTHONPATH.
@@ -47,6 +49,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, required=True, help="per-method JSON, logs, report.md and plots go here")
     p.add_argument("--methods", default="all", help="comma-separated method names (benchmarks/train_methods.py) or all")
     p.add_argument("--ranks", type=int, default=4)
+    p.add_argument(
+        "--node-size",
+        type=int,
+        default=1,
+        help="ranks per node: they share one namespace and link and talk to each other unshaped; only traffic "
+        "between nodes crosses the shaped links (default 1: every rank is a node)",
+    )
     p.add_argument("--bandwidth", type=parse_rate, default=parse_rate("1gbit"), help="per-link rate (tc syntax)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--eval-windows", type=int, default=256, help="validation windows of seq-len tokens")
@@ -70,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.ranks < 1 or args.steps < 1:
         p.error("--ranks and --steps must be >= 1")
+    if args.node_size < 1 or args.ranks % args.node_size:
+        p.error("--ranks must be a positive multiple of --node-size")
     try:
         args.settings = TrainSettings(**{item.name: getattr(args, item.name) for item in fields(TrainSettings)})
         args.method_list = select_methods(args.methods)
@@ -94,11 +105,16 @@ def worker_command(args: argparse.Namespace, method: Method) -> list[str]:
         str((args.out_dir / "corpus_cache").resolve()),
         "--settings",
         json.dumps(asdict(args.settings)),
+        "--node-size",
+        str(args.node_size),
     ]
 
 
-def run_loopback(command: list[str], ranks: int, log_dir: Path, timeout_s: float, port: int) -> int:
-    """Ranks as plain local processes (no namespaces): for trying the benchmark without root."""
+def run_loopback(command: list[str], ranks: int, log_dir: Path, timeout_s: float, port: int, node_size: int = 1) -> int:
+    """Ranks as plain local processes (no namespaces): for trying the benchmark without root.
+
+    ``node_size`` only numbers the ranks as nodes (LOCAL_RANK, LOCAL_WORLD_SIZE); nothing is shaped.
+    """
     log_dir.mkdir(parents=True, exist_ok=True)
     threads = str(max(1, (os.cpu_count() or 1) // ranks))
     procs = []
@@ -107,7 +123,8 @@ def run_loopback(command: list[str], ranks: int, log_dir: Path, timeout_s: float
             **repo_environment(),
             "RANK": str(rank),
             "WORLD_SIZE": str(ranks),
-            "LOCAL_RANK": str(rank),
+            "LOCAL_RANK": str(rank % node_size),
+            "LOCAL_WORLD_SIZE": str(node_size),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": threads,
@@ -137,9 +154,13 @@ def machine_notes(result: dict[str, Any]) -> str:
 
     rate = result.get("link_rate_bps")
     link = f"{format_rate(rate)} links (netcluster)" if rate else "loopback, unshaped"
+    node_size = int(result.get("node_size", 1))
+    ranks = f"{result['world_size']} ranks"
+    if node_size > 1:
+        ranks += f" as {result['world_size'] // node_size} nodes x {node_size} (a node's ranks share its loopback)"
     return (
         f"Machine: {os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}, Python "
-        f"{platform.python_version()}, torch {torch.__version__}; {result['world_size']} ranks, {link}."
+        f"{platform.python_version()}, torch {torch.__version__}; {ranks}, {link}."
     )
 
 
@@ -160,6 +181,7 @@ def run_all(args: argparse.Namespace) -> int:
                 args.out_dir / "logs" / method.name,
                 args.timeout,
                 port=free_port(),
+                node_size=args.node_size,
             )
             if code != 0:
                 print(
@@ -180,10 +202,16 @@ def run_all(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    spec = ClusterSpec(nodes=args.ranks, link=LinkSpec(rate_bps=args.bandwidth))
+    spec = ClusterSpec(
+        nodes=args.ranks // args.node_size, link=LinkSpec(rate_bps=args.bandwidth), node_size=args.node_size
+    )
     with signals_as_exceptions(), Cluster(spec) as cluster:
         for index, method in enumerate(args.method_list):
-            print(f"[bench_train] {method.name} on {args.ranks} ranks, {format_rate(args.bandwidth)} links", flush=True)
+            print(
+                f"[bench_train] {method.name} on {spec.nodes} node(s) x {spec.node_size} rank(s), "
+                f"{format_rate(args.bandwidth)} links between nodes",
+                flush=True,
+            )
             result = run_command(
                 cluster,
                 worker_command(args, method),

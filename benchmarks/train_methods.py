@@ -14,10 +14,16 @@ differ only in how gradients (or updates) cross the network and in beta2 where t
 | lioncub_1bit_b95_sync | DeepSpeed | 1-bit, plus the output head's momentum averaged every 10 steps |
 | ddp_bf16 | torch DDP | plain Lion, DDP's ``bf16_compress_hook`` (bf16 gradient all-reduce, overlapped) |
 | ddp_powersgd | torch DDP | plain Lion, DDP's PowerSGD hook (rank-2 low-rank gradients) |
+| lion_zero2 | DeepSpeed | exact Lion, ZeRO-2 over the whole world: fp32 gradient reduce, fp32 all-gather |
+| lioncub_1bit_zero2_hybrid | DeepSpeed | ZeRO-2 in fp32 inside each node; 1-bit vote of each shard across nodes |
 
 The k-bit methods use ``kbit_algorithm="alltoall"``: on the emulated cluster it is the faster of the
 two (benchmarks/RESULTS.md, compressed collectives) and it computes the same vote. Gradient clipping is off
 everywhere (DeepSpeed's default is 1.0): DDP has none, and Lion's update is a sign anyway.
+
+The two ZeRO methods are meant for a cluster of nodes with several ranks each (``bench_train.py
+--node-size G``): the hybrid's ``hybrid.node_size`` is that G, so its ZeRO groups are the ranks that
+share a node's unshaped loopback and its votes are what crosses the shaped links between nodes.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ class Method:
     communication_data_type: str | None = None  # DeepSpeed's gradient all-reduce dtype
     ddp_hook: DdpHook | None = None
     reference: str = "lion_fp32"  # the method whose loss this one's quality is compared with
+    zero_stage: int = 0  # DeepSpeed ZeRO stage (0: none)
+    hybrid: bool = False  # LionCub's ZeRO hybrid, "hybrid": {"node_size": <the cluster's node size>}
 
     @property
     def compressed(self) -> bool:
@@ -120,8 +128,25 @@ METHODS: tuple[Method, ...] = (
         lioncub={"compression": "1bit", "momentum_sync": _HEAD_SYNC},
         reference="lion_fp32_b95",
     ),
+    Method("lion_zero2", "Lion, ZeRO-2", "deepspeed", lioncub={"compression": "none"}, zero_stage=2),
+    Method(
+        "lioncub_1bit_zero2_hybrid",
+        "Lion Cub 1-bit, ZeRO-2 hybrid",
+        "deepspeed",
+        lioncub={"compression": "1bit"},
+        zero_stage=2,
+        hybrid=True,
+    ),
 )
 METHODS_BY_NAME: dict[str, Method] = {method.name: method for method in METHODS}
+
+# The ZeRO hybrid against its two neighbours: ZeRO-2 Lion (speed, bytes between nodes) and stage-0 Lion Cub
+# 1-bit (optimizer state, validation loss; the quality table keeps exact Lion as every method's reference).
+HYBRID = "lioncub_1bit_zero2_hybrid"
+HYBRID_ZERO_BASELINE = "lion_zero2"
+HYBRID_STAGE0 = "lioncub_1bit"
+HYBRID_SPEEDUP_TARGET = 2.0  # step time, hybrid vs ZeRO-2 Lion
+HYBRID_BYTES_TARGET = 16.0  # bytes between nodes, ZeRO-2 Lion / hybrid
 
 # Quality targets: these methods must end within QUALITY_TOLERANCE of their reference's validation loss.
 QUALITY_TARGETS: tuple[str, ...] = ("lioncub_4bit_sign", "lioncub_8bit_l1")
@@ -139,10 +164,18 @@ def select_methods(names: str) -> list[Method]:
     return [METHODS_BY_NAME[name] for name in chosen]
 
 
-def ds_config(method: Method, settings: TrainSettings) -> dict[str, Any]:
-    """The DeepSpeed config of a DeepSpeed method: one micro-batch per step, no clipping, no scheduler."""
+def ds_config(method: Method, settings: TrainSettings, node_size: int = 1) -> dict[str, Any]:
+    """The DeepSpeed config of a DeepSpeed method: one micro-batch per step, no clipping, no scheduler.
+
+    ``node_size`` (ranks per node) is the hybrid's ``hybrid.node_size``; other methods ignore it.
+    """
     if method.runtime != "deepspeed":
         raise ValueError(f"{method.name} runs under torch DDP, not DeepSpeed")
+    if node_size < 1:
+        raise ValueError(f"node_size must be >= 1, got {node_size}")
+    options = dict(method.lioncub)
+    if method.hybrid:
+        options["hybrid"] = {"node_size": node_size}
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": settings.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -154,10 +187,12 @@ def ds_config(method: Method, settings: TrainSettings) -> dict[str, Any]:
                 "lr": settings.lr,
                 "betas": [settings.beta1, method.beta2],
                 "weight_decay": settings.weight_decay,
-                **method.lioncub,
+                **options,
             },
         },
     }
+    if method.zero_stage:
+        config["zero_optimization"] = {"stage": method.zero_stage}
     if method.communication_data_type is not None:
         config["communication_data_type"] = method.communication_data_type
     return config

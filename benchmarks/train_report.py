@@ -13,7 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.train_methods import METHODS_BY_NAME, QUALITY_TARGETS, QUALITY_TOLERANCE
+from benchmarks.train_methods import (
+    HYBRID,
+    HYBRID_BYTES_TARGET,
+    HYBRID_SPEEDUP_TARGET,
+    HYBRID_STAGE0,
+    HYBRID_ZERO_BASELINE,
+    METHODS_BY_NAME,
+    QUALITY_TARGETS,
+    QUALITY_TOLERANCE,
+)
 
 BASELINE = "lion_fp32"
 WARMUP_STEPS = 3  # lazy state allocation, first JIT loads, allocator growth: left out of step means
@@ -179,6 +188,82 @@ def target_lines(results: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def state_bytes(result: dict[str, Any]) -> int | None:
+    """The most optimizer-state bytes (``exp_avg``) any rank held, or None for a result without the figure."""
+    per_rank = result.get("optimizer_state_bytes")
+    return max(per_rank) if per_rank else None
+
+
+def _zero_stage(result: dict[str, Any]) -> int:
+    return int(result["method"].get("zero_stage", 0))
+
+
+def zero_table(results: dict[str, dict[str, Any]]) -> str:
+    """Step time, bytes between nodes and optimizer state per rank, for the results that record the state.
+
+    With several ranks per node the link counters only see traffic between nodes, shared by the node's
+    ranks: *between nodes/step/rank* is the node link's bytes sent per step divided by its ranks.
+    """
+    lines = [
+        "| method | ZeRO stage | ranks/node | total (ms) | communication (ms) | between nodes/step/rank (MB) "
+        "| optimizer state/rank (MB) | val loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, result in results.items():
+        held = state_bytes(result)
+        if held is None:
+            continue
+        row = breakdown(result)
+        lines.append(
+            f"| {_label(name)} | {_zero_stage(result)} | {result.get('node_size', 1)} | {1e3 * row.total_s:.0f} "
+            f"| {1e3 * row.comm_s:.0f} | {row.tx_bytes / 1e6:.3f} | {held / 1e6:.2f} | {result['val_loss']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def hybrid_target_lines(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The ZeRO hybrid's targets against ZeRO-2 Lion (step time, bytes between nodes) and stage-0 Lion Cub
+    1-bit (optimizer state 1/G of it, validation loss within QUALITY_TOLERANCE), each measured and judged."""
+    if HYBRID not in results:
+        return []
+    hybrid = results[HYBRID]
+    row = breakdown(hybrid)
+    lines = []
+    if HYBRID_ZERO_BASELINE in results:
+        base = breakdown(results[HYBRID_ZERO_BASELINE])
+        speedup = base.total_s / row.total_s
+        fewer = base.tx_bytes / max(row.tx_bytes, 1e-9)
+        lines.append(
+            f"{_label(HYBRID)} step {speedup:.2f}x faster than {_label(HYBRID_ZERO_BASELINE)} "
+            f"({1e3 * row.total_s:.0f} ms vs {1e3 * base.total_s:.0f} ms; target >= {HYBRID_SPEEDUP_TARGET:g}x: "
+            f"{'met' if speedup >= HYBRID_SPEEDUP_TARGET else 'NOT met'})."
+        )
+        lines.append(
+            f"{_label(HYBRID)} sends {fewer:.1f}x fewer bytes between nodes than {_label(HYBRID_ZERO_BASELINE)} "
+            f"({row.tx_bytes / 1e6:.3f} MB vs {base.tx_bytes / 1e6:.2f} MB per step per rank; target >= "
+            f"{HYBRID_BYTES_TARGET:g}x: {'met' if fewer >= HYBRID_BYTES_TARGET else 'NOT met'})."
+        )
+    if HYBRID_STAGE0 in results:
+        stage0 = results[HYBRID_STAGE0]
+        node_size = int(hybrid.get("node_size", 1))
+        held, full = state_bytes(hybrid), state_bytes(stage0)
+        if held is not None and full:
+            # ZeRO pads each partition to an alignment boundary: allow a little over full / G.
+            met = held * node_size <= full * 1.001
+            lines.append(
+                f"{_label(HYBRID)} optimizer state {held / 1e6:.2f} MB per rank = 1/{full / held:.3f} of "
+                f"{_label(HYBRID_STAGE0)}'s {full / 1e6:.2f} MB (target 1/G = 1/{node_size}: "
+                f"{'met' if met else 'NOT met'})."
+            )
+        gap = relative_gap(hybrid["val_loss"], stage0["val_loss"])
+        lines.append(
+            f"{_label(HYBRID)}: val loss {hybrid['val_loss']:.4f} vs {_label(HYBRID_STAGE0)} "
+            f"{stage0['val_loss']:.4f} at {hybrid['steps']} vs {stage0['steps']} steps, {100 * gap:+.2f}% "
+            f"(target within {100 * QUALITY_TOLERANCE:.0f}%: {'met' if abs(gap) <= QUALITY_TOLERANCE else 'NOT met'})."
+        )
+    return lines
+
+
 def write_plots(results: dict[str, dict[str, Any]], out_dir: Path, smoothing: int = 10) -> list[Path]:
     """loss_vs_step.png and loss_vs_time.png: train loss (mean over ranks, trailing mean of ``smoothing`` steps)."""
     import matplotlib
@@ -233,13 +318,18 @@ def markdown_report(results: dict[str, dict[str, Any]]) -> str:
     first = next(iter(results.values()))
     settings = first["settings"]
     rate = first.get("link_rate_bps")
+    node_size = int(first.get("node_size", 1))
+    layout = f" ({first['world_size'] // node_size} nodes x {node_size})" if node_size > 1 else ""
     header = (
         f"GPT with {first['n_params']:,} parameters ({settings['n_layer']} layers, d_model {settings['d_model']}), "
-        f"{first['world_size']} ranks, {'%g Gbit/s links' % (rate / 1e9) if rate else 'unshaped loopback'}, "
+        f"{first['world_size']} ranks{layout}, {'%g Gbit/s links' % (rate / 1e9) if rate else 'unshaped loopback'}, "
         f"{first['steps']} steps of {settings['micro_batch']} x {settings['seq_len']} tokens per rank, "
         f"lr {settings['lr']:g}, weight decay {settings['weight_decay']:g}, {first['threads_per_rank']} thread(s) "
         f"per rank. Step times: means over steps {WARMUP_STEPS + 1}-{first['steps']} of the mean over ranks."
     )
     parts = [header, "", "Per step:", "", breakdown_table(results), "", "Quality:", "", quality_table(results), ""]
     parts += [f"- {line}" for line in target_lines(results)]
+    if any(state_bytes(result) is not None for result in results.values()):
+        parts += ["", "Between nodes and optimizer state:", "", zero_table(results), ""]
+        parts += [f"- {line}" for line in hybrid_target_lines(results)]
     return "\n".join(parts) + "\n"

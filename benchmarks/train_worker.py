@@ -23,7 +23,15 @@ Under torch DDP the hooks' all-reduces run asynchronously, overlapped with the b
 there is no call to time. There *communication* is the backward time the all-reduces add: each
 DDP run first times a few backward passes under ``no_sync()`` (no communication) and the median
 of those is the backward compute. Per-step wire bytes come from this rank's interface counters
-(inside a netcluster), so they include everything on the link.
+(inside a netcluster), so they include everything on the link; with several ranks per node
+(``LOCAL_WORLD_SIZE`` > 1) the ranks of a node share one link, and each reports the link's bytes
+divided by the ranks on it. Traffic between ranks of one node stays on the node's loopback and is in
+no link counter: the bytes are the ones that crossed between nodes.
+
+Under ZeRO the engine's collectives are deepspeed.comm's reduce and all-gathers besides its
+all-reduce; they are timed too, and so is the ZeRO hybrid's agreement on skipping a step. Each result
+also records the optimizer state a rank holds (the bytes of its ``exp_avg`` tensors: the full model
+at stage 0, the rank's shard under ZeRO).
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from benchmarks.netcluster.counters import read_sysfs
 from benchmarks.plain_lion import PlainLion
 from benchmarks.train_methods import Method, TrainSettings, ds_config, select_methods
 from ds_lioncub.deepspeed_integration import find_lioncub
+from ds_lioncub.integration import hybrid_zero
 from examples.corpus import DEFAULT_MAX_BYTES, Corpus, load_corpus
 from examples.gpt import GPT, GPTConfig
 from examples.train_gpt import checked_parameters, evaluate, fp32_loss, get_batch, params_in_sync
@@ -114,8 +123,41 @@ def model_config(settings: TrainSettings) -> GPTConfig:
     )
 
 
-def train(method: Method, settings: TrainSettings, steps: int, corpus: Corpus, eval_windows: int) -> dict[str, Any]:
-    """Train ``method`` for ``steps`` steps on every rank; per-step columns are means over ranks."""
+def ranks_per_link() -> int:
+    """How many ranks share this rank's link: its node's ranks inside a netcluster, else 1."""
+    if not os.environ.get("NETCLUSTER_IFNAME"):
+        return 1
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def optimizer_state_bytes(optimizer: Any) -> int:
+    """Bytes of the ``exp_avg`` tensors in ``optimizer.state`` (Lion's only state: its momentum)."""
+    return sum(
+        state["exp_avg"].nbytes
+        for state in optimizer.state.values()
+        if isinstance(state, dict) and torch.is_tensor(state.get("exp_avg"))
+    )
+
+
+def gathered(value: int) -> list[int]:
+    """``value`` from every rank, in rank order."""
+    tensor = torch.tensor([value], dtype=torch.int64)
+    out = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, tensor)
+    return [int(item.item()) for item in out]
+
+
+# deepspeed.comm functions through which ZeRO-1/2 communicate (besides all_reduce); timed when present.
+ZERO_COLLECTIVES = ("reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+
+
+def train(
+    method: Method, settings: TrainSettings, steps: int, corpus: Corpus, eval_windows: int, node_size: int = 1
+) -> dict[str, Any]:
+    """Train ``method`` for ``steps`` steps on every rank; per-step columns are means over ranks.
+
+    ``node_size`` is the ranks per node, passed to the ZeRO hybrid as ``hybrid.node_size``.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(settings.seed)  # same initial weights on every rank and for every method
     model = GPT(model_config(settings))
@@ -123,15 +165,26 @@ def train(method: Method, settings: TrainSettings, steps: int, corpus: Corpus, e
     data_gen = torch.Generator().manual_seed(settings.seed * 1_000_003 + rank + 1)
     clock = CollectiveClock()
     link = LinkCounter()
+    sharers = ranks_per_link()
+    state_holder: Any = None
     backward_compute_s: float | None = None
 
     if method.runtime == "deepspeed":
         engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=ds_config(method, settings)
+            model=model, model_parameters=model.parameters(), config=ds_config(method, settings, node_size)
         )
         module: torch.nn.Module = engine.module
         clock.wrap(ds_comm, "all_reduce")  # the engine looks it up on the module at call time
+        if method.zero_stage:
+            for name in ZERO_COLLECTIVES:
+                if hasattr(ds_comm, name):
+                    clock.wrap(ds_comm, name)
+        if method.hybrid:
+            # The hybrid's world-wide skip agreement (a one-byte all-reduce over the vote group, through
+            # torch.distributed): it waits for the other nodes, which is communication, not update.
+            clock.wrap(hybrid_zero, "_any_rank")
         lioncub = find_lioncub(engine.optimizer)
+        state_holder = lioncub
         if lioncub is not None:
             for name in ("all_to_all", "all_gather", "all_reduce_sum"):
                 clock.wrap(lioncub.transport, name)
@@ -141,7 +194,11 @@ def train(method: Method, settings: TrainSettings, steps: int, corpus: Corpus, e
 
         backward: Callable[[torch.Tensor], None] = engine.backward
         update: Callable[[], None] = engine.step
-        synced = lambda: checked_parameters(engine)  # noqa: E731
+        if method.zero_stage:
+            # Under ZeRO each rank's optimizer holds its own shard: only the module's weights can agree.
+            synced = lambda: list(engine.module.parameters())  # noqa: E731
+        else:
+            synced = lambda: checked_parameters(engine)  # noqa: E731
     else:
         ddp = DistributedDataParallel(model)
         if method.ddp_hook == "bf16":
@@ -157,6 +214,7 @@ def train(method: Method, settings: TrainSettings, steps: int, corpus: Corpus, e
         optimizer = PlainLion(
             ddp.parameters(), lr=settings.lr, betas=(settings.beta1, method.beta2), weight_decay=settings.weight_decay
         )
+        state_holder = optimizer
 
         def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return fp32_loss(ddp(x)[0], y)
@@ -192,8 +250,11 @@ def train(method: Method, settings: TrainSettings, steps: int, corpus: Corpus, e
             comm_s = max(0.0, (t2 - t1) - backward_compute_s)
             backward_s = (t2 - t1) - comm_s
         update_s = (t3 - t2) - (comm - comm_backward)
-        rows.append([t1 - t0, backward_s, update_s, comm_s, t3 - t0, loss.item(), tx1 - tx0, rx1 - rx0])
+        rows.append(
+            [t1 - t0, backward_s, update_s, comm_s, t3 - t0, loss.item(), (tx1 - tx0) / sharers, (rx1 - rx0) / sharers]
+        )
     clock.restore()
+    state_bytes = gathered(optimizer_state_bytes(state_holder) if state_holder is not None else 0)
 
     val_loss = evaluate(
         module,
@@ -212,6 +273,9 @@ def train(method: Method, settings: TrainSettings, steps: int, corpus: Corpus, e
         "method": asdict(method),
         "settings": asdict(settings),
         "world_size": world,
+        "node_size": node_size,
+        "ranks_per_link": sharers,
+        "optimizer_state_bytes": state_bytes,
         "steps": steps,
         "n_params": n_params,
         "threads_per_rank": torch.get_num_threads(),
@@ -255,9 +319,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus-bytes", type=int, default=DEFAULT_MAX_BYTES)
     p.add_argument("--corpus-cache", type=Path, default=None, help="where the stdlib corpus is cached")
     p.add_argument("--settings", type=str, default="{}", help="JSON object of TrainSettings fields")
+    p.add_argument("--node-size", type=int, default=1, help="ranks per node (the ZeRO hybrid's hybrid.node_size)")
     args = p.parse_args(argv)
-    if args.steps < 1:
-        p.error("--steps must be >= 1")
+    if args.steps < 1 or args.node_size < 1:
+        p.error("--steps and --node-size must be >= 1")
     return args
 
 
@@ -269,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     deepspeed.init_distributed(dist_backend="gloo")  # also the default group DDP uses
     corpus = load_corpus(None, max_bytes=args.corpus_bytes, cache_dir=args.corpus_cache)
     for method in methods:
-        result = train(method, settings, args.steps, corpus, args.eval_windows)
+        result = train(method, settings, args.steps, corpus, args.eval_windows, args.node_size)
         if dist.get_rank() == 0:
             args.out_dir.mkdir(parents=True, exist_ok=True)
             (args.out_dir / f"{method.name}.json").write_text(json.dumps(result) + "\n")

@@ -56,10 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--all", action="store_true", help="with --cleanup: also remove clusters of live runs")
     parser.add_argument("--ranks", type=int, default=2, help="world size (default 2)")
     parser.add_argument(
+        "--node-size",
         "--ranks-per-node",
+        dest="ranks_per_node",
         type=int,
         default=1,
-        help="ranks sharing one namespace and link (default 1: every rank is a node)",
+        help="ranks per node: they share one namespace and link, and reach each other over its loopback, "
+        "unshaped (default 1: every rank is a node)",
     )
     parser.add_argument(
         "--bandwidth",
@@ -124,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not command:
                 parser.error("no command given (put it after --)")
             if args.ranks < 1 or args.ranks_per_node < 1 or args.ranks % args.ranks_per_node:
-                parser.error("--ranks must be a positive multiple of --ranks-per-node")
+                parser.error("--ranks must be a positive multiple of --node-size")
             link = LinkSpec(
                 rate_bps=args.bandwidth,
                 delay_s=args.latency,
@@ -132,13 +135,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 burst_bytes=args.burst,
                 segment_offload=not args.no_offload,
             )
-            spec = ClusterSpec(nodes=args.ranks // args.ranks_per_node, link=link)
+            spec = ClusterSpec(nodes=args.ranks // args.ranks_per_node, link=link, node_size=args.ranks_per_node)
             echo_ranks = {0} if args.echo == "rank0" else None
             with Cluster(spec) as cluster:
                 result = run_command(
                     cluster,
                     command,
-                    ranks_per_node=args.ranks_per_node,
                     master_port=args.master_port,
                     timeout_s=args.timeout,
                     echo=None if args.echo == "none" else sys.stdout,

@@ -209,7 +209,7 @@ def _stop(ranks: list[_Rank], grace_s: float) -> None:
 def run_command(
     cluster: Cluster,
     command: Sequence[str],
-    ranks_per_node: int = 1,
+    ranks_per_node: int | None = None,
     master_port: int = 29500,
     env: Mapping[str, str] | None = None,
     timeout_s: float | None = None,
@@ -220,6 +220,9 @@ def run_command(
 ) -> RunResult:
     """Run ``command`` once per rank (``nodes * ranks_per_node`` ranks) and wait for all of them.
 
+    ``ranks_per_node`` defaults to the cluster's ``node_size``: the ranks of one node run in its
+    namespace and reach each other over its loopback, unshaped.
+
     Output lines are echoed as ``[rank R] ...`` (only ``echo_ranks``, if given) and the last
     lines of each rank kept for the result; ``log_dir`` also keeps each rank's full output. The
     exit code is 0, the first failing rank's code, or 124 on timeout. An exception (Ctrl-C inside
@@ -227,6 +230,8 @@ def run_command(
     """
     if not command:
         raise ValueError("no command given")
+    if ranks_per_node is None:
+        ranks_per_node = cluster.spec.node_size
     if ranks_per_node < 1:
         raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
     base = dict(os.environ if env is None else env)

@@ -77,14 +77,28 @@ class LinkSpec:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """``nodes`` namespaces, each with the same link."""
+    """``nodes`` namespaces, each with the same link, and ``node_size`` ranks in each.
+
+    The ``node_size`` ranks of one node share its namespace, hence its address: their traffic to each
+    other goes over the namespace's loopback, unshaped and in no link counter (as two GPUs of one
+    machine talk over NVLink or PCIe, not the NIC), while traffic to other nodes crosses the node's
+    shaped link. ``node_size`` 1 (the default) makes every rank a node.
+    """
 
     nodes: int
     link: LinkSpec = field(default_factory=LinkSpec)
+    node_size: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= MAX_NODES:
             raise ValueError(f"nodes must be in [1, {MAX_NODES}], got {self.nodes}")
+        if self.node_size < 1:
+            raise ValueError(f"node_size must be >= 1, got {self.node_size}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the whole cluster: ``nodes * node_size``."""
+        return self.nodes * self.node_size
 
 
 def new_cluster_id() -> str:

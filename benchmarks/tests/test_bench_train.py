@@ -22,6 +22,7 @@ import torch
 from benchmarks import REPO, train_report
 from benchmarks.plain_lion import PlainLion
 from benchmarks.train_methods import METHODS, METHODS_BY_NAME, TrainSettings, ds_config, select_methods
+from ds_lioncub.comm import wire
 from ds_lioncub.config import parse_config
 from tests.support.reference import reference_lion_step
 
@@ -38,6 +39,36 @@ def test_deepspeed_methods_have_valid_lioncub_options(method) -> None:
     assert options.compression == method.lioncub["compression"]
     assert config["gradient_clipping"] == 0.0  # DeepSpeed's default would clip at 1.0
     assert config.get("communication_data_type") == method.communication_data_type
+
+
+def test_zero_methods_configs() -> None:
+    settings = TrainSettings()
+    zero2 = ds_config(METHODS_BY_NAME["lion_zero2"], settings, node_size=2)
+    assert zero2["zero_optimization"] == {"stage": 2}
+    assert zero2["optimizer"]["params"]["compression"] == "none" and "hybrid" not in zero2["optimizer"]["params"]
+    hybrid = ds_config(METHODS_BY_NAME["lioncub_1bit_zero2_hybrid"], settings, node_size=2)
+    assert hybrid["zero_optimization"] == {"stage": 2}
+    assert hybrid["optimizer"]["params"]["compression"] == "1bit"
+    assert hybrid["optimizer"]["params"]["hybrid"] == {"node_size": 2}
+    assert parse_config(hybrid["optimizer"]["params"]).compression == "1bit"
+    # Stage 0 is untouched by the cluster's node size.
+    stage0 = ds_config(METHODS_BY_NAME["lioncub_1bit"], settings, node_size=2)
+    assert "zero_optimization" not in stage0 and "hybrid" not in stage0["optimizer"]["params"]
+    assert stage0 == ds_config(METHODS_BY_NAME["lioncub_1bit"], settings)
+    with pytest.raises(ValueError, match="node_size must be >= 1"):
+        ds_config(METHODS_BY_NAME["lion_zero2"], settings, node_size=0)
+
+
+def test_bench_train_node_size_must_divide_the_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.bench_train import parse_args, worker_command
+
+    args = parse_args(["--out-dir", "/tmp/x", "--ranks", "4", "--node-size", "2"])
+    assert args.node_size == 2
+    command = worker_command(args, METHODS_BY_NAME["lioncub_1bit_zero2_hybrid"])
+    assert command[command.index("--node-size") + 1] == "2"
+    with pytest.raises(SystemExit):
+        parse_args(["--out-dir", "/tmp/x", "--ranks", "4", "--node-size", "3"])
+    assert "positive multiple of --node-size" in capsys.readouterr().err
 
 
 def test_every_reference_is_a_method_with_the_same_beta2() -> None:
@@ -153,6 +184,33 @@ def test_targets_and_tables() -> None:
     assert "| 800 |" in one_bit and "| 40% |" in one_bit and "| 5.00x |" in one_bit and "| 20.00 |" in one_bit
     quality = train_report.quality_table(results)
     assert "| +5.00% |" in next(line for line in quality.splitlines() if "1-bit" in line)
+
+
+def test_zero_table_and_hybrid_targets() -> None:
+    def zero_result(name: str, total: float, tx: float, state: int, val_loss: float) -> dict:
+        result = _result(name, [total] * 5, [3.0] * 5, val_loss, tx=tx)
+        result["method"]["zero_stage"] = METHODS_BY_NAME[name].zero_stage
+        result.update(node_size=2, world_size=4, optimizer_state_bytes=[state] * 4)
+        return result
+
+    results = {
+        "lioncub_1bit": zero_result("lioncub_1bit", 0.5, 1_400_000.0, 4000, 2.00),
+        "lion_zero2": zero_result("lion_zero2", 1.8, 58_000_000.0, 1000, 1.90),
+        "lioncub_1bit_zero2_hybrid": zero_result("lioncub_1bit_zero2_hybrid", 1.0, 800_000.0, 2000, 2.03),
+    }
+    table = train_report.zero_table(results)
+    hybrid_row = next(line for line in table.splitlines() if "ZeRO-2 hybrid" in line)
+    assert hybrid_row == "| Lion Cub 1-bit, ZeRO-2 hybrid | 2 | 2 | 1000 | 400 | 0.800 | 0.00 | 2.0300 |"
+    text = "\n".join(train_report.hybrid_target_lines(results))
+    assert "step 1.80x faster than Lion, ZeRO-2 (1000 ms vs 1800 ms; target >= 2x: NOT met)" in text
+    assert "72.5x fewer bytes between nodes" in text and "target >= 16x: met" in text
+    assert "= 1/2.000 of Lion Cub 1-bit vote's" in text and "target 1/G = 1/2: met" in text
+    assert "+1.50% (target within 2%: met)" in text
+    # Results without the optimizer-state figure (older runs) are left out of the table, and no hybrid: no lines.
+    del results["lion_zero2"]["optimizer_state_bytes"]
+    assert "Lion, ZeRO-2" not in train_report.zero_table(results)
+    assert train_report.hybrid_target_lines({"lion_zero2": results["lion_zero2"]}) == []
+    assert "Between nodes and optimizer state" in train_report.markdown_report(results)
 
 
 def test_plots_are_written(tmp_path: Path) -> None:
@@ -286,3 +344,60 @@ def test_emulated_cluster_run_puts_the_expected_bytes_on_the_wire(
         for step, sent in enumerate(results[name]["per_step"]["tx_bytes"]):
             assert model <= sent <= 1.10 * model, (name, step, sent, model)
     assert all(result["params_in_sync"] for result in results.values())
+
+
+@pytest.mark.netns
+def test_emulated_two_by_two_cluster_zero_hybrid_bytes_and_state(
+    tmp_path: Path, packing_op_build: tuple[Any, Any]
+) -> None:
+    """2 nodes x 2 ranks: only the hybrid's 1-bit vote of a shard crosses between nodes; its state is 1/2 of stage 0."""
+    out = tmp_path / "run"
+    methods = ["lioncub_1bit", "lion_zero2", "lioncub_1bit_zero2_hybrid"]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_train",
+        "--ranks",
+        "4",
+        "--node-size",
+        "2",
+        "--bandwidth",
+        "1gbit",
+        "--steps",
+        "3",
+        "--methods",
+        ",".join(methods),
+        "--d-model",
+        "128",
+        "--n-layer",
+        "2",
+        "--n-head",
+        "4",
+        "--micro-batch",
+        "2",
+        "--seq-len",
+        "16",
+        "--eval-windows",
+        "8",
+        "--out-dir",
+        str(out),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = train_report.load_results(out, methods)
+    for result in results.values():
+        assert result["node_size"] == 2 and result["ranks_per_link"] == 2 and result["params_in_sync"]
+        assert len(set(result["optimizer_state_bytes"])) == 1  # every rank holds the same amount
+    stage0, zero2, hybrid = (train_report.state_bytes(results[name]) for name in methods)
+    n = results["lioncub_1bit"]["n_params"]
+    assert stage0 == 4 * n
+    # ZeRO pads the flat buffer to an alignment before splitting it: a shard is at least n / G elements.
+    assert 4 * n <= 2 * hybrid <= 4 * n * 1.01 and 4 * n <= 4 * zero2 <= 4 * n * 1.01
+    # Between nodes each rank sends its share of the 1-bit vote of its shard over M = 2 nodes (the link's
+    # bytes / 2 ranks): the library's own count, plus headers, ACKs and the small agreement messages.
+    shard = hybrid // 4
+    model = wire.vote_1bit_bytes(shard, 2)
+    for step, sent in enumerate(results["lioncub_1bit_zero2_hybrid"]["per_step"]["tx_bytes"]):
+        assert model <= sent <= 1.15 * model, (step, sent, model)
+    zero2_sent = train_report.breakdown(results["lion_zero2"], warmup=0).tx_bytes
+    assert zero2_sent >= 16 * train_report.breakdown(results["lioncub_1bit_zero2_hybrid"], warmup=0).tx_bytes

@@ -137,3 +137,25 @@ def test_not_root_is_said_clearly(monkeypatch: pytest.MonkeyPatch, capsys: pytes
 
     assert main(["--ranks", "2", "--", "true"]) == 1
     assert "netcluster needs root" in capsys.readouterr().err
+
+
+def test_node_size_of_a_cluster() -> None:
+    assert ClusterSpec(nodes=3).node_size == 1 and ClusterSpec(nodes=3).world_size == 3  # the default: a rank a node
+    spec = ClusterSpec(nodes=2, node_size=4)
+    assert spec.world_size == 8
+    with pytest.raises(ValueError, match="node_size must be >= 1"):
+        ClusterSpec(nodes=2, node_size=0)
+    # The ranks of one node share its namespace and address; LOCAL_* number them inside the node.
+    cluster = Cluster(spec, cluster_id="1-abc")
+    env = rank_environment(cluster, rank=5, ranks_per_node=spec.node_size, master_port=1, base={})
+    assert env["NODE_RANK"] == "1" and env["LOCAL_RANK"] == "1" and env["LOCAL_WORLD_SIZE"] == "4"
+    assert env["WORLD_SIZE"] == "8" and env["MASTER_ADDR"] == "10.77.0.1"
+
+
+def test_cli_node_size_option() -> None:
+    from benchmarks.netcluster.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["--ranks", "4", "--node-size", "2", "--", "true"]).ranks_per_node == 2
+    assert parser.parse_args(["--ranks", "4", "--ranks-per-node", "2", "--", "true"]).ranks_per_node == 2
+    assert parser.parse_args(["--ranks", "4", "--", "true"]).ranks_per_node == 1

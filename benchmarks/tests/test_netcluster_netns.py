@@ -148,6 +148,76 @@ def test_unshaped_link_is_not_limited(tmp_path: Path) -> None:
     assert measured["seconds"] < 0.25 * 0.6  # well under the 100 Mbit/s time above
 
 
+PAIR = textwrap.dedent("""
+    import json, os, socket, sys, time
+    n, sender, rank = int(sys.argv[1]), int(sys.argv[2]), int(os.environ["RANK"])
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank == 0:
+        server = socket.create_server((addr, port))
+        conn, (peer, _) = server.accept()
+        got, buf, start = 0, bytearray(1 << 16), time.perf_counter()
+        while got < n:
+            k = conn.recv_into(buf)
+            if not k:
+                break
+            got += k
+        print(json.dumps({"received": got, "seconds": time.perf_counter() - start, "peer": peer}))
+        conn.sendall(b"k")
+    elif rank == sender:
+        for _ in range(200):
+            try:
+                sock = socket.create_connection((addr, port))
+                break
+            except OSError:
+                time.sleep(0.01)
+        sock.sendall(b"x" * n)
+        sock.recv(1)
+""")
+
+
+def _pair(cluster: Cluster, nbytes: int, sender: int, port: int, tmp_path: Path) -> tuple[dict, RunResult]:
+    """Rank ``sender`` sends ``nbytes`` to rank 0 over TCP; the other ranks exit at once."""
+    script = tmp_path / "pair.py"
+    script.write_text(PAIR)
+    result = run_command(
+        cluster, [sys.executable, str(script), str(nbytes), str(sender)], master_port=port, echo=None, timeout_s=30
+    )
+    assert result.ok, result.ranks
+    line = next(line for line in result.ranks[0].output_tail if '"received"' in line)
+    return json.loads(line), result
+
+
+def test_node_size_ranks_of_a_node_talk_unshaped_and_nodes_through_the_link(tmp_path: Path) -> None:
+    """2 nodes x 2 ranks: ranks 0 and 1 share node 0's namespace and loopback, rank 2 is behind node 1's link."""
+    nbytes, rate = 6_000_000, parse_rate("100mbit")  # 0.5 s through the shaped link
+    spec = ClusterSpec(nodes=2, link=LinkSpec(rate_bps=rate), node_size=2)
+    with Cluster(spec) as cluster:
+        assert sorted(_ours(cluster)) == sorted(cluster.namespaces) and len(cluster.namespaces) == 3
+        for node in range(2):
+            ns = cluster.node_netns(node)
+            shaped = json.loads(system.tc("-j", "qdisc", "show", "dev", "ncl0", netns=ns).stdout)
+            assert [q["options"]["rate"] for q in shaped if q["kind"] == "tbf"] == [rate // 8]
+            loopback = json.loads(system.tc("-j", "qdisc", "show", "dev", "lo", netns=ns).stdout)
+            assert not any(q["kind"] in ("tbf", "netem") for q in loopback)  # nothing shapes a node's own traffic
+        inside, inside_run = _pair(cluster, nbytes, sender=1, port=29511, tmp_path=tmp_path)
+        across, across_run = _pair(cluster, nbytes, sender=2, port=29512, tmp_path=tmp_path)
+    # run_command took the cluster's node size: 4 ranks, two per node.
+    assert [rank.node for rank in inside_run.ranks] == [0, 0, 1, 1] and inside_run.ranks_per_node == 2
+    assert inside["received"] == across["received"] == nbytes
+    # Inside a node: from the node's own address over its loopback, far faster than the link, in no link counter.
+    assert inside["peer"] == cluster.node_address(0)
+    assert inside["seconds"] < 0.5 * 0.5, inside
+    for counters in inside_run.wire:
+        assert counters.tx_bytes + counters.rx_bytes < 0.01 * nbytes, inside_run.wire
+    # Across nodes: node 1's address, at the link's rate, and counted on both nodes' links.
+    assert across["peer"] == cluster.node_address(1)
+    expected_s = as_mtu_frames(across_run.wire[1]).tx_bytes * 8 / rate
+    assert 0.6 * expected_s < across["seconds"] < 3 * expected_s + 0.3, (across, expected_s)
+    assert nbytes <= across_run.wire[1].tx_bytes <= 1.06 * nbytes
+    assert nbytes <= across_run.wire[0].rx_bytes <= 1.06 * nbytes
+    assert across_run.wire[0].tx_bytes < 0.05 * nbytes  # only ACKs go back
+
+
 def test_latency_needs_netem_or_delays() -> None:
     cluster = Cluster(ClusterSpec(nodes=2, link=LinkSpec(rate_bps=10**9, delay_s=0.02)))
     try:
