@@ -283,14 +283,17 @@ def remove_namespaces(names: list[str], grace_s: float = 3.0) -> None:
     """
     present = [name for name in names if name in set(list_netns())]
     _stop_processes(present, grace_s)
-    failures = []
+    failures = {}
     for name in present:
         done = ip("netns", "del", name, check=False)
         if done.returncode != 0:
-            failures.append(f"{name}: {done.stderr.strip()}")
+            failures[name] = done.stderr.strip()
     left = [name for name in names if name in set(list_netns())]
-    if failures or left:
-        raise NetclusterError(f"could not remove namespaces {left}: {'; '.join(failures)}")
+    # A deletion that failed because another process (a concurrent clean-up) removed the namespace
+    # first has reached the goal: only namespaces still present are failures.
+    if left:
+        reasons = "; ".join(f"{name}: {failures.get(name, 'still present')}" for name in left)
+        raise NetclusterError(f"could not remove namespaces {left}: {reasons}")
 
 
 def _stop_processes(names: list[str], grace_s: float) -> None:
