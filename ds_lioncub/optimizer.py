@@ -334,7 +334,8 @@ class LionCub(torch.optim.Optimizer):
         if check_interval and step % check_interval == 0 and self._params_are_replicas:
             params = self._flat_params()
             names = self.param_names or [f"parameter #{i} of shape {tuple(p.shape)}" for i, p in enumerate(params)]
-            check_replicas(self.transport, params, [repr(name) for name in names] if self.param_names else names, step)
+            labels = [repr(name) for name in names] if self.param_names else names
+            check_replicas(self.transport, params, labels, step, agreement=self._agreement_transport)
         return loss
 
     def _participants(self) -> list[Entry]:

@@ -14,6 +14,7 @@ import torch
 
 from ds_lioncub.comm.transport import Transport
 from ds_lioncub.errors import LionCubSetupError
+from ds_lioncub.fingerprint import gather_texts
 
 _BITS_AS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
@@ -30,21 +31,43 @@ def _digest(checksums: torch.Tensor) -> torch.Tensor:
     return (checksums * weights).sum().reshape(1)
 
 
-def check_replicas(transport: Transport, params: list[torch.Tensor], names: list[str], step: int) -> None:
-    """Raise the same :class:`~ds_lioncub.errors.LionCubSetupError` on every rank if the ranks' parameters differ."""
+def check_replicas(
+    transport: Transport,
+    params: list[torch.Tensor],
+    names: list[str],
+    step: int,
+    agreement: Transport | None = None,
+) -> None:
+    """Raise the same :class:`~ds_lioncub.errors.LionCubSetupError` on every rank if the ranks' parameters differ.
+
+    ``transport`` connects the ranks that hold replicas of ``params``. ``agreement``, when it is a
+    larger group (the whole world under the ZeRO hybrid, where each vote group compares its own
+    shard), hears every group's verdict, so that all of its ranks raise together: a rank that went
+    on alone would wait forever in the next collective of its node.
+    """
+    problem = _replica_problem(transport, params, names, step)
+    if agreement is not None and agreement is not transport and agreement.world_size > 1:
+        reports = [report for report in gather_texts(agreement, problem) if report]
+        problem = reports[0] if reports else ""
+    if problem:
+        raise LionCubSetupError(problem)
+
+
+def _replica_problem(transport: Transport, params: list[torch.Tensor], names: list[str], step: int) -> str:
+    """The error message when the replicas of ``params`` differ over ``transport``, else ""."""
     if transport.world_size == 1:
-        return
+        return ""
     checksums = parameter_checksums(params)
     digests = transport.all_gather(_digest(checksums))
     if bool((digests == digests[0]).all()):
-        return
+        return ""
     rows = transport.all_gather(checksums).view(transport.world_size, -1)
     position = next(i for i in range(rows.size(1)) if bool((rows[:, i] != rows[0, i]).any()))
     groups: dict[int, list[int]] = {}
     for rank in range(transport.world_size):
         groups.setdefault(int(rows[rank, position]), []).append(rank)
     split = " vs ".join(f"ranks {', '.join(map(str, ranks))}" for ranks in groups.values())
-    raise LionCubSetupError(
+    return (
         f"LionCub: the ranks' parameters differ after step {step}, first at {names[position]} ({split} hold "
         f"different values): a replica diverged silently (faulty hardware, a non-deterministic kernel, or code "
         f"that changed parameters on one rank). Resume every rank from the last checkpoint saved before step "

@@ -671,3 +671,14 @@ def test_a_damaged_hybrid_checkpoint_is_refused_on_every_rank(
     assert message is not None and message.startswith("LionCubSetupError: LionCub: cannot resume from"), message
     for fragment in fragments:
         assert fragment in message, message
+
+
+def test_a_shard_changed_on_one_rank_stops_every_rank_of_every_node(launched: dict[str, Any]) -> None:
+    """Only rank 3's vote group holds the changed shard, but all 4 ranks raise together (none waits in ZeRO)."""
+    messages = {results["perturbed"] for results in launched["main"]}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert message is not None and message.startswith("LionCubSetupError: LionCub: the ranks' parameters differ"), (
+        message
+    )
+    assert "after step 4" in message and "ZeRO shard" in message, message

@@ -169,6 +169,23 @@ def run_refused() -> dict[str, Any]:
     return results
 
 
+def run_perturbed() -> dict[str, Any]:
+    """Replica check every 2 steps; rank 3's master shard is changed after step 2: every rank must raise at 4."""
+    rank = dist.get_rank()
+    case = HybridCase("perturbed", options={"compression": "1bit", "consistency_check": {"interval": 2}})
+    engine = build(case)
+    try:
+        for step in range(1, 5):
+            engine.backward(loss_of(engine, rank, step, 0, None))
+            engine.step()
+            if step == 2 and rank == 3:
+                with torch.no_grad():
+                    engine.optimizer.single_partition_of_fp32_groups[0][0] += 1.0
+        return {"perturbed": None}
+    except Exception as error:  # noqa: BLE001 - the test checks the message
+        return {"perturbed": error_text(error)}
+
+
 def run_mismatched() -> dict[str, Any]:
     """Rank 1 built differently from the others: every rank must raise the same error, without a hang."""
     rank = dist.get_rank()
@@ -257,6 +274,7 @@ def main() -> None:
         results.update(run_save(args.out))
         results.update(run_refused())
         results.update(run_mismatched())
+        results.update(run_perturbed())
     else:
         results.update(run_resume(args.out))
     torch.save(results, args.out / f"{args.phase}-rank{dist.get_rank()}.pt")
