@@ -214,11 +214,9 @@ class LionCub(torch.optim.Optimizer):
             *((f"option {name}", repr(value)) for name, value in self.options.model_dump().items()),
             ("param groups (size, lr, betas, weight_decay)", repr(groups)),
         ]
-        known = self._names_by_position()
-        names: list[str | None] = list(known) if known is not None else [None] * len(self._flat_params())
         # comm_stats() counts the steps' traffic only: the check's all-gather is left out.
         counted = self.transport.stats + CommStats()
-        check_same_on_every_rank(self.transport, components, describe_parameters(names, self._flat_params()))
+        check_same_on_every_rank(self.transport, components, self.parameter_layout())
         self.transport.stats = counted
 
     def _make_transport(self, process_group: dist.ProcessGroup | None) -> Transport:
@@ -282,6 +280,15 @@ class LionCub(torch.optim.Optimizer):
     def momentum_synced_parameters(self) -> list[torch.Tensor]:
         """The parameters whose ``exp_avg`` momentum sync averages."""
         return [p for position, p in enumerate(self._flat_params()) if position in self._momentum_synced]
+
+    def parameter_layout(self) -> list[str]:
+        """One line per parameter in flat position order: name (or ``#position``), shape, dtype.
+
+        What the ranks compare at set-up and what a checkpoint's momenta must match on load.
+        """
+        names = self.param_names if self.param_names is not None else self._names_by_position()
+        params = self._flat_params()
+        return describe_parameters(list(names) if names is not None else [None] * len(params), params)
 
     def local_momentum_state(self) -> list[torch.Tensor | None]:
         """This rank's ``exp_avg`` by flat parameter position (None: no state yet), for checkpoints."""

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ds_lioncub.comm.transport import TorchTransport
 from ds_lioncub.errors import LionCubSetupError
-from ds_lioncub.fingerprint import describe_parameters, gather_texts
+from ds_lioncub.fingerprint import gather_texts
 from ds_lioncub.integration.hybrid_zero import HybridSetup
 from ds_lioncub.optimizer import LionCub
 
@@ -66,12 +66,6 @@ FORMAT = 2
 _TEMPORARY_SUFFIX = ".tmp"  # the temporary name keeps "lioncub" in it, so it is recognisable
 
 
-def _parameter_layout(optimizer: LionCub) -> list[str]:
-    params = optimizer._flat_params()
-    names: list[str | None] = list(optimizer.param_names) if optimizer.param_names else [None] * len(params)
-    return describe_parameters(names, params)
-
-
 def momentum_state(optimizer: LionCub, rank: int, hybrid: HybridSetup | None = None) -> dict[str, Any]:
     """This rank's momentum file content (see the module docstring)."""
     momenta = optimizer.local_momentum_state()
@@ -80,7 +74,7 @@ def momentum_state(optimizer: LionCub, rank: int, hybrid: HybridSetup | None = N
         "world_size": dist.get_world_size() if hybrid is not None else optimizer.transport.world_size,
         "rank": rank,
         "step": optimizer.param_groups[0]["step"] if optimizer.param_groups else 0,
-        "parameters": _parameter_layout(optimizer),
+        "parameters": optimizer.parameter_layout(),
         "options": repr(optimizer.options.model_dump()),  # what the run used; options may change across a resume
         "exp_avg": [None if m is None else m.cpu() for m in momenta],
     }
@@ -172,7 +166,14 @@ def _momenta_to_restore(
     files, prefix = (plain, MOMENTUM_FILE_PREFIX) if hybrid is None else (hybrid_files, HYBRID_FILE_PREFIX)
     if not files:
         return None  # nothing LionCub-specific was saved (e.g. by compression "none")
-    first = _read(files[0])
+    read: dict[str, dict[str, Any]] = {}  # every file is read at most once
+
+    def state_of(path: str) -> dict[str, Any]:
+        if path not in read:
+            read[path] = _read(path)
+        return read[path]
+
+    first = state_of(files[0])
     saved_world = int(first["world_size"])
     expected = [momentum_file(directory, rank, prefix) for rank in range(saved_world)]
     missing = [os.path.basename(path) for path in expected if path not in files]
@@ -183,7 +184,7 @@ def _momenta_to_restore(
             + (f", missing {', '.join(missing)}" if missing else "")
             + (f", not part of it: {', '.join(foreign)}" if foreign else "")
         )
-    layout = _parameter_layout(optimizer)
+    layout = optimizer.parameter_layout()
     if hybrid is not None:
         current = hybrid.groups.layout
         saved = (first.get("nodes"), first.get("node_size"))
@@ -194,18 +195,14 @@ def _momenta_to_restore(
                 f"they cannot be redistributed. Resume with hybrid.node_size={saved[1]} on "
                 f"{(saved[0] or 0) * (saved[1] or 0)} ranks"
             )
-        rank = dist.get_rank()
-        state = _read(expected[rank])
-        _check_file(state, expected[rank], rank, saved_world, layout)
-        return list(state["exp_avg"])
-    world_size, rank = optimizer.transport.world_size, optimizer.transport.rank
-    if saved_world == world_size:
-        state = _read(expected[rank])
-        _check_file(state, expected[rank], rank, saved_world, layout)
-        return list(state["exp_avg"])
+    rank = dist.get_rank() if hybrid is not None else optimizer.transport.rank
+    if hybrid is not None or saved_world == optimizer.transport.world_size:  # each rank its own file
+        own = state_of(expected[rank])
+        _check_file(own, expected[rank], rank, saved_world, layout)
+        return list(own["exp_avg"])
     states = []
     for saved_rank, path in enumerate(expected):
-        state = _read(path)
+        state = state_of(path)
         _check_file(state, path, saved_rank, saved_world, layout)
         states.append(state["exp_avg"])
     return _mean_momenta(states)

@@ -94,6 +94,7 @@ def _node_size_option(optimizer: LionCub) -> int | None:
 
 def _refuse_what_the_hybrid_cannot_do(engine: Any, optimizer: LionCub, stage: int) -> None:
     """Refuse the features the hybrid does not handle (yet), naming the alternative."""
+    refuse_before_construction(engine, optimizer.options)  # also for a LionCub the user built (MPI)
     version = tuple(int(part) for part in deepspeed.__version__.split(".")[:2])
     if version != TESTED_DEEPSPEED_MINOR:
         raise LionCubConfigError(
@@ -125,11 +126,6 @@ def _refuse_what_the_hybrid_cannot_do(engine: Any, optimizer: LionCub, stage: in
             bool(engine.load_universal_checkpoint()),
             "universal checkpoints (they hold node 0's momentum only)",
             "load a regular checkpoint",
-        ),
-        (
-            optimizer.options.comm_backend_name != "torch",
-            "comm_backend_name='mpi' (the MPI world would have to be the vote group)",
-            "use comm_backend_name='torch'",
         ),
         (
             optimizer.options.momentum_sync.interval > 0 and optimizer.options.momentum_sync.layers != "all",
