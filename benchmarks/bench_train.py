@@ -13,7 +13,7 @@ loss vs step and vs training time::
 
     sudo python -m benchmarks.bench_train --ranks 4 --bandwidth 1gbit --steps 200 --out-dir runs/train_1gbit
     python -m benchmarks.bench_train --report-only --out-dir runs/train_1gbit     # tables and plots again
-    python -m benchmarks.bench_train --loopback --ranks 2 --steps 20 --out-dir /tmp/t  # no root: local, unshaped
+    python -m benchmarks.bench_train --loopback --ranks 2 --steps 20 --out-dir runs/try  # no root: local, unshaped
     sudo python -m benchmarks.bench_train --ranks 4 --node-size 2 --bandwidth 1gbit --out-dir runs/zero \
         --methods lioncub_1bit,lion_zero2,lioncub_1bit_zero2_hybrid     # 2 nodes x 2 ranks, ZeRO inside a node
 

@@ -5,7 +5,7 @@ has them, they are real text with long-range structure, and reading them is dete
 relative paths) for a given Python version. A user file can be passed instead. Tokens are bytes
 (vocabulary 256), so no tokenizer has to be downloaded or trained.
 
-Run as a module to write the corpus to a file:  python -m examples.corpus --out /tmp/corpus.bin
+Run as a module to write the corpus to a file:  python -m examples.corpus --out corpus.bin
 """
 
 from __future__ import annotations

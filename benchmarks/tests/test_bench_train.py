@@ -26,6 +26,12 @@ from ds_lioncub.comm import wire
 from ds_lioncub.config import parse_config
 from tests.support.reference import reference_lion_step
 
+# The small GPT of the emulated-cluster runs (the loopback run uses a smaller one).
+CLUSTER_MODEL = [
+    *("--d-model", "128", "--n-layer", "2", "--n-head", "4"),
+    *("--micro-batch", "2", "--seq-len", "16", "--eval-windows", "8"),
+]
+
 # ---------------------------------------------------------------------------------------------- methods
 
 
@@ -315,18 +321,7 @@ def test_emulated_cluster_run_puts_the_expected_bytes_on_the_wire(
         "3",
         "--methods",
         "lion_fp32,lioncub_1bit",
-        "--d-model",
-        "128",
-        "--n-layer",
-        "2",
-        "--n-head",
-        "4",
-        "--micro-batch",
-        "2",
-        "--seq-len",
-        "16",
-        "--eval-windows",
-        "8",
+        *CLUSTER_MODEL,
         "--out-dir",
         str(out),
     ]
@@ -367,18 +362,7 @@ def test_emulated_two_by_two_cluster_zero_hybrid_bytes_and_state(
         "3",
         "--methods",
         ",".join(methods),
-        "--d-model",
-        "128",
-        "--n-layer",
-        "2",
-        "--n-head",
-        "4",
-        "--micro-batch",
-        "2",
-        "--seq-len",
-        "16",
-        "--eval-windows",
-        "8",
+        *CLUSTER_MODEL,
         "--out-dir",
         str(out),
     ]

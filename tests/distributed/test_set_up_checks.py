@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.checks import same_message_on_every_rank
 from tests.support.launch import REPO, run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -23,14 +24,6 @@ WORKER = REPO / "tests" / "workers" / "set_up_scenarios.py"
 def ranks(tmp_path_factory: pytest.TempPathFactory, packing_op_build: tuple[Any, Any]) -> list[dict[str, Any]]:
     # A hang would fail here at the time limit instead of blocking the suite.
     return run_ranks(WORKER, 3, Path(tmp_path_factory.mktemp("set-up")), timeout_s=120)
-
-
-def _message(ranks: list[dict[str, Any]], scenario: str) -> str:
-    messages = {results[scenario] for results in ranks}
-    assert len(messages) == 1, f"{scenario}: the ranks raised different errors: {messages}"
-    message = messages.pop()
-    assert message is not None, f"{scenario}: accepted"
-    return str(message)
 
 
 @pytest.mark.parametrize("scenario", ["same", "same_again", "checked"])
@@ -51,7 +44,7 @@ def test_ranks_built_alike_train(ranks: list[dict[str, Any]], scenario: str) -> 
 def test_a_rank_built_differently_raises_the_same_error_on_every_rank(
     ranks: list[dict[str, Any]], scenario: str, fragments: list[str]
 ) -> None:
-    message = _message(ranks, scenario)
+    message = same_message_on_every_rank(ranks, scenario)
     assert message.startswith("LionCubConfigError: LionCub: the ranks"), message
     for fragment in fragments:
         assert fragment in message, message
@@ -59,6 +52,6 @@ def test_a_rank_built_differently_raises_the_same_error_on_every_rank(
 
 def test_a_parameter_changed_on_one_rank_is_caught_at_the_next_check_on_every_rank(ranks: list[dict[str, Any]]) -> None:
     """consistency_check every 2 steps; rank 1 changes 'b' after step 2: every rank raises at step 4."""
-    message = _message(ranks, "perturbed")
+    message = same_message_on_every_rank(ranks, "perturbed")
     assert message.startswith("LionCubSetupError: LionCub: the ranks' parameters differ after step 4"), message
     assert "first at 'b'" in message and "ranks 0, 2 vs ranks 1" in message, message

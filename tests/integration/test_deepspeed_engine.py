@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.checks import same_message_on_every_rank
 from tests.support.launch import REPO, run_deepspeed
 
 pytestmark = pytest.mark.deepspeed
@@ -185,9 +186,7 @@ def test_a_damaged_checkpoint_is_refused_on_every_rank_naming_the_file(
     launched: dict[str, Any], config: str, kind: str, fragments: list[str]
 ) -> None:
     """Resumed at another world size (3 ranks from a 2-rank save), where every file is read: nothing is loaded."""
-    messages = {results[f"damaged/{config}/{kind}"] for results in launched["resume"]}
-    assert len(messages) == 1, messages
-    message = messages.pop()
+    message = same_message_on_every_rank(launched["resume"], f"damaged/{config}/{kind}")
     assert message is not None and message.startswith("LionCubSetupError: LionCub: cannot resume from"), message
     for fragment in fragments:
         assert fragment in message, message
@@ -226,10 +225,7 @@ def test_client_lioncub_gets_the_same_wiring(launched: dict[str, Any], kind: str
 def test_bad_ds_config_is_rejected_identically_on_every_rank(
     launched: dict[str, Any], case: str, expected: list[str]
 ) -> None:
-    messages = {results[f"bad/{case}"] for results in launched["main"]}
-    assert len(messages) == 1
-    message = messages.pop()
-    assert message is not None
+    message = same_message_on_every_rank(launched["main"], f"bad/{case}")
     for fragment in expected:
         assert fragment in message
 

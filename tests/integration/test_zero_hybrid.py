@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from tests.support.checks import same_message_on_every_rank
 from tests.support.hybrid_cases import (
     BETAS,
     BF16,
@@ -511,9 +512,7 @@ def test_checkpoint_holds_one_lioncub_file_per_rank_and_deepspeed_files_from_nod
 @pytest.mark.parametrize("node_size", OTHER_TOPOLOGIES)
 def test_loading_at_another_topology_is_refused_naming_both(launched: dict[str, Any], node_size: int) -> None:
     """The same message on every rank, naming the saved topology (2 nodes of 2) and the current one."""
-    messages = {results[f"resume_at/{node_size}"] for results in launched["resume"]}
-    assert len(messages) == 1, messages
-    message = messages.pop()
+    message = same_message_on_every_rank(launched["resume"], f"resume_at/{node_size}")
     assert message is not None, f"loading a {NODES} x {NODE_SIZE} checkpoint at node_size {node_size} was accepted"
     assert message.startswith("LionCub") or "LionCub: " in message, message
     assert "node" in message, message
@@ -527,9 +526,7 @@ def test_loading_at_another_topology_is_refused_naming_both(launched: dict[str, 
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_unsupported_hybrid_configs_are_refused_identically_on_every_rank(launched: dict[str, Any], name: str) -> None:
     _, fragments = REFUSED[name]
-    messages = {results[f"refused/{name}"] for results in launched["main"]}
-    assert len(messages) == 1, messages
-    message = messages.pop()
+    message = same_message_on_every_rank(launched["main"], f"refused/{name}")
     assert message is not None, f"{name} was accepted"
     assert "LionCub: " in message, message
     for fragment in fragments:
@@ -637,9 +634,7 @@ def test_a_rank_built_differently_stops_every_rank_before_deepspeeds_broadcast(
     launched: dict[str, Any], name: str, fragments: list[str]
 ) -> None:
     """Rank 1 alone has other LionCub options, or another model: the same error on every rank, naming it."""
-    messages = {results[f"mismatch/{name}"] for results in launched["main"]}
-    assert len(messages) == 1, messages
-    message = messages.pop()
+    message = same_message_on_every_rank(launched["main"], f"mismatch/{name}")
     assert message is not None and message.startswith("LionCubConfigError: LionCub: the ranks"), message
     for fragment in fragments:
         assert fragment in message, message
@@ -665,9 +660,7 @@ def test_replica_checks_every_step_pass_on_shards_and_skip_partitions(
 def test_a_damaged_hybrid_checkpoint_is_refused_on_every_rank(
     launched: dict[str, Any], kind: str, fragments: list[str]
 ) -> None:
-    messages = {results[f"damaged/{kind}"] for results in launched["resume"]}
-    assert len(messages) == 1, messages
-    message = messages.pop()
+    message = same_message_on_every_rank(launched["resume"], f"damaged/{kind}")
     assert message is not None and message.startswith("LionCubSetupError: LionCub: cannot resume from"), message
     for fragment in fragments:
         assert fragment in message, message
@@ -675,9 +668,7 @@ def test_a_damaged_hybrid_checkpoint_is_refused_on_every_rank(
 
 def test_a_shard_changed_on_one_rank_stops_every_rank_of_every_node(launched: dict[str, Any]) -> None:
     """Only rank 3's vote group holds the changed shard, but all 4 ranks raise together (none waits in ZeRO)."""
-    messages = {results["perturbed"] for results in launched["main"]}
-    assert len(messages) == 1, messages
-    message = messages.pop()
+    message = same_message_on_every_rank(launched["main"], "perturbed")
     assert message is not None and message.startswith("LionCubSetupError: LionCub: the ranks' parameters differ"), (
         message
     )

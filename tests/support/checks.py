@@ -33,6 +33,15 @@ def same_on_every_rank(ranks: Ranks, key: str) -> torch.Tensor:
     return first
 
 
+def same_message_on_every_rank(ranks: Ranks, key: str) -> str:
+    """The error message every rank recorded under ``key``, after asserting it is one message, not an acceptance."""
+    messages = {results[key] for results in ranks}
+    assert len(messages) == 1, f"{key}: the ranks recorded different outcomes: {messages}"
+    message = messages.pop()
+    assert message is not None, f"{key}: accepted where an error was expected"
+    return str(message)
+
+
 # ---------------------------------------------------------------------------------------------- CompressedBackend
 
 
