@@ -23,7 +23,7 @@ from typing import Any
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.planner.local_costs import DEFAULT_LOCAL_COSTS, LocalCosts
 from ds_lioncub.planner.model import DEFAULT_LATENCY, Candidate, Cluster, Network, describe_network, plan
-from ds_lioncub.planner.units import format_seconds, parse_duration, parse_rate
+from ds_lioncub.units import format_seconds, parse_duration, parse_rate
 
 
 def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
