@@ -24,6 +24,7 @@ from ds_lioncub._logging import get_logger
 from ds_lioncub.comm import wire
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.planner import (
+    DEFAULT_LOCAL_COSTS,
     Candidate,
     Cluster,
     LocalCosts,
@@ -34,6 +35,7 @@ from ds_lioncub.planner import (
     predict_aggregation_seconds,
 )
 from ds_lioncub.planner.auto import log_auto_resolution, resolve_auto
+from ds_lioncub.planner.calibrate import LoopbackTransport, measure_local_costs
 from ds_lioncub.planner.cli import main
 from ds_lioncub.planner.local_costs import aggregation_key
 from ds_lioncub.planner.model import DEEPSPEED_BUCKET_SIZE, LIONCUB_BUCKET_SIZE
@@ -561,3 +563,46 @@ def test_lioncub_resolves_auto_at_construction_and_checks_the_resolved_options(m
     assert lioncub.options.compression == "none" and lioncub.auto_resolution is not None
     assert ("option compression", "'none'") in seen[0]
     assert not any(label == "option network" and value != "None" for label, value in seen[0])
+
+
+# ---------------------------------------------------------------------------------------------- local cost tables
+
+
+def every_needed_key(clusters: list[Cluster]) -> set[str]:
+    """The table keys the candidates of these clusters need (each candidate asks for its own key)."""
+    needed: set[str] = set()
+
+    class Recording(LocalCosts):
+        def cost(self, key: str) -> float:
+            needed.add(key)
+            return 0.0
+
+    for cluster in clusters:
+        plan(10**6, cluster, Network(GBIT), Recording({}))
+    return needed
+
+
+CLUSTERS = [Cluster(1, 2), Cluster(2, 8), Cluster(3, 1), Cluster(8, 4), Cluster(300, 1)]
+
+
+def test_the_built_in_table_covers_every_candidate() -> None:
+    needed = every_needed_key(CLUSTERS)
+    assert "lion_update" in needed and "1bit" in needed and "none/bf16" in needed
+    assert needed <= set(DEFAULT_LOCAL_COSTS.seconds_per_element)
+    assert all(math.isfinite(v) and v >= 0 for v in DEFAULT_LOCAL_COSTS.seconds_per_element.values())
+
+
+def test_calibration_measures_every_entry_the_planner_needs() -> None:
+    costs = measure_local_costs(numel=1 << 12, repeats=1, rounds=1)
+    assert every_needed_key(CLUSTERS) <= set(costs.seconds_per_element)
+    assert all(math.isfinite(v) and v >= 0 for v in costs.seconds_per_element.values())
+    assert costs.seconds_per_element["lion_update"] > 0 and costs.seconds_per_element["1bit"] > 0
+    assert "packing path" in costs.measured_on
+
+
+def test_the_loopback_transport_hands_a_rank_its_own_message_in_every_slot() -> None:
+    transport = LoopbackTransport(4, 0)
+    message = torch.arange(8, dtype=torch.uint8)
+    assert torch.equal(transport.all_to_all(message), message)
+    assert torch.equal(transport.all_gather(message[:2]), torch.tensor([0, 1] * 4, dtype=torch.uint8))
+    assert transport.stats.bytes_sent == 8 * 3 // 4 + 2 * 3  # counted like a real world of 4
