@@ -109,6 +109,8 @@ class Candidate:
         comm_seconds: the collectives' α-β time.
         local_seconds: Lion's arithmetic and the aggregation's local work.
         label: what it is, in words.
+        node_link_bytes_per_step: bytes out of one node through its link to the network per step (what
+            a slow inter-node network has to carry; the rest stays inside the nodes).
     """
 
     params: dict[str, Any]
@@ -118,6 +120,7 @@ class Candidate:
     comm_seconds: float
     local_seconds: float
     label: str
+    node_link_bytes_per_step: int = 0
 
     @property
     def compression(self) -> str:
@@ -168,6 +171,7 @@ class _Tally:
 
     seconds: float = 0.0
     bytes_sent: int = 0
+    node_link_bytes: int = 0
 
     def add(
         self, collectives: Sequence[wire.Collective], placement: wire.Placement, node_size: int, network: Network
@@ -175,6 +179,8 @@ class _Tally:
         for collective in collectives:
             self.seconds += collective_seconds(collective, placement, node_size, network)
             self.bytes_sent += collective.bytes_sent
+            if collective.world_size > 1:
+                self.node_link_bytes += wire.link_bytes(collective, placement, node_size).node_link
 
 
 # ---------------------------------------------------------------------------------------------- one aggregation
@@ -228,6 +234,7 @@ def _candidate(label: str, params: dict[str, Any], zero_stage: int, tally: _Tall
         comm_seconds=tally.seconds,
         local_seconds=local_seconds,
         label=label,
+        node_link_bytes_per_step=tally.node_link_bytes,
     )
 
 

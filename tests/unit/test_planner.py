@@ -606,3 +606,20 @@ def test_the_loopback_transport_hands_a_rank_its_own_message_in_every_slot() -> 
     assert torch.equal(transport.all_to_all(message), message)
     assert torch.equal(transport.all_gather(message[:2]), torch.tensor([0, 1] * 4, dtype=torch.uint8))
     assert transport.stats.bytes_sent == 8 * 3 // 4 + 2 * 3  # counted like a real world of 4
+
+
+def test_bytes_out_of_a_node_per_step() -> None:
+    """The hybrid sends only the votes out of a node (G groups' worth); exact Lion's ring sends one rank's bytes."""
+    n, cluster = 123_457, Cluster(4, 8)
+    candidates = plan(n, cluster, Network(GBIT))
+    [hybrid] = [c for c in candidates if c.params.get("hybrid") and c.compression == "1bit"]
+    shard = ceil_div(n, 8)
+    votes = expected_aggregation_bytes({"compression": "1bit"}, shard, 4)
+    assert hybrid.node_link_bytes_per_step == 8 * votes + ring_all_reduce(4, 32)
+    [exact] = [c for c in candidates if c.params == {"compression": "none"} and c.zero_stage == 0]
+    assert exact.node_link_bytes_per_step == exact.bytes_per_step_per_rank == ring_all_reduce(4 * n, 32)
+    [flat] = [c for c in candidates if c.params == {"compression": "1bit"}]
+    n_pad = padded(n, 32)  # all-to-all: each of 8 ranks sends the 24 off-node chunks; all-gather: a ring
+    assert flat.node_link_bytes_per_step == 8 * (n_pad // 8) * 24 // 32 + 31 * n_pad // (8 * 32) + ring_all_reduce(
+        4, 32
+    )
