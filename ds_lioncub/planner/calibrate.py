@@ -122,7 +122,7 @@ def _measurements(numel: int, repeats: int, generator: torch.Generator) -> dict[
 
 
 def measure_local_costs(
-    numel: int = 1 << 21, repeats: int = 5, rounds: int = 3, seed: int = 0, threads: int | None = None
+    numel: int = 1 << 21, repeats: int = 5, rounds: int = 5, seed: int = 0, threads: int | None = None
 ) -> LocalCosts:
     """Seconds per element of Lion's update and of every aggregation's local work on this machine (CPU).
 
