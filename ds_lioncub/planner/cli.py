@@ -55,9 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Predict which LionCub mode gives the fastest step on a cluster (an alpha-beta model of every "
         "mode's collectives plus measured local costs), and print the ds_config to use.",
     )
-    parser.add_argument("--params", type=_argument(_positive_count), help="parameters in the model (e.g. 1.5e9)")
-    parser.add_argument("--nodes", type=_argument(_positive_count), help="machines, M")
-    parser.add_argument("--gpus-per-node", type=_argument(_positive_count), help="ranks per machine, G")
+    parser.add_argument(
+        "--params", type=_argument(_positive_count), metavar="N", help="parameters in the model (e.g. 1.5e9)"
+    )
+    parser.add_argument("--nodes", type=_argument(_positive_count), metavar="M", help="machines, M")
+    parser.add_argument("--gpus-per-node", type=_argument(_positive_count), metavar="G", help="ranks per machine, G")
     parser.add_argument(
         "--inter-node-bandwidth",
         type=_argument(parse_rate),
@@ -84,7 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--calibrate", action="store_true", help="measure this machine's local cost table and print it")
     parser.add_argument("--save", metavar="FILE", help="with --calibrate: write the table there as JSON")
     parser.add_argument(
-        "--threads", type=_argument(_positive_count), help="with --calibrate: torch threads per rank (default: torch's)"
+        "--threads",
+        type=_argument(_positive_count),
+        metavar="N",
+        help="with --calibrate: torch threads per rank (default: torch's)",
     )
     return parser
 
