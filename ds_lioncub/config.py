@@ -71,6 +71,22 @@ class ConsistencyCheckConfig(DeepSpeedConfigModel):
     At 100 the cost is well under 1% of a step (benchmarks/RESULTS.md)."""
 
 
+class TelemetryConfig(DeepSpeedConfigModel):
+    """What the per-step telemetry measures beyond bytes, collectives and seconds (always recorded).
+
+    Every step's record is :attr:`ds_lioncub.LionCub.last_step_telemetry`; under DeepSpeed it is also
+    written through the engine's monitor (docs/design.md, section 18).
+    """
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    vote_stats: bool = False
+    """Also measure the vote's tie rate (the fraction of elements whose summed vote is 0) and this
+    rank's agreement rate (the fraction whose local sign equals the applied sign). Costs a pass over
+    each bucket's received messages and update, a bool copy of each bucket, and one 8-byte integer
+    all-reduce per step (left out of ``comm_stats()``). Compressed modes only."""
+
+
 class HybridConfig(DeepSpeedConfigModel):
     """Compressed LionCub under DeepSpeed ZeRO-1/2: shard inside a node, vote across nodes.
 
@@ -152,6 +168,9 @@ class LionCubConfig(DeepSpeedConfigModel):
     hybrid: HybridConfig | None = None
     """Options of compressed LionCub under ZeRO stage 1 or 2 (used there even when not given)."""
 
+    telemetry: TelemetryConfig = TelemetryConfig()
+    """Opt-in parts of the per-step telemetry (``{"vote_stats": true}``)."""
+
     @field_validator("comm_backend_name", mode="before")
     @classmethod
     def _known_backend(cls, name: Any) -> Any:
@@ -190,6 +209,11 @@ class LionCubConfig(DeepSpeedConfigModel):
                 "momentum_sync only applies to compressed modes: with compression='none' every rank's momentum "
                 "is already identical; drop momentum_sync or choose compression='1bit' or 'kbit'"
             )
+        if self.compression == "none" and self.telemetry.vote_stats:
+            raise ValueError(
+                "telemetry.vote_stats only applies to compressed modes (compression='none' takes no vote); drop "
+                "telemetry.vote_stats or choose compression='1bit' or 'kbit'"
+            )
         if self.compression == "none" and self.hybrid is not None:
             raise ValueError(
                 "hybrid only applies to compressed modes under ZeRO stage 1 or 2 (with compression='none' ZeRO "
@@ -220,6 +244,8 @@ class LionCubConfig(DeepSpeedConfigModel):
         if self.momentum_sync.interval:
             sync = self.momentum_sync
             pairs.append(f"momentum_sync=(interval={sync.interval}, layers={sync.layers!r}, dtype={sync.dtype!r})")
+        if self.telemetry.vote_stats:
+            pairs.append("telemetry.vote_stats=True")
         return ", ".join(pairs)
 
 
@@ -246,6 +272,6 @@ def parse_config(options: dict[str, Any]) -> LionCubConfig:
                 f" Valid options: {', '.join(LionCubConfig.model_fields)}; momentum_sync takes "
                 f"{', '.join(MomentumSyncConfig.model_fields)}; consistency_check takes "
                 f"{', '.join(ConsistencyCheckConfig.model_fields)}; hybrid takes "
-                f"{', '.join(HybridConfig.model_fields)}."
+                f"{', '.join(HybridConfig.model_fields)}; telemetry takes {', '.join(TelemetryConfig.model_fields)}."
             )
         raise LionCubConfigError(f"LionCub: invalid options: {problems}.{hint}") from None
