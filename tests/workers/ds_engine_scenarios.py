@@ -34,6 +34,7 @@ STEPS = 12
 CHECKPOINT_STEPS = 4
 SYNC_STEP = 10
 TELEMETRY_JOB = "telemetry"
+TELEMETRY_BUCKET_SIZE = 4096
 
 
 class AllReduceCounter:
@@ -157,6 +158,7 @@ def run_configs(args: argparse.Namespace, data: torch.Tensor) -> dict[str, Any]:
     # Telemetry with vote statistics, written by DeepSpeed's CSV monitor (rank 0 writes).
     telemetry = json.loads((REPO / "configs" / "lioncub_1bit.json").read_text())
     telemetry["optimizer"]["params"]["telemetry"] = {"vote_stats": True}
+    telemetry["optimizer"]["params"]["bucket_size"] = TELEMETRY_BUCKET_SIZE  # several buckets, tensors cut
     telemetry["csv_monitor"] = {"enabled": True, "output_path": str(args.out / "csv"), "job_name": TELEMETRY_JOB}
     variants.append(("lioncub_1bit_telemetry", telemetry))
     for name, config in variants:
