@@ -82,9 +82,10 @@ class TelemetryConfig(DeepSpeedConfigModel):
 
     vote_stats: bool = False
     """Also measure the vote's tie rate (the fraction of elements whose summed vote is 0) and this
-    rank's agreement rate (the fraction whose local sign equals the applied sign). Costs a pass over
-    each bucket's received messages and update, a bool copy of each bucket, and one 8-byte integer
-    all-reduce per step (left out of ``comm_stats()``). Compressed modes only."""
+    rank's agreement rate (the fraction whose local sign equals the applied sign). Costs, per bucket,
+    a packed copy of the local signs (n/8 bytes), two 1-bit votes or a histogram of the summed fields,
+    and a packing of the result; per step one 8-byte integer all-reduce (left out of ``comm_stats()``).
+    About 30% of a world-of-one CPU step's time (benchmarks/RESULTS.md). Compressed modes only."""
 
 
 class HybridConfig(DeepSpeedConfigModel):

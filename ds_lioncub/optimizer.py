@@ -37,7 +37,7 @@ from ds_lioncub.fingerprint import check_same_on_every_rank, describe_parameters
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
 from ds_lioncub.param_selection import select_parameters
 from ds_lioncub.replica_check import check_replicas
-from ds_lioncub.telemetry import StepRecord, StepTelemetry, TelemetryTotals, positive_signs
+from ds_lioncub.telemetry import StepRecord, StepTelemetry, TelemetryTotals, pack_local_signs
 
 
 class Entry(NamedTuple):
@@ -493,16 +493,16 @@ class LionCub(torch.optim.Optimizer):
             else []
         )
         # Taken before the vote overwrites the directions (vote_stats only).
-        local_positive = positive_signs(update, positive_ties) if self.telemetry.vote_stats else None
+        local_signs = pack_local_signs(update, positive_ties) if self.telemetry.vote_stats else None
         started, comm_seconds = time.perf_counter(), self.transport.stats.seconds
         # The result overwrites the directions it was packed from: one bucket-sized buffer, not two (and
         # the received messages are released before the update is applied).
         pending = aggregator.start(Bucket(update, sizes, mean_abs), positive_ties)
         delta = aggregator.finish(pending, out=update)
         self._add_aggregation_seconds(started, comm_seconds)
-        if local_positive is not None:
-            self.telemetry.count_vote(aggregator, pending, local_positive, delta)
-        del pending, local_positive
+        if local_signs is not None:
+            self.telemetry.count_vote(aggregator, pending, local_signs, delta)
+        del pending, local_signs
         for piece, piece_delta in zip(bucket, delta.split(sizes), strict=True):
             entry = entries[piece.tensor_index]
             apply_update(_piece_of(entry.param, piece), piece_delta, entry.group["lr"], entry.group["weight_decay"])

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ds_lioncub.aggregation import Aggregator, KbitVote, OneBitVote
-from ds_lioncub.comm.packing import count_set_bits_per_position, sum_fields_per_position, unpack_fields
+from ds_lioncub.comm.packing import pack_signs, sum_fields_per_position, unpack_fields, vote_packed_signs
 from ds_lioncub.comm.transport import CommStats
 from ds_lioncub.comm.votes import PendingAggregate
 from ds_lioncub.comm.wire import vote_padded_numel
@@ -147,32 +147,49 @@ def _add_count(total: torch.Tensor | None, count: torch.Tensor) -> torch.Tensor:
     return count if total is None else total + count
 
 
-def positive_signs(values: torch.Tensor, positive_ties: bool) -> torch.Tensor:
-    """Where ``values`` resolve to +1 under the tie rule (a 0 is +1 exactly when ties are positive)."""
-    return values >= 0 if positive_ties else values > 0
+# Set bits of each byte value: a popcount as one histogram of the bytes (bincount, on any device).
+_SET_BITS_PER_BYTE = torch.tensor([bin(value).count("1") for value in range(256)], dtype=torch.int64)
+
+
+def count_set_bits(packed: torch.Tensor) -> torch.Tensor:
+    """The number of 1 bits in a uint8 tensor (int64, one element), in one pass over its bytes."""
+    histogram = torch.bincount(packed.reshape(-1), minlength=256)
+    return (histogram * _SET_BITS_PER_BYTE.to(histogram.device)).sum()
+
+
+def pack_local_signs(values: torch.Tensor, positive_ties: bool) -> torch.Tensor:
+    """This rank's resolved signs of a bucket, packed (docs/design.md, section 5: 1 means +1)."""
+    return pack_signs(values, positive_ties)
 
 
 def count_tied_votes(aggregator: Aggregator, pending: PendingAggregate) -> tuple[torch.Tensor, bool]:
-    """The number of positions whose summed vote is 0 in ``pending``, and whether it is an owner's share.
+    """The positions of ``pending`` whose summed vote is 0, and whether the count is an owner's share.
 
-    The 1-bit vote and the k-bit all-to-all leave each rank the p rows of its own chunk (its
-    counts add up over the group to the bucket's); the k-bit all-reduce leaves every rank all the
-    summed fields (its count is already the bucket's). Padding never ties: its fields are 0, a
-    signed sum of -p (or -pL).
+    A sum of 0 is exactly a position whose vote the tie rule decides, so it is counted as such: the
+    1-bit vote where the votes with positive and with negative ties differ, the k-bit sums where
+    ``f`` lies in ``[T(+), T(-))`` (section 4.6's thresholds; empty for sign fields at odd p).
+    The 1-bit vote and the k-bit all-to-all leave each rank the p rows of its own chunk (its counts
+    add up over the group to the bucket's); the k-bit all-reduce leaves every rank all the summed
+    fields (its count is already the bucket's). Padding never ties: its sums are 0, below T(+).
     """
     if isinstance(aggregator, OneBitVote):
         world_size = aggregator.transport.world_size
         chunk_numel = vote_padded_numel(pending.numel, world_size) // world_size
-        ones = count_set_bits_per_position(pending.received, chunk_numel)
-        return (2 * ones == world_size).sum(), True
+        with_positive = vote_packed_signs(pending.received, chunk_numel, True)
+        with_negative = vote_packed_signs(pending.received, chunk_numel, False)
+        return count_set_bits(torch.bitwise_xor(with_positive, with_negative)), True
     if isinstance(aggregator, KbitVote):
         codec = aggregator.codec
         if codec.algorithm == "allreduce":
-            fields = unpack_fields(pending.received, codec.bits, pending.numel).to(torch.int32)
-            return (codec.signed_sum(fields) == 0).sum(), False
-        chunk_numel = vote_padded_numel(pending.numel, codec.world_size) // codec.world_size
-        field_sum = sum_fields_per_position(pending.received, codec.bits, chunk_numel)
-        return (codec.signed_sum(field_sum) == 0).sum(), True
+            sums = unpack_fields(pending.received, codec.bits, pending.numel)
+            on_owner = False
+        else:
+            chunk_numel = vote_padded_numel(pending.numel, codec.world_size) // codec.world_size
+            sums = sum_fields_per_position(pending.received, codec.bits, chunk_numel)
+            on_owner = True
+        low, high = codec.vote_threshold(True), codec.vote_threshold(False)
+        histogram = torch.bincount(sums.reshape(-1), minlength=high)
+        return histogram[low:high].sum(), on_owner
     raise TypeError(f"count_tied_votes: {type(aggregator).__name__} takes no vote")
 
 
@@ -217,12 +234,12 @@ class StepTelemetry:
         self,
         aggregator: Aggregator,
         pending: object,
-        local_positive: torch.Tensor,
+        local_signs: torch.Tensor,
         applied: torch.Tensor,
     ) -> None:
         """Add one bucket: its tied votes (from ``pending``, what ``aggregator.start`` returned), and where
-        ``local_positive`` (this rank's resolved signs, taken before the bucket was overwritten) equals
-        the applied direction's sign."""
+        ``local_signs`` (:func:`pack_local_signs` of the bucket before the vote overwrote it) equals the
+        sign of the ``applied`` direction (0 by the tie rule, as for the local signs)."""
         assert isinstance(pending, PendingAggregate)
         votes = self._votes
         tied, on_owner = count_tied_votes(aggregator, pending)
@@ -230,8 +247,9 @@ class StepTelemetry:
             votes.tied_on_owners = _add_count(votes.tied_on_owners, tied)
         else:
             votes.tied_everywhere = _add_count(votes.tied_everywhere, tied)
-        agreeing = (local_positive == positive_signs(applied, pending.positive_ties)).sum()
-        votes.agreeing = _add_count(votes.agreeing, agreeing)
+        # Both packed alike (padding bits 0): the differing bits are the disagreements.
+        differing = count_set_bits(torch.bitwise_xor(local_signs, pack_signs(applied, pending.positive_ties)))
+        votes.agreeing = _add_count(votes.agreeing, applied.numel() - differing)
         votes.elements += applied.numel()
 
     def owner_tie_counts(self) -> torch.Tensor | None:
@@ -282,6 +300,7 @@ __all__ = [
     "StepTelemetry",
     "TelemetryTotals",
     "VoteCounts",
+    "count_set_bits",
     "count_tied_votes",
-    "positive_signs",
+    "pack_local_signs",
 ]
