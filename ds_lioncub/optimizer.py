@@ -373,10 +373,10 @@ class LionCub(torch.optim.Optimizer):
             self.transport.stats = counted
         self.telemetry.end_step(step, self.comm_stats())
 
-    def _add_aggregation_seconds(self, started: float, comm_seconds_before: float) -> None:
-        """Credit the telemetry with the time since ``started`` less the collectives' time in it."""
+    def _add_aggregated_bucket(self, started: float, comm_seconds_before: float, voted_elements: int) -> None:
+        """Credit the telemetry with a bucket: the time since ``started`` less the collectives' time in it."""
         in_collectives = self.transport.stats.seconds - comm_seconds_before
-        self.telemetry.add_local_seconds(time.perf_counter() - started - in_collectives)
+        self.telemetry.add_bucket(time.perf_counter() - started - in_collectives, voted_elements)
 
     def _participants(self) -> list[Entry]:
         """The parameters that take part in this step.
@@ -449,7 +449,7 @@ class LionCub(torch.optim.Optimizer):
                 sizes = [piece.length for piece in bucket]
                 started, comm_seconds = time.perf_counter(), self.transport.stats.seconds
                 averaged = mean.finish(mean.start(Bucket(torch.cat(grads), sizes, []), True))
-                self._add_aggregation_seconds(started, comm_seconds)
+                self._add_aggregated_bucket(started, comm_seconds, 0)
                 grads = list(averaged.split(sizes))
             for piece, grad in zip(bucket, grads, strict=True):
                 entry = entries[piece.tensor_index]
@@ -499,7 +499,7 @@ class LionCub(torch.optim.Optimizer):
         # the received messages are released before the update is applied).
         pending = aggregator.start(Bucket(update, sizes, mean_abs), positive_ties)
         delta = aggregator.finish(pending, out=update)
-        self._add_aggregation_seconds(started, comm_seconds)
+        self._add_aggregated_bucket(started, comm_seconds, update.numel())
         if local_signs is not None:
             self.telemetry.count_vote(aggregator, pending, local_signs, delta)
         del pending, local_signs

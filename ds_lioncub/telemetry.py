@@ -3,11 +3,12 @@
 :class:`StepTelemetry` is owned by the optimizer. Every step it takes the difference of
 ``LionCub.comm_stats()`` across the step (collectives, bytes and seconds inside the transports'
 collectives, section 12 of docs/design.md for the bytes), adds the seconds spent in the
-aggregations' local work, and closes a :class:`StepRecord`. A step that DeepSpeed skips (a
-mixed-precision overflow: LionCub's ``step`` never runs) is closed by the integration with
-:meth:`StepTelemetry.record_skipped_step`. With ``telemetry.vote_stats`` it also counts, per step,
-the tied votes and the elements where this rank's own sign agreed with the applied one
-(docs/design.md, section 18).
+aggregations' local work, and closes a :class:`StepRecord`. Under DeepSpeed the integration brackets
+each engine step with :meth:`StepTelemetry.hold` and :meth:`StepTelemetry.release`: one record for
+however many ``step`` calls the engine made (one per param group under ZeRO; none when it skipped the
+step on a mixed-precision overflow, which the record then says). With ``telemetry.vote_stats`` it also
+counts, per step, the tied votes and the elements where this rank's own sign agreed with the applied
+one (docs/design.md, section 18).
 
 The monitor names (:meth:`StepRecord.monitor_events`) are defined here, so the DeepSpeed
 integration and the documentation have one list to follow.
@@ -31,7 +32,7 @@ MONITOR_PREFIX = "LionCub"
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One optimizer step of one rank.
+    """One optimizer step of one rank (under DeepSpeed: one engine step, whatever the ``step`` calls).
 
     Attributes:
         step: the optimizer step t (1-based) the record describes; for a skipped step, the step
@@ -48,13 +49,13 @@ class StepRecord:
         buckets: buckets aggregated in the step (count; 0 when nothing is aggregated, e.g. compression
             "none" under DeepSpeed).
         revoted_buckets: buckets whose vote was taken a second time in the step (count).
-        tie_rate: with ``telemetry.vote_stats``: the fraction of the step's voted elements whose
-            summed vote (the sum of the ranks' ±1 or L1 levels q) is exactly 0, over the group that
-            votes (a fraction in [0, 1]); None otherwise.
-        agreement_rate: with ``telemetry.vote_stats``: the fraction of the step's voted elements where
-            this rank's sign of its pre-sign update c (zeros by the tie rule) equals the applied sign
-            (for "mean": the sign of the applied value, 0 by the tie rule) (a fraction in [0, 1]);
-            None otherwise.
+        voted_elements: elements whose direction was voted on (count; this rank's shard under the ZeRO
+            hybrid).
+        tied_elements: with ``telemetry.vote_stats``: voted elements whose summed vote (the sum of the
+            ranks' ±1 or L1 levels q) is exactly 0, over the group that votes (count); None otherwise.
+        agreeing_elements: with ``telemetry.vote_stats``: voted elements where this rank's sign of its
+            pre-sign update c (zeros by the tie rule) equals the sign of the applied direction (0 by
+            the tie rule) (count); None otherwise.
     """
 
     step: int
@@ -66,8 +67,23 @@ class StepRecord:
     local_seconds: float
     buckets: int
     revoted_buckets: int
-    tie_rate: float | None
-    agreement_rate: float | None
+    voted_elements: int
+    tied_elements: int | None
+    agreeing_elements: int | None
+
+    @property
+    def tie_rate(self) -> float | None:
+        """``tied_elements / voted_elements`` (a fraction in [0, 1]); None when not measured."""
+        if self.tied_elements is None or self.voted_elements == 0:
+            return None
+        return self.tied_elements / self.voted_elements
+
+    @property
+    def agreement_rate(self) -> float | None:
+        """``agreeing_elements / voted_elements`` (a fraction in [0, 1]); None when not measured."""
+        if self.agreeing_elements is None or self.voted_elements == 0:
+            return None
+        return self.agreeing_elements / self.voted_elements
 
     def monitor_events(self) -> list[tuple[str, float]]:
         """``(name, value)`` pairs under ``LionCub/``, for ``engine.monitor.write_events``.
@@ -88,6 +104,32 @@ class StepRecord:
         if self.agreement_rate is not None:
             events.append(("agreement_rate", self.agreement_rate))
         return [(f"{MONITOR_PREFIX}/{name}", value) for name, value in events]
+
+    @classmethod
+    def skipped_step(cls, step: int) -> StepRecord:
+        """A step DeepSpeed skipped: LionCub did not run; ``step`` is the step count that stayed."""
+        return cls(step, True, 0, 0, 0, 0.0, 0.0, 0, 0, 0, None, None)
+
+    @classmethod
+    def combined(cls, records: list[StepRecord]) -> StepRecord:
+        """One record for several ``step`` calls of one optimizer step (ZeRO steps each param group
+        apart): counts and seconds added, the last call's step number."""
+        tied = [r.tied_elements for r in records]
+        agreeing = [r.agreeing_elements for r in records]
+        return cls(
+            step=records[-1].step,
+            skipped=False,
+            collectives=sum(r.collectives for r in records),
+            bytes_sent=sum(r.bytes_sent for r in records),
+            bytes_received=sum(r.bytes_received for r in records),
+            comm_seconds=sum(r.comm_seconds for r in records),
+            local_seconds=sum(r.local_seconds for r in records),
+            buckets=sum(r.buckets for r in records),
+            revoted_buckets=sum(r.revoted_buckets for r in records),
+            voted_elements=sum(r.voted_elements for r in records),
+            tied_elements=None if None in tied else sum(t for t in tied if t is not None),
+            agreeing_elements=None if None in agreeing else sum(a for a in agreeing if a is not None),
+        )
 
 
 @dataclass
@@ -132,7 +174,7 @@ class VoteCounts:
         tied_everywhere: tied positions of sums every rank holds whole (the k-bit all-reduce); not
             summed over the group.
         agreeing: elements where this rank's sign equals the applied sign.
-        elements: elements voted on.
+        elements: elements voted on (counted with or without ``vote_stats``).
     """
 
     tied_on_owners: torch.Tensor | None = None
@@ -197,10 +239,12 @@ def count_tied_votes(aggregator: Aggregator, pending: PendingAggregate) -> tuple
 class StepTelemetry:
     """The optimizer's per-step records: the last one, and totals over all of them.
 
-    The optimizer calls :meth:`begin_step`, :meth:`add_local_seconds` per aggregated bucket,
+    The optimizer calls :meth:`begin_step`, :meth:`add_bucket` per aggregated bucket,
     :meth:`count_vote` per bucket when ``vote_stats`` is on, and :meth:`end_step`. A mode that takes
     a bucket's vote again in the same step increments :attr:`revoted_buckets` (via
-    :meth:`note_revoted_bucket`), so the record shows it.
+    :meth:`note_revoted_bucket`), so the record shows it. The DeepSpeed integration brackets each
+    engine step with :meth:`hold` and :meth:`release`, which make one record of however many ``step``
+    calls it took (none: a skipped step; one per param group under ZeRO).
     """
 
     vote_stats: bool = False
@@ -212,6 +256,21 @@ class StepTelemetry:
     _local_seconds: float = 0.0
     _buckets: int = 0
     _votes: VoteCounts = field(default_factory=VoteCounts)
+    _held: list[StepRecord] | None = None
+
+    def hold(self) -> None:
+        """Keep the records of the following ``step`` calls apart until :meth:`release` (or :meth:`drop_held`)."""
+        self._held = []
+
+    def release(self, step: int) -> StepRecord:
+        """One record for the ``step`` calls since :meth:`hold`: their sum, or a skipped step at ``step``
+        (the step count that stayed) when there was none."""
+        held, self._held = self._held or [], None
+        return self._keep(StepRecord.combined(held) if held else StepRecord.skipped_step(step))
+
+    def drop_held(self) -> None:
+        """Forget the records since :meth:`hold` (the engine step raised)."""
+        self._held = None
 
     def begin_step(self, comm: CommStats) -> None:
         """Start a step whose traffic so far is ``comm`` (a copy of ``comm_stats()``)."""
@@ -221,10 +280,12 @@ class StepTelemetry:
         self.revoted_buckets = 0
         self._votes = VoteCounts()
 
-    def add_local_seconds(self, seconds: float) -> None:
-        """One bucket's aggregation work, its collectives' seconds already taken out."""
-        self._local_seconds += seconds
+    def add_bucket(self, local_seconds: float, voted_elements: int) -> None:
+        """One aggregated bucket: its local work's seconds (its collectives' taken out) and the elements it
+        voted on (0 for an exact mean)."""
+        self._local_seconds += local_seconds
         self._buckets += 1
+        self._votes.elements += voted_elements
 
     def note_revoted_bucket(self) -> None:
         """A bucket of this step was voted on again."""
@@ -250,7 +311,6 @@ class StepTelemetry:
         # Both packed alike (padding bits 0): the differing bits are the disagreements.
         differing = count_set_bits(torch.bitwise_xor(local_signs, pack_signs(applied, pending.positive_ties)))
         votes.agreeing = _add_count(votes.agreeing, applied.numel() - differing)
-        votes.elements += applied.numel()
 
     def owner_tie_counts(self) -> torch.Tensor | None:
         """The step's owner-side tie count (int64, one element), to be summed over the group in place
@@ -260,33 +320,28 @@ class StepTelemetry:
     def end_step(self, step: int, comm: CommStats) -> StepRecord:
         """Close step ``step`` with the traffic now ``comm``; owner tie counts must be summed by then."""
         delta = comm - self._baseline
-        tie_rate, agreement_rate = self._rates()
-        return self._keep(
-            StepRecord(
-                step=step,
-                skipped=False,
-                collectives=delta.collectives,
-                bytes_sent=delta.bytes_sent,
-                bytes_received=delta.bytes_received,
-                comm_seconds=delta.seconds,
-                local_seconds=self._local_seconds,
-                buckets=self._buckets,
-                revoted_buckets=self.revoted_buckets,
-                tie_rate=tie_rate,
-                agreement_rate=agreement_rate,
-            )
-        )
-
-    def record_skipped_step(self, step: int) -> StepRecord:
-        """A step DeepSpeed skipped (LionCub did not run); ``step`` is the step count that stayed."""
-        return self._keep(StepRecord(step, True, 0, 0, 0, 0.0, 0.0, 0, 0, None, None))
-
-    def _rates(self) -> tuple[float | None, float | None]:
         votes = self._votes
-        if not self.vote_stats or votes.elements == 0 or votes.agreeing is None:
-            return None, None
-        tied = sum(int(count.item()) for count in (votes.tied_on_owners, votes.tied_everywhere) if count is not None)
-        return tied / votes.elements, int(votes.agreeing.item()) / votes.elements
+        measured = self.vote_stats and votes.agreeing is not None
+        tied = [count for count in (votes.tied_on_owners, votes.tied_everywhere) if count is not None]
+        record = StepRecord(
+            step=step,
+            skipped=False,
+            collectives=delta.collectives,
+            bytes_sent=delta.bytes_sent,
+            bytes_received=delta.bytes_received,
+            comm_seconds=delta.seconds,
+            local_seconds=self._local_seconds,
+            buckets=self._buckets,
+            revoted_buckets=self.revoted_buckets,
+            voted_elements=votes.elements,
+            # One host sync per step, for the vote statistics only.
+            tied_elements=sum(int(count.item()) for count in tied) if measured else None,
+            agreeing_elements=int(votes.agreeing.item()) if measured and votes.agreeing is not None else None,
+        )
+        if self._held is not None:
+            self._held.append(record)
+            return record
+        return self._keep(record)
 
     def _keep(self, record: StepRecord) -> StepRecord:
         self.last = record

@@ -162,14 +162,15 @@ def _wrap_take_model_step(original: Callable[..., Any]) -> Callable[..., Any]:
         lioncub = find_lioncub(getattr(engine, "basic_optimizer", None) or engine.optimizer)
         if lioncub is None:
             return original(engine, *args, **kwargs)
-        recorded = lioncub.telemetry_totals.steps
-        result = original(engine, *args, **kwargs)
-        if lioncub.telemetry_totals.steps == recorded:
-            # LionCub.step never ran: DeepSpeed's mixed-precision wrapper or ZeRO skipped it on overflow.
-            lioncub.telemetry.record_skipped_step(lioncub.param_groups[0]["step"])
-        record = lioncub.last_step_telemetry
-        assert record is not None
-        write_step_telemetry(engine, record)
+        # One record per engine step: ZeRO calls LionCub.step once per param group, and not at all when
+        # it, or the fp16/bf16 wrapper, skips the step on overflow (then the record says skipped).
+        lioncub.telemetry.hold()
+        try:
+            result = original(engine, *args, **kwargs)
+        except BaseException:
+            lioncub.telemetry.drop_held()
+            raise
+        write_step_telemetry(engine, lioncub.telemetry.release(lioncub.param_groups[0]["step"]))
         return result
 
     return take_model_step

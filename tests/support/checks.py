@@ -249,6 +249,7 @@ def expected_training_traffic(options: dict[str, Any], world_size: int, step: in
 def telemetry_counts_the_traffic(ranks: Ranks) -> None:
     """Every step's record: the comm_stats() difference across the step, and the wire formulas' count."""
     p = len(ranks)
+    numels = [torch.Size(shape).numel() for shape in sc.PARAM_SHAPES.values()]
     for mode, options in sc.training_modes(p).items():
         for rank, results in enumerate(ranks):
             for step in range(1, sc.TRAIN_STEPS + 1):
@@ -268,6 +269,8 @@ def telemetry_counts_the_traffic(ranks: Ranks) -> None:
                 assert (record.comm_seconds > 0) == (collectives > 0) and record.comm_seconds >= 0, where
                 aggregates = p > 1 or options["compression"] != "none"
                 assert (record.buckets > 0) == aggregates and (record.local_seconds > 0) == aggregates, where
+                voted = sum(numels) if options["compression"] != "none" else 0
+                assert record.voted_elements == voted, where
             totals = results[f"train-telemetry-totals/{mode}"]
             steps = [results[f"train-telemetry/{mode}/{step}"] for step in range(1, sc.TRAIN_STEPS + 1)]
             assert (totals.steps, totals.skipped_steps) == (sc.TRAIN_STEPS, 0), mode

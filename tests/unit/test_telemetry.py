@@ -93,16 +93,20 @@ class RecordingMonitor:
         self.written.append(events)
 
 
-def run_engine_steps(applied: list[bool], *, enabled: bool = True, global_rank: int = 0) -> tuple[Any, LionCub]:
-    """The _take_model_step wrapper around a stand-in for DeepSpeed's: it steps LionCub unless the step
-    overflowed (``applied`` False), then advances the engine's sample count by 8, as the engine does."""
+def run_engine_steps(
+    applied: list[bool], *, enabled: bool = True, global_rank: int = 0, calls_per_step: int = 1
+) -> tuple[Any, LionCub]:
+    """The _take_model_step wrapper around a stand-in for DeepSpeed's: it calls LionCub.step
+    ``calls_per_step`` times (ZeRO: once per param group) unless the step overflowed (``applied``
+    False), then advances the engine's sample count by 8, as the engine does."""
     param = torch.nn.Parameter(torch.linspace(-1, 1, 50))
     lioncub = LionCub([param], compression="1bit", telemetry={"vote_stats": True})
 
     def engine_take_model_step(engine: Any) -> None:
         if engine.applied.pop(0):
-            param.grad = torch.linspace(1, -1, 50)
-            lioncub.step()
+            for _ in range(calls_per_step):
+                param.grad = torch.linspace(1, -1, 50)
+                lioncub.step()
         engine.global_samples += 8
 
     engine = SimpleNamespace(
@@ -133,6 +137,16 @@ def test_a_step_deepspeed_skips_is_recorded_as_skipped_and_written_at_the_sample
     assert lioncub.param_groups[0]["step"] == 2
 
 
+def test_an_engine_step_that_calls_step_per_param_group_gives_one_record_of_their_sum() -> None:
+    single, _ = run_engine_steps([True])
+    double, lioncub = run_engine_steps([True], calls_per_step=2)
+    (one,), (two,) = single.monitor.written, double.monitor.written
+    assert [name for name, _, _ in one] == [name for name, _, _ in two]
+    record = lioncub.last_step_telemetry
+    assert record is not None and (record.buckets, record.voted_elements) == (2, 100)
+    assert lioncub.telemetry_totals.steps == 1 and record.step == 2
+
+
 @pytest.mark.parametrize(("enabled", "global_rank"), [(False, 0), (True, 1)])
 def test_nothing_is_written_where_deepspeeds_monitor_does_not_write(enabled: bool, global_rank: int) -> None:
     engine, lioncub = run_engine_steps([True, False], enabled=enabled, global_rank=global_rank)
@@ -142,13 +156,13 @@ def test_nothing_is_written_where_deepspeeds_monitor_does_not_write(enabled: boo
 
 def test_the_documented_event_names_are_the_written_ones() -> None:
     """docs/design.md section 18's table and the README's list name exactly what a record writes."""
-    record = StepRecord(1, False, 2, 3, 3, 0.5, 0.25, 1, 0, 0.5, 0.75)
+    record = StepRecord(1, False, 2, 3, 3, 0.5, 0.25, 1, 0, 100, 50, 75)
     written = {name for name, _ in record.monitor_events()}
     design = (REPO / "docs" / "design.md").read_text().split("## 18. Per-step telemetry")[1]
     assert set(re.findall(r"^\| `(LionCub/\w+)` \|", design, flags=re.MULTILINE)) == written
     readme = (REPO / "README.md").read_text()
     assert {name for name in written if f"`{name}`" in readme} == written
-    without_rates = StepRecord(1, True, 0, 0, 0, 0.0, 0.0, 0, 0, None, None)
+    without_rates = StepRecord.skipped_step(1)
     assert {name for name, _ in without_rates.monitor_events()} == written - {
         "LionCub/tie_rate",
         "LionCub/agreement_rate",
