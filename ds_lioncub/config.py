@@ -72,6 +72,23 @@ class ConsistencyCheckConfig(DeepSpeedConfigModel):
     At 100 the cost is well under 1% of a step (benchmarks/RESULTS.md)."""
 
 
+class TelemetryConfig(DeepSpeedConfigModel):
+    """What the per-step telemetry measures beyond bytes, collectives and seconds (always recorded).
+
+    Every step's record is :attr:`ds_lioncub.LionCub.last_step_telemetry`; under DeepSpeed it is also
+    written through the engine's monitor (docs/design.md, section 19).
+    """
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    vote_stats: bool = False
+    """Also measure the vote's tie rate (the fraction of elements whose summed vote is 0) and this
+    rank's agreement rate (the fraction whose local sign equals the applied sign). Costs, per bucket,
+    a packed copy of the local signs (n/8 bytes), two 1-bit votes or a histogram of the summed fields,
+    and a packing of the result; per step one 8-byte integer all-reduce (left out of ``comm_stats()``).
+    About 30% of a world-of-one CPU step's time (benchmarks/RESULTS.md). Compressed modes only."""
+
+
 class HybridConfig(DeepSpeedConfigModel):
     """Compressed LionCub under DeepSpeed ZeRO-1/2: shard inside a node, vote across nodes.
 
@@ -215,6 +232,9 @@ class LionCubConfig(DeepSpeedConfigModel):
     hybrid: HybridConfig | None = None
     """Options of compressed LionCub under ZeRO stage 1 or 2 (used there even when not given)."""
 
+    telemetry: TelemetryConfig = TelemetryConfig()
+    """Opt-in parts of the per-step telemetry (``{"vote_stats": true}``)."""
+
     @field_validator("comm_backend_name", mode="before")
     @classmethod
     def _known_backend(cls, name: Any) -> Any:
@@ -269,6 +289,11 @@ class LionCubConfig(DeepSpeedConfigModel):
                 "momentum_sync only applies to compressed modes: with compression='none' every rank's momentum "
                 "is already identical; drop momentum_sync or choose compression='1bit' or 'kbit'"
             )
+        if self.compression == "none" and self.telemetry.vote_stats:
+            raise ValueError(
+                "telemetry.vote_stats only applies to compressed modes (compression='none' takes no vote); drop "
+                "telemetry.vote_stats or choose compression='1bit' or 'kbit'"
+            )
         if self.compression == "none" and self.hybrid is not None:
             raise ValueError(
                 "hybrid only applies to compressed modes under ZeRO stage 1 or 2 (with compression='none' ZeRO "
@@ -299,6 +324,8 @@ class LionCubConfig(DeepSpeedConfigModel):
         if self.momentum_sync.interval:
             sync = self.momentum_sync
             pairs.append(f"momentum_sync=(interval={sync.interval}, layers={sync.layers!r}, dtype={sync.dtype!r})")
+        if self.telemetry.vote_stats:
+            pairs.append("telemetry.vote_stats=True")
         return ", ".join(pairs)
 
 
@@ -325,6 +352,7 @@ def parse_config(options: dict[str, Any]) -> LionCubConfig:
                 f" Valid options: {', '.join(LionCubConfig.model_fields)}; momentum_sync takes "
                 f"{', '.join(MomentumSyncConfig.model_fields)}; consistency_check takes "
                 f"{', '.join(ConsistencyCheckConfig.model_fields)}; hybrid takes "
-                f"{', '.join(HybridConfig.model_fields)}; network takes {', '.join(NetworkConfig.model_fields)}."
+                f"{', '.join(HybridConfig.model_fields)}; network takes {', '.join(NetworkConfig.model_fields)}; "
+                f"telemetry takes {', '.join(TelemetryConfig.model_fields)}."
             )
         raise LionCubConfigError(f"LionCub: invalid options: {problems}.{hint}") from None

@@ -85,9 +85,11 @@ def run_training(rank: int, world_size: int) -> dict[str, object]:
             before = optimizer.comm_stats()
             optimizer.step()
             results[f"train-stats/{mode}/{step}"] = optimizer.comm_stats() - before
+            results[f"train-telemetry/{mode}/{step}"] = optimizer.last_step_telemetry
             if "momentum_sync" in options:
                 for name, param in params.items():
                     results[f"train-exp-avg/{mode}/{step}/{name}"] = optimizer.state[param]["exp_avg"].clone()
+        results[f"train-telemetry-totals/{mode}"] = optimizer.telemetry_totals
         for name, param in params.items():
             results[f"train-param/{mode}/{name}"] = param.detach().clone()
             results[f"train-exp-avg/{mode}/final/{name}"] = optimizer.state[param]["exp_avg"].clone()
