@@ -114,6 +114,11 @@ def _colours_present(path: Path) -> list[bool]:
     return present
 
 
+def test_trailing_mean() -> None:
+    assert compare_report.trailing_mean([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+    assert compare_report.trailing_mean([3.0, 6.0, 0.0], 10) == [3.0, 4.5, 3.0]
+
+
 def test_loss_plot_has_one_curve_per_run(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="the loss plot needs matplotlib (setup.py's bench extra)")
     runs = [(f"run {i}", [5.0 - 0.01 * step - 0.3 * i for step in range(150)]) for i in range(4)]
