@@ -333,7 +333,10 @@ def plan(
         for label, params in _compressed_modes(cluster.world_size):
             candidates.append(flat_candidate(label, params, num_params, cluster, network, costs, bucket_size))
     if 2 in zero_stages and cluster.nodes > 1:
-        candidates.append(exact_candidate(num_params, cluster, network, costs, "fp32", 2, exact_bucket_size))
+        candidates.append(
+            exact_candidate(num_params, cluster, network, costs, exact_comm_dtypes[0], 2, exact_bucket_size)
+        )
+    if 2 in zero_stages and cluster.nodes > 1 and cluster.gpus_per_node > 1:  # with G = 1 the hybrid is stage 0
         for label, params in _compressed_modes(cluster.nodes):
             candidates.append(
                 hybrid_candidate(label, params, num_params, cluster, network, costs, bucket_size, exact_bucket_size)
