@@ -24,6 +24,7 @@ from ds_lioncub.comm.vocabulary import (
     TieBreak,
 )
 from ds_lioncub.errors import LionCubConfigError
+from ds_lioncub.units import parse_duration, parse_rate
 
 CommDtype = Literal["fp32", "bf16"]
 
@@ -86,10 +87,66 @@ class HybridConfig(DeepSpeedConfigModel):
     OMPI_COMM_WORLD_LOCAL_SIZE or MPI_LOCALNRANKS); set it to emulate nodes on one machine."""
 
 
+def _quantity(value: Any, parse: Any, unit: str) -> Any:
+    """A string through ``parse`` (its error without "LionCub: ", which parse_config adds); a number as it is."""
+    if isinstance(value, str):
+        try:
+            return parse(value)
+        except LionCubConfigError as error:
+            raise ValueError(str(error).removeprefix("LionCub: ").rstrip(".")) from None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError(f"must be a string such as {unit} or a number")
+
+
+class NetworkConfig(DeepSpeedConfigModel):
+    """The network that ``compression="auto"`` plans for (:mod:`ds_lioncub.planner`).
+
+    The numbers are the user's, not measured by a start-up probe. Every rank reads the same numbers
+    and so resolves the same mode, with no collective and no agreement step; a probe would measure a
+    different value on every rank (and need one rank's value broadcast to all), would measure the
+    links while the job is still starting (ranks loading, connections being set up), and would let
+    the mode, and with it the training run, change from one launch to the next. Measure the links
+    once (``iperf3``, or ``benchmarks/bench_comm.py``) and write the figures here.
+    """
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    bandwidth: float = Field(gt=0, allow_inf_nan=False)
+    """Each node's link to the network, per direction: a rate such as "1gbit", "100gbit" or "10GB/s" (bits
+    or bytes per second, tc's units), or a number of bytes per second. The node's ranks share it."""
+
+    latency: float = Field(50e-6, ge=0, allow_inf_nan=False)
+    """Seconds per round of a collective (the time for a small message to arrive): "5us", "50us", "1ms", or
+    a number of seconds."""
+
+    intra_node_bandwidth: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """Between two ranks of one node, per direction; unset: in-node links are no bottleneck (NVLink
+    next to Ethernet). Set it when the ranks of a node talk over something slow."""
+
+    @field_validator("bandwidth", "intra_node_bandwidth", mode="before")
+    @classmethod
+    def _rate(cls, value: Any) -> Any:
+        return None if value is None else _quantity(value, parse_rate, "'1gbit'")
+
+    @field_validator("latency", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> Any:
+        return _quantity(value, parse_duration, "'50us'")
+
+
 class LionCubConfig(DeepSpeedConfigModel):
     """LionCub's options: the ``"params"`` of ``"optimizer": {"type": "LionCub"}`` and ``LionCub(**options)``."""
 
     model_config = ConfigDict(use_attribute_docstrings=True)
+
+    def __init__(self, strict: bool = False, **data: Any) -> None:
+        # DeepSpeed's config models drop every "auto" value (a placeholder that HF's integration fills in);
+        # compression="auto" is an option of its own and must survive that.
+        if not strict and data.get("compression") == "auto":
+            data = {key: value for key, value in data.items() if value != "auto" or key == "compression"}
+            strict = True
+        super().__init__(strict=strict, **data)
 
     lr: float = Field(1e-4, ge=0, allow_inf_nan=False)
     """Learning rate, the default of every param group. Lion wants 3-10x less than AdamW."""
@@ -100,9 +157,15 @@ class LionCubConfig(DeepSpeedConfigModel):
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Decoupled weight decay; Lion wants 3-10x more than AdamW (lr * wd is what matters)."""
 
-    compression: Literal["none", "1bit", "kbit"] = "1bit"
+    compression: Literal["none", "1bit", "kbit", "auto"] = "1bit"
     """"none": exact Lion on averaged gradients; "1bit": majority vote of the ranks' signs;
-    "kbit": sums of b-bit fields (see ``bits``, ``quantizer``, ``aggregation``, ``kbit_algorithm``)."""
+    "kbit": sums of b-bit fields (see ``bits``, ``quantizer``, ``aggregation``, ``kbit_algorithm``);
+    "auto": the mode :mod:`ds_lioncub.planner` predicts fastest on ``network`` for this model and world,
+    chosen when the optimizer is built (logged on rank 0; exact Lion, with a warning, when no
+    compression pays)."""
+
+    network: NetworkConfig | None = None
+    """The links ``compression="auto"`` plans for (required with it, and only used by it)."""
 
     bits: KbitWidth = 4
     """Field width for "kbit": 2, 4 or 8 bits per element."""
@@ -172,6 +235,22 @@ class LionCubConfig(DeepSpeedConfigModel):
     @model_validator(mode="after")
     def _options_fit_compression(self) -> LionCubConfig:
         given = self.model_fields_set
+        if self.compression == "auto" and self.network is None:
+            raise ValueError(
+                "compression='auto' needs the network to plan for: add "
+                '"network": {"bandwidth": "1gbit", "latency": "50us"} with your links\' figures '
+                "(python -m ds_lioncub.planner shows what each mode would cost), or choose the compression yourself"
+            )
+        if self.compression != "auto" and self.network is not None:
+            raise ValueError(
+                f"network only applies to compression='auto' (compression is {self.compression!r}); "
+                f"set compression='auto' or drop network"
+            )
+        if self.compression == "auto" and "comm_dtype" in given:
+            raise ValueError(
+                "comm_dtype is chosen by compression='auto' (exact Lion in fp32 or bf16); drop comm_dtype, "
+                "or choose the compression yourself"
+            )
         kbit_only = ("bits", "quantizer", "aggregation", "kbit_algorithm", "l1_clip")
         if self.compression != "kbit":
             for name in kbit_only:
@@ -246,6 +325,6 @@ def parse_config(options: dict[str, Any]) -> LionCubConfig:
                 f" Valid options: {', '.join(LionCubConfig.model_fields)}; momentum_sync takes "
                 f"{', '.join(MomentumSyncConfig.model_fields)}; consistency_check takes "
                 f"{', '.join(ConsistencyCheckConfig.model_fields)}; hybrid takes "
-                f"{', '.join(HybridConfig.model_fields)}."
+                f"{', '.join(HybridConfig.model_fields)}; network takes {', '.join(NetworkConfig.model_fields)}."
             )
         raise LionCubConfigError(f"LionCub: invalid options: {problems}.{hint}") from None

@@ -9,6 +9,7 @@ per parameter, and every rank applies the same update, so parameters stay bitwis
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -35,6 +36,7 @@ from ds_lioncub.errors import (
 from ds_lioncub.fingerprint import check_same_on_every_rank, describe_parameters
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
 from ds_lioncub.param_selection import select_parameters
+from ds_lioncub.planner.auto import AutoResolution, auto_node_size, log_auto_resolution, resolve_auto
 from ds_lioncub.replica_check import check_replicas
 
 
@@ -101,6 +103,10 @@ class LionCub(torch.optim.Optimizer):
         self._states_only = False
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
         super().__init__(params, defaults)
+        # compression="auto": the planner's mode for this world, the same on every rank (the inputs are).
+        self.auto_resolution: AutoResolution | None = None
+        if self.options.compression == "auto":
+            self._resolve_auto()
         # Before anything that could issue collectives of option-dependent sizes: every rank the same set-up.
         self._check_same_set_up_on_every_rank()
         self._aggregator: Aggregator | None = build_aggregation(self.options, self.transport, False)
@@ -200,6 +206,18 @@ class LionCub(torch.optim.Optimizer):
             f"LionCub: {self.transport.world_size} rank(s) over {self.transport.name}, aggregation {aggregation}; "
             f"{self.options.summary()}"
         )
+
+    def _resolve_auto(self) -> None:
+        """Replace ``options`` by the planner's choice at ZeRO stage 0 and say so on rank 0 (planner.auto).
+
+        Nodes of G ranks: G from ``hybrid.node_size`` or the launcher's variables, else one rank per node.
+        """
+        num_params = sum(p.numel() for p in self._flat_params() if p.requires_grad)
+        node_size = auto_node_size(self.options, os.environ)
+        resolution = resolve_auto(self.options, num_params, self.transport.world_size, node_size)
+        self.auto_resolution = resolution
+        self.options = resolution.options
+        log_auto_resolution(resolution, self.transport.rank)
 
     def _check_same_set_up_on_every_rank(self) -> None:
         """Raise the same error on every rank if the ranks were built with different options or models."""

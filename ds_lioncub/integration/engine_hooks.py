@@ -30,7 +30,7 @@ from ds_lioncub.config import parse_config
 from ds_lioncub.fingerprint import check_same_on_every_rank, describe_parameters
 from ds_lioncub.integration import checkpoint
 from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE, configure_hybrid_zero
-from ds_lioncub.integration.wiring import refuse_before_construction, wire_engine
+from ds_lioncub.integration.wiring import refuse_before_construction, resolve_auto_for_engine, wire_engine
 from ds_lioncub.optimizer import LionCub
 
 OPTIMIZER_NAME = "lioncub"
@@ -102,10 +102,15 @@ def _wrap_configure_basic_optimizer(original: Callable[..., Any]) -> Callable[..
         if engine.optimizer_name() != OPTIMIZER_NAME:
             return original(engine, model_parameters)
         params = dict(engine.optimizer_params() or {})
-        # The same message on every rank, before anything is allocated (an MPI transport would be).
-        refuse_before_construction(engine, parse_config(params))
+        options = parse_config(params)
         if model_parameters is None:
             model_parameters = engine.module.parameters()
+        if options.compression == "auto":  # resolved here, where the engine's ZeRO stage and gradient path are known
+            model_parameters = list(model_parameters)
+            options = resolve_auto_for_engine(engine, options, model_parameters)
+            params = options.model_dump(include=options.model_fields_set)
+        # The same message on every rank, before anything is allocated (an MPI transport would be).
+        refuse_before_construction(engine, options)
         return LionCub(model_parameters, process_group=engine.seq_data_parallel_group, module=engine.module, **params)
 
     return configure_basic_optimizer

@@ -10,13 +10,13 @@ counted in its time (:mod:`ds_lioncub.planner.model`), so exact Lion's fp32 all-
 work (0) and its bf16 all-reduce only the conversion to bf16 and back. ``p`` is 4, or the largest
 world a k-bit all-reduce admits when that is smaller (the per-element work of every aggregation
 hardly depends on ``p``: the owner of a chunk handles ``p`` rows of ``n / p`` elements). Each
-figure is the fastest of ``repeats`` timed runs after one warm-up run (the least disturbed by other
-load on the machine).
+figure is the fastest of ``rounds`` x ``repeats`` timed runs, each after one warm-up run (the least
+disturbed by other load on the machine).
 """
 
 from __future__ import annotations
 
-import functools
+import math
 import platform
 import time
 from collections.abc import Callable
@@ -85,12 +85,9 @@ def _fastest_seconds(run: Callable[[], object], repeats: int) -> float:
     return min(times)
 
 
-def measure_local_costs(numel: int = 1 << 22, repeats: int = 9, seed: int = 0) -> LocalCosts:
-    """Seconds per element of Lion's update and of every aggregation's local work on this machine (CPU)."""
-    generator = torch.Generator().manual_seed(seed)
+def _measurements(numel: int, repeats: int, generator: torch.Generator) -> dict[str, Callable[[], float]]:
+    """Per table key, a function that times its work once (fastest of ``repeats``) and returns seconds per element."""
     values = torch.randn(numel, generator=generator)
-    table: dict[str, float] = {}
-
     param, exp_avg, grad = values.clone(), torch.zeros(numel), torch.randn(numel, generator=generator)
     direction = torch.empty(numel)
 
@@ -99,10 +96,11 @@ def measure_local_costs(numel: int = 1 << 22, repeats: int = 9, seed: int = 0) -
         update_momentum(exp_avg, grad, 0.99)
         apply_update(param, direction.sign_(), 1e-4, 0.1)
 
-    table[LION_UPDATE] = _fastest_seconds(lion_step, repeats) / numel
-    table["none/fp32"] = 0.0
-    table["none/bf16"] = _fastest_seconds(lambda: values.to(torch.bfloat16).float(), repeats) / numel
-
+    timers: dict[str, Callable[[], float]] = {
+        LION_UPDATE: lambda: _fastest_seconds(lion_step, repeats) / numel,
+        "none/fp32": lambda: 0.0,
+        "none/bf16": lambda: _fastest_seconds(lambda: values.to(torch.bfloat16).float(), repeats) / numel,
+    }
     for params in calibration_modes():
         world = _world_for(params)
         if world is None:
@@ -110,20 +108,34 @@ def measure_local_costs(numel: int = 1 << 22, repeats: int = 9, seed: int = 0) -
         options = parse_config(params)
         aggregator = build_aggregation(options, LoopbackTransport(world, 0), False)
         assert aggregator is not None
-        buffer = torch.empty(numel)
+        output = torch.empty(numel)
 
-        def aggregate(aggregator: Any = aggregator, buffer: torch.Tensor = buffer) -> None:
-            buffer.copy_(values)
-            bucket = Bucket(buffer, [numel], [None])
-            aggregator.finish(aggregator.start(bucket, True), out=buffer)
+        def aggregate(aggregator: Any = aggregator, output: torch.Tensor = output) -> None:
+            # start() only reads the values: they stay the same input for every run
+            aggregator.finish(aggregator.start(Bucket(values, [numel], [None]), True), out=output)
 
-        copy_seconds = _fastest_seconds(functools.partial(buffer.copy_, values), repeats)
-        table[aggregation_key(options)] = max(_fastest_seconds(aggregate, repeats) - copy_seconds, 0.0) / numel
+        def timed(aggregate: Callable[[], None] = aggregate) -> float:
+            return _fastest_seconds(aggregate, repeats) / numel
 
+        timers[aggregation_key(options)] = timed
+    return timers
+
+
+def measure_local_costs(numel: int = 1 << 21, repeats: int = 5, rounds: int = 3, seed: int = 0) -> LocalCosts:
+    """Seconds per element of Lion's update and of every aggregation's local work on this machine (CPU).
+
+    ``rounds`` passes over every entry, each the fastest of ``repeats`` runs; the table keeps each
+    entry's fastest pass (a pass that other load on the machine slowed down is not kept).
+    """
+    timers = _measurements(numel, repeats, torch.Generator().manual_seed(seed))
+    table = dict.fromkeys(timers, math.inf)
+    for _ in range(rounds):  # passes over all entries, so that a burst of other load spoils one pass, not an entry
+        for key, timer in timers.items():
+            table[key] = min(table[key], timer())
     path = packing_path("cpu")
     measured_on = (
         f"{platform.machine()} {platform.processor() or platform.system()}, {torch.get_num_threads()} torch threads, "
-        f"packing path {path.path!r}, {numel} elements, fastest of {repeats}"
+        f"packing path {path.path!r}, {numel} elements, fastest of {rounds} x {repeats}"
     )
     return LocalCosts(table, measured_on)
 

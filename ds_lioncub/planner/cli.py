@@ -23,7 +23,7 @@ from typing import Any
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.planner.local_costs import DEFAULT_LOCAL_COSTS, LocalCosts
 from ds_lioncub.planner.model import DEFAULT_LATENCY, Candidate, Cluster, Network, describe_network, plan
-from ds_lioncub.planner.units import format_seconds, parse_duration, parse_rate
+from ds_lioncub.units import format_seconds, parse_duration, parse_rate
 
 
 def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--intra-node-bandwidth",
         type=_argument(parse_rate),
         metavar="RATE",
-        help="between two ranks of one machine (default: the inter-node bandwidth)",
+        help="between two ranks of one machine (default: no bottleneck, e.g. NVLink beside Ethernet)",
     )
     parser.add_argument(
         "--latency",
@@ -119,13 +119,15 @@ def as_table(candidates: Sequence[Candidate], num_params: int, cluster: Cluster,
     lines = [
         f"{num_params:,} parameters on {cluster.nodes} x {cluster.gpus_per_node} ranks, {describe_network(network)}",
         "",
-        f"{'mode':<44} {'ZeRO':>4} {'step':>9} {'comm':>9} {'local':>9} {'bytes/step/rank':>17} {'vs best':>8}",
+        f"{'mode':<44} {'ZeRO':>4} {'step':>9} {'comm':>9} {'local':>9} {'bytes/step/rank':>16} "
+        f"{'out of a node':>15} {'vs best':>8}",
     ]
     for c in candidates:
         lines.append(
             f"{c.label:<44} {c.zero_stage:>4} {format_seconds(c.seconds_per_step):>9} "
             f"{format_seconds(c.comm_seconds):>9} {format_seconds(c.local_seconds):>9} "
-            f"{c.bytes_per_step_per_rank:>17,} {c.seconds_per_step / best.seconds_per_step:>7.2f}x"
+            f"{c.bytes_per_step_per_rank:>16,} {c.node_link_bytes_per_step:>15,} "
+            f"{c.seconds_per_step / best.seconds_per_step:>7.2f}x"
         )
     exact = [c for c in candidates if c.compression == "none"]
     lines += ["", f"Recommended: {best.label}, predicted {format_seconds(best.seconds_per_step)} per step"]
@@ -137,7 +139,8 @@ def as_table(candidates: Sequence[Candidate], num_params: int, cluster: Cluster,
     else:
         lines[-1] += ": compression does not pay here."
     lines += [
-        "(Communication and optimizer only: the forward and backward passes are the same in every mode.)",
+        "(Communication and optimizer only: the forward and backward passes are the same in every mode.",
+        " bytes/step/rank: all a rank sends; out of a node: what crosses one node's link to the network.)",
         "",
         "ds_config:",
         json.dumps(ds_config_blocks(best), indent=2),

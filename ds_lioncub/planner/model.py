@@ -38,16 +38,16 @@ from typing import Any
 
 from ds_lioncub.comm import wire
 from ds_lioncub.comm.kbit import KbitCodec
-from ds_lioncub.config import LionCubConfig, parse_config
+from ds_lioncub.config import LionCubConfig, NetworkConfig, parse_config
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.planner.local_costs import DEFAULT_LOCAL_COSTS, LION_UPDATE, LocalCosts, aggregation_key
-from ds_lioncub.planner.units import format_rate
+from ds_lioncub.units import format_rate
 
 LIONCUB_BUCKET_SIZE: int = LionCubConfig.model_fields["bucket_size"].default
 # DeepSpeed's gradient all-reduce bucket at stage 0 (engine.allreduce_gradients) and ZeRO's
 # reduce_bucket_size / allgather_bucket_size defaults, in elements.
 DEEPSPEED_BUCKET_SIZE = 500_000_000
-DEFAULT_LATENCY = 50e-6
+DEFAULT_LATENCY: float = NetworkConfig.model_fields["latency"].default
 ELEMENT_SIZE = {"fp32": 4, "bf16": 2}
 
 
@@ -109,6 +109,8 @@ class Candidate:
         comm_seconds: the collectives' α-β time.
         local_seconds: Lion's arithmetic and the aggregation's local work.
         label: what it is, in words.
+        node_link_bytes_per_step: bytes out of one node through its link to the network per step (what
+            a slow inter-node network has to carry; the rest stays inside the nodes).
     """
 
     params: dict[str, Any]
@@ -118,6 +120,7 @@ class Candidate:
     comm_seconds: float
     local_seconds: float
     label: str
+    node_link_bytes_per_step: int = 0
 
     @property
     def compression(self) -> str:
@@ -168,6 +171,7 @@ class _Tally:
 
     seconds: float = 0.0
     bytes_sent: int = 0
+    node_link_bytes: int = 0
 
     def add(
         self, collectives: Sequence[wire.Collective], placement: wire.Placement, node_size: int, network: Network
@@ -175,6 +179,8 @@ class _Tally:
         for collective in collectives:
             self.seconds += collective_seconds(collective, placement, node_size, network)
             self.bytes_sent += collective.bytes_sent
+            if collective.world_size > 1:
+                self.node_link_bytes += wire.link_bytes(collective, placement, node_size).node_link
 
 
 # ---------------------------------------------------------------------------------------------- one aggregation
@@ -228,6 +234,7 @@ def _candidate(label: str, params: dict[str, Any], zero_stage: int, tally: _Tall
         comm_seconds=tally.seconds,
         local_seconds=local_seconds,
         label=label,
+        node_link_bytes_per_step=tally.node_link_bytes,
     )
 
 
@@ -315,6 +322,7 @@ def plan(
     exact_comm_dtypes: Sequence[str] = ("fp32", "bf16"),
     bucket_size: int = LIONCUB_BUCKET_SIZE,
     exact_bucket_size: int = DEEPSPEED_BUCKET_SIZE,
+    hybrid_with_one_rank_per_node: bool = False,
 ) -> list[Candidate]:
     """Every feasible candidate for ``num_params`` parameters on ``cluster``, fastest predicted step first.
 
@@ -322,6 +330,8 @@ def plan(
     than one node) to consider. ``exact_comm_dtypes``: the precisions exact Lion's all-reduce may use.
     ``bucket_size``: LionCub's; ``exact_bucket_size``: the elements per bucket of exact Lion's
     gradient reduction (DeepSpeed's by default; LionCub's own when it runs without DeepSpeed).
+    ``hybrid_with_one_rank_per_node``: list the hybrid also when G = 1, where it is stage 0 under
+    another name (for a job whose ZeRO stage is fixed at 2).
     """
     if num_params < 1:
         raise LionCubConfigError(f"LionCub: the model needs at least 1 parameter, got {num_params}.")
@@ -336,7 +346,7 @@ def plan(
         candidates.append(
             exact_candidate(num_params, cluster, network, costs, exact_comm_dtypes[0], 2, exact_bucket_size)
         )
-    if 2 in zero_stages and cluster.nodes > 1 and cluster.gpus_per_node > 1:  # with G = 1 the hybrid is stage 0
+    if 2 in zero_stages and cluster.nodes > 1 and (cluster.gpus_per_node > 1 or hybrid_with_one_rank_per_node):
         for label, params in _compressed_modes(cluster.nodes):
             candidates.append(
                 hybrid_candidate(label, params, num_params, cluster, network, costs, bucket_size, exact_bucket_size)

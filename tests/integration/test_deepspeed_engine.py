@@ -9,14 +9,19 @@ files for a resume at another world size.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from ds_lioncub import parse_config
+from ds_lioncub.planner.auto import resolve_auto
+from ds_lioncub.planner.model import DEEPSPEED_BUCKET_SIZE
 from tests.support.checks import same_message_on_every_rank
 from tests.support.launch import REPO, run_deepspeed
+from tests.support.planned_cases import AUTO_NETWORK, LAUNCHED_NODE_SIZE, LAUNCHED_WORLD, recommended
 
 pytestmark = pytest.mark.deepspeed
 
@@ -247,3 +252,38 @@ def test_fp16_on_cuda(tmp_path: Path) -> None:
     for name, value in records[0]["params"].items():
         for record in records[1:]:
             assert torch.equal(record["params"][name], value)
+
+
+def _trained_elements(record: dict[str, Any]) -> int:
+    return sum(value.numel() for value in record["params"].values())
+
+
+def test_the_planners_recommended_block_trains_and_sends_the_predicted_bytes(launched: dict[str, Any]) -> None:
+    """Loss and bitwise identity: the test over every config above; here: the block is the recommendation,
+    and every rank's LionCub sent what the planner predicted per step (collectives as the optimizer issues them)."""
+    ranks = _configs(launched)["lioncub_planner"]
+    best = recommended(_trained_elements(ranks[0]))
+    assert best.compression != "none"  # at 1 Gbit/s: the run exercises a compressed mode's collectives
+    for record in ranks:
+        assert {key: record["options"][key] for key in best.params} == best.params
+        steps = len(record["losses"])
+        assert record["comm_stats"].bytes_sent == steps * best.bytes_per_step_per_rank
+
+
+def test_auto_resolves_to_the_planners_choice_alike_on_every_rank(launched: dict[str, Any]) -> None:
+    ranks = _configs(launched)["lioncub_auto"]
+    assert all(record["options"] == ranks[0]["options"] for record in ranks)
+    config = json.loads((REPO / "configs" / "lioncub_1bit.json").read_text())["optimizer"]["params"]
+    hyper = {key: config[key] for key in ("lr", "betas", "weight_decay")}
+    options = parse_config({**hyper, "compression": "auto", "network": AUTO_NETWORK})
+    expected = resolve_auto(
+        options,
+        _trained_elements(ranks[0]),
+        LAUNCHED_WORLD,
+        LAUNCHED_NODE_SIZE,
+        0,
+        exact_comm_dtypes=("fp32",),  # the engine's gradient all-reduce in an fp32 job
+        exact_bucket_size=DEEPSPEED_BUCKET_SIZE,
+    )
+    assert expected.options.compression != "none" and not expected.fell_back
+    assert ranks[0]["options"] == expected.options.model_dump()

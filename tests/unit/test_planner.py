@@ -9,17 +9,22 @@ checked against plain loops over the ranks of a node-major cluster.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import subprocess
 import sys
 from typing import Any
 
 import pytest
+import torch
 
-from ds_lioncub import parse_config
+import ds_lioncub.optimizer as optimizer_module
+from ds_lioncub import LionCub, parse_config
+from ds_lioncub._logging import get_logger
 from ds_lioncub.comm import wire
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.planner import (
+    DEFAULT_LOCAL_COSTS,
     Candidate,
     Cluster,
     LocalCosts,
@@ -29,6 +34,8 @@ from ds_lioncub.planner import (
     plan,
     predict_aggregation_seconds,
 )
+from ds_lioncub.planner.auto import log_auto_resolution, resolve_auto
+from ds_lioncub.planner.calibrate import LoopbackTransport, measure_local_costs
 from ds_lioncub.planner.cli import main
 from ds_lioncub.planner.local_costs import aggregation_key
 from ds_lioncub.planner.model import DEEPSPEED_BUCKET_SIZE, LIONCUB_BUCKET_SIZE
@@ -435,3 +442,184 @@ def test_cli_bad_arguments_exit_2_with_a_message(
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert "usage:" in error and message in error, error
+
+
+# ---------------------------------------------------------------------------------------------- compression="auto"
+
+
+def auto_options(bandwidth: str, latency: str, **more: Any) -> Any:
+    return parse_config({"compression": "auto", "network": {"bandwidth": bandwidth, "latency": latency}, **more})
+
+
+def test_auto_picks_the_planners_best_mode_and_keeps_the_users_options() -> None:
+    options = auto_options("1gbit", "50us", lr=3e-4, momentum_sync={"interval": 10, "layers": "all"})
+    network = Network(1e9 / 8, None, 50e-6)
+    for stage, zero_stages in ((0, (0,)), (2, (2,))):
+        resolution = resolve_auto(options, 1_500_000_000, 32, 8, stage)
+        best = plan(
+            1_500_000_000, Cluster(4, 8), network, zero_stages=zero_stages, exact_bucket_size=LIONCUB_BUCKET_SIZE
+        )[0]
+        assert best.compression != "none" and not resolution.fell_back
+        chosen = resolution.options
+        assert {key: getattr(chosen, key) for key in best.params if key != "hybrid"} == {
+            key: value for key, value in best.params.items() if key != "hybrid"
+        }
+        assert (chosen.lr, chosen.momentum_sync.interval, chosen.network) == (3e-4, 10, None)
+        assert (chosen.hybrid is not None) == (stage == 2)
+        if stage == 2:
+            assert chosen.hybrid.node_size == 8
+        assert best.label in resolution.sentence and "exact Lion" in resolution.sentence
+        assert "1 Gbit/s" in resolution.sentence
+
+
+def test_auto_falls_back_to_exact_lion_loudly_when_compression_does_not_pay() -> None:
+    options = auto_options("400gbit", "5us", momentum_sync={"interval": 10})
+    resolution = resolve_auto(options, 100_000, 16, 8, 0)
+    assert resolution.fell_back and resolution.options.compression == "none"
+    assert resolution.options.momentum_sync.interval == 0  # applies to compressed modes only
+    assert "does not pay" in resolution.sentence and "400 Gbit/s" in resolution.sentence
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    get_logger().addHandler(handler)
+    try:
+        log_auto_resolution(resolution, rank=1)
+        log_auto_resolution(resolution, rank=0)
+    finally:
+        get_logger().removeHandler(handler)
+    assert [(r.levelno, r.getMessage()) for r in records] == [(logging.WARNING, resolution.sentence)]
+
+
+def test_auto_is_a_pure_function_of_its_inputs() -> None:
+    options = auto_options("10gbit", "20us")
+    before = options.model_dump()
+    first = resolve_auto(options, 50_000_000, 8, 4, 0)
+    assert options.model_dump() == before  # the input is left alone
+    again = resolve_auto(auto_options("10gbit", "20us"), 50_000_000, 8, 4, 0)
+    assert first.options.model_dump() == again.options.model_dump() and first.sentence == again.sentence
+    other_world = resolve_auto(options, 50_000_000, 2, 1, 0)
+    assert [c.bytes_per_step_per_rank for c in other_world.candidates] != [
+        c.bytes_per_step_per_rank for c in first.candidates
+    ]
+
+
+@pytest.mark.parametrize(
+    ("world", "node_size", "stage", "why"),
+    [(1, 1, 0, "a world of one"), (8, 4, 3, "ZeRO stage 3"), (4, 4, 2, "one node")],
+)
+def test_auto_runs_exact_lion_where_there_is_nothing_to_vote_over(
+    world: int, node_size: int, stage: int, why: str
+) -> None:
+    resolution = resolve_auto(
+        auto_options("1mbit", "1ms", hybrid={"node_size": node_size}), 10**9, world, node_size, stage
+    )
+    assert resolution.options.compression == "none" and resolution.options.hybrid is None
+    assert resolution.fell_back and why in resolution.sentence
+
+
+def test_other_modes_are_left_as_they_are() -> None:
+    options = parse_config({"compression": "kbit", "bits": 8})
+    assert resolve_auto(options, 10**6, 4, 1, 0).options is options
+
+
+@pytest.mark.parametrize(
+    ("options", "fragments"),
+    [
+        ({"compression": "auto"}, ["needs the network", '"network": {"bandwidth": "1gbit"']),
+        ({"compression": "1bit", "network": {"bandwidth": "1gbit"}}, ["network only applies to compression='auto'"]),
+        ({"compression": "auto", "network": {"bandwidth": "fast"}}, ["network.bandwidth", "'1gbit'"]),
+        ({"compression": "auto", "network": {"bandwidth": "1gbit", "latency": "5"}}, ["network.latency", "unit"]),
+        ({"compression": "auto", "comm_dtype": "bf16", "network": {"bandwidth": "1gbit"}}, ["comm_dtype is chosen"]),
+        ({"compression": "auto", "bits": 4, "network": {"bandwidth": "1gbit"}}, ["bits=4 only applies"]),
+    ],
+)
+def test_auto_options_are_validated(options: dict[str, Any], fragments: list[str]) -> None:
+    with pytest.raises(LionCubConfigError) as error:
+        parse_config(options)
+    assert str(error.value).startswith("LionCub: ")
+    for fragment in fragments:
+        assert fragment in str(error.value)
+
+
+def test_network_figures_are_read_in_si_units() -> None:
+    network = parse_config(
+        {"compression": "auto", "network": {"bandwidth": "10GB/s", "latency": "2ms", "intra_node_bandwidth": 8e11}}
+    ).network
+    assert network is not None
+    assert (network.bandwidth, network.latency, network.intra_node_bandwidth) == (1e10, pytest.approx(2e-3), 8e11)
+    assert parse_config({"compression": "auto", "network": {"bandwidth": 1.25e8}}).network.latency == 50e-6
+
+
+def test_lioncub_resolves_auto_at_construction_and_checks_the_resolved_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A world of one: exact Lion; the set-up fingerprint sees the resolved compression, not "auto"."""
+    seen: list[Any] = []
+    monkeypatch.setattr(
+        optimizer_module, "check_same_on_every_rank", lambda transport, components, layout: seen.append(components)
+    )
+    model = torch.nn.Linear(4, 3)
+    lioncub = LionCub(
+        model.parameters(), compression="auto", network={"bandwidth": "1gbit"}, momentum_sync={"interval": 5}
+    )
+    assert lioncub.options.compression == "none" and lioncub.auto_resolution is not None
+    assert ("option compression", "'none'") in seen[0]
+    assert not any(label == "option network" and value != "None" for label, value in seen[0])
+
+
+# ---------------------------------------------------------------------------------------------- local cost tables
+
+
+def every_needed_key(clusters: list[Cluster]) -> set[str]:
+    """The table keys the candidates of these clusters need (each candidate asks for its own key)."""
+    needed: set[str] = set()
+
+    class Recording(LocalCosts):
+        def cost(self, key: str) -> float:
+            needed.add(key)
+            return 0.0
+
+    for cluster in clusters:
+        plan(10**6, cluster, Network(GBIT), Recording({}))
+    return needed
+
+
+CLUSTERS = [Cluster(1, 2), Cluster(2, 8), Cluster(3, 1), Cluster(8, 4), Cluster(300, 1)]
+
+
+def test_the_built_in_table_covers_every_candidate() -> None:
+    needed = every_needed_key(CLUSTERS)
+    assert "lion_update" in needed and "1bit" in needed and "none/bf16" in needed
+    assert needed <= set(DEFAULT_LOCAL_COSTS.seconds_per_element)
+    assert all(math.isfinite(v) and v >= 0 for v in DEFAULT_LOCAL_COSTS.seconds_per_element.values())
+
+
+def test_calibration_measures_every_entry_the_planner_needs() -> None:
+    costs = measure_local_costs(numel=1 << 12, repeats=1, rounds=1)
+    assert every_needed_key(CLUSTERS) <= set(costs.seconds_per_element)
+    assert all(math.isfinite(v) and v >= 0 for v in costs.seconds_per_element.values())
+    assert costs.seconds_per_element["lion_update"] > 0 and costs.seconds_per_element["1bit"] > 0
+    assert "packing path" in costs.measured_on
+
+
+def test_the_loopback_transport_hands_a_rank_its_own_message_in_every_slot() -> None:
+    transport = LoopbackTransport(4, 0)
+    message = torch.arange(8, dtype=torch.uint8)
+    assert torch.equal(transport.all_to_all(message), message)
+    assert torch.equal(transport.all_gather(message[:2]), torch.tensor([0, 1] * 4, dtype=torch.uint8))
+    assert transport.stats.bytes_sent == 8 * 3 // 4 + 2 * 3  # counted like a real world of 4
+
+
+def test_bytes_out_of_a_node_per_step() -> None:
+    """The hybrid sends only the votes out of a node (G groups' worth); exact Lion's ring sends one rank's bytes."""
+    n, cluster = 123_457, Cluster(4, 8)
+    candidates = plan(n, cluster, Network(GBIT))
+    [hybrid] = [c for c in candidates if c.params.get("hybrid") and c.compression == "1bit"]
+    shard = ceil_div(n, 8)
+    votes = expected_aggregation_bytes({"compression": "1bit"}, shard, 4)
+    assert hybrid.node_link_bytes_per_step == 8 * votes + ring_all_reduce(4, 32)
+    [exact] = [c for c in candidates if c.params == {"compression": "none"} and c.zero_stage == 0]
+    assert exact.node_link_bytes_per_step == exact.bytes_per_step_per_rank == ring_all_reduce(4 * n, 32)
+    [flat] = [c for c in candidates if c.params == {"compression": "1bit"}]
+    n_pad = padded(n, 32)  # all-to-all: each of 8 ranks sends the 24 off-node chunks; all-gather: a ring
+    assert flat.node_link_bytes_per_step == 8 * (n_pad // 8) * 24 // 32 + 31 * n_pad // (8 * 32) + ring_all_reduce(
+        4, 32
+    )

@@ -23,6 +23,7 @@ import ds_lioncub
 from ds_lioncub import LionCub
 from ds_lioncub.deepspeed_integration import find_lioncub
 from examples.gpt import GPT, GPTConfig
+from tests.support.planned_cases import planned_configs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -146,6 +147,8 @@ def run_configs(args: argparse.Namespace, data: torch.Tensor) -> dict[str, Any]:
     head_sync_bf16 = json.loads((REPO / "configs" / "lioncub_1bit_head_sync.json").read_text())
     head_sync_bf16["bf16"] = {"enabled": True}
     variants.append(("lioncub_1bit_head_sync_bf16", head_sync_bf16))
+    base = json.loads((REPO / "configs" / "lioncub_1bit.json").read_text())
+    variants += planned_configs(base, sum(p.numel() for p in GPT(MODEL).parameters()))
     for name, config in variants:
         counter = AllReduceCounter()
         if args.deepspeed_config and Path(args.deepspeed_config).stem == name:
@@ -161,7 +164,9 @@ def run_configs(args: argparse.Namespace, data: torch.Tensor) -> dict[str, Any]:
         record["engine_allreduces"] = counter.calls
         record["params"] = full_params(engine)
         record["enable_backward_allreduce"] = engine.enable_backward_allreduce
-        record["comm_stats"] = find_lioncub(engine.optimizer).comm_stats() if find_lioncub(engine.optimizer) else None
+        lioncub = find_lioncub(engine.optimizer)
+        record["comm_stats"] = lioncub.comm_stats() if lioncub else None
+        record["options"] = lioncub.options.model_dump() if lioncub else None
         ds_comm.all_reduce = counter.original
         results[f"config/{name}"] = record
     return results

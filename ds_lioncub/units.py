@@ -1,4 +1,4 @@
-"""The quantities planner users type: link rates and latencies.
+"""The network quantities users type (the planner's command line, the ``network`` option): rates, latencies.
 
 Rates follow tc(8), as benchmarks/netcluster does: ``bit``, ``kbit``, ``mbit``, ``gbit``, ``tbit`` are bits
 per second (decimal prefixes), ``bps``, ``kbps``, ``mbps``, ``gbps``, ``tbps`` are *bytes* per second; so
