@@ -121,20 +121,31 @@ def _measurements(numel: int, repeats: int, generator: torch.Generator) -> dict[
     return timers
 
 
-def measure_local_costs(numel: int = 1 << 21, repeats: int = 5, rounds: int = 3, seed: int = 0) -> LocalCosts:
+def measure_local_costs(
+    numel: int = 1 << 21, repeats: int = 5, rounds: int = 5, seed: int = 0, threads: int | None = None
+) -> LocalCosts:
     """Seconds per element of Lion's update and of every aggregation's local work on this machine (CPU).
 
     ``rounds`` passes over every entry, each the fastest of ``repeats`` runs; the table keeps each
-    entry's fastest pass (a pass that other load on the machine slowed down is not kept).
+    entry's fastest pass (a pass that other load on the machine slowed down is not kept). ``threads``:
+    torch's intra-op threads while measuring (default: as set), e.g. 1 for ranks that share a machine's
+    cores one each.
     """
-    timers = _measurements(numel, repeats, torch.Generator().manual_seed(seed))
-    table = dict.fromkeys(timers, math.inf)
-    for _ in range(rounds):  # passes over all entries, so that a burst of other load spoils one pass, not an entry
-        for key, timer in timers.items():
-            table[key] = min(table[key], timer())
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        timers = _measurements(numel, repeats, torch.Generator().manual_seed(seed))
+        table = dict.fromkeys(timers, math.inf)
+        for _ in range(rounds):  # passes over all entries, so that a burst of other load spoils one pass, not an entry
+            for key, timer in timers.items():
+                table[key] = min(table[key], timer())
+        threads_used = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous_threads)
     path = packing_path("cpu")
     measured_on = (
-        f"{platform.machine()} {platform.processor() or platform.system()}, {torch.get_num_threads()} torch threads, "
+        f"{platform.machine()} {platform.processor() or platform.system()}, {threads_used} torch thread(s), "
         f"packing path {path.path!r}, {numel} elements, fastest of {rounds} x {repeats}"
     )
     return LocalCosts(table, measured_on)
@@ -144,8 +155,8 @@ def as_python_table(costs: LocalCosts, command: str) -> str:
     """``costs`` as the source of ``default_local_costs.py`` (how the default table is refreshed)."""
     rows = "\n".join(f'    "{key}": {value:.4g},' for key, value in sorted(costs.seconds_per_element.items()))
     return (
-        f'"""The default local cost table (seconds per element), measured with ``{command}``.\n\n'
-        f"See :mod:`ds_lioncub.planner.local_costs` for what each entry means.\n"
+        f'"""The default local cost table (seconds per element).\n\nMeasured with ``{command}``; see\n'
+        f":mod:`ds_lioncub.planner.local_costs` for what each entry means.\n"
         f'"""\n\nMEASURED_ON = {costs.measured_on!r}\n\nSECONDS_PER_ELEMENT = {{\n{rows}\n}}\n'
     )
 

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--calibrate", action="store_true", help="measure this machine's local cost table and print it")
     parser.add_argument("--save", metavar="FILE", help="with --calibrate: write the table there as JSON")
+    parser.add_argument(
+        "--threads", type=_argument(_positive_count), help="with --calibrate: torch threads per rank (default: torch's)"
+    )
     return parser
 
 
@@ -154,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.calibrate:
         from ds_lioncub.planner.calibrate import as_python_table, measure_local_costs
 
-        costs = measure_local_costs()
+        costs = measure_local_costs(threads=args.threads)
         if args.save:
             with open(args.save, "w") as file:
                 file.write(costs.to_json() + "\n")

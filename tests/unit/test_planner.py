@@ -22,7 +22,9 @@ import ds_lioncub.optimizer as optimizer_module
 from ds_lioncub import LionCub, parse_config
 from ds_lioncub._logging import get_logger
 from ds_lioncub.comm import wire
+from ds_lioncub.comm.topology import NODE_SIZE_VARIABLES
 from ds_lioncub.errors import LionCubConfigError
+from ds_lioncub.integration.wiring import resolve_auto_for_engine
 from ds_lioncub.planner import (
     DEFAULT_LOCAL_COSTS,
     Candidate,
@@ -623,3 +625,39 @@ def test_bytes_out_of_a_node_per_step() -> None:
     assert flat.node_link_bytes_per_step == 8 * (n_pad // 8) * 24 // 32 + 31 * n_pad // (8 * 32) + ring_all_reduce(
         4, 32
     )
+
+
+class FakeEngine:
+    """What resolve_auto_for_engine reads from a DeepSpeed engine."""
+
+    def __init__(self, stage: int, dtype: torch.dtype, world: int) -> None:
+        self.stage, self.communication_data_type, self.seq_dp_world_size, self.global_rank = stage, dtype, world, 0
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+    def zero_reduce_bucket_size(self) -> int:
+        return 200_000_000
+
+
+def test_under_deepspeed_auto_plans_with_the_engines_stage_dtype_and_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in NODE_SIZE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    model = torch.nn.Linear(1000, 1000)
+    slow = {"compression": "auto", "network": {"bandwidth": "10mbit", "latency": "1ms"}}
+    hybrid = resolve_auto_for_engine(
+        FakeEngine(2, torch.float32, 4),
+        parse_config({**slow, "hybrid": {"node_size": 2}}),
+        [{"params": list(model.parameters())}],
+    )
+    expected = plan(
+        1_001_000, Cluster(2, 2), Network(10e6 / 8, None, 1e-3), zero_stages=(2,), exact_bucket_size=200_000_000
+    )[0]
+    assert expected.zero_stage == 2 and expected.compression != "none"
+    assert hybrid.compression == expected.compression and hybrid.hybrid is not None and hybrid.hybrid.node_size == 2
+    # few bytes, long rounds: one all-reduce (2 rounds) beats a vote's two collectives and the finite check (4)
+    fast = {"compression": "auto", "network": {"bandwidth": "400gbit", "latency": "1ms"}}
+    exact = resolve_auto_for_engine(
+        FakeEngine(0, torch.bfloat16, 2), parse_config(fast), list(model.named_parameters())
+    )
+    assert exact.compression == "none" and exact.comm_dtype == "bf16"  # the engine's gradient dtype, one rank per node
