@@ -132,6 +132,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def remove_deepspeed_shm_buffers(port: int) -> None:
+    """Delete the shared-memory buffers a finished DeepSpeed CPU job that rendezvoused on ``port`` left behind.
+
+    DeepSpeed's CPU communication (its ``shm`` op) creates one buffer of about 67 MB per rank in
+    /dev/shm, named ``deepspeed_allreduce_buffer_<uid>_<address>_<port>_<rank>``, and never unlinks it,
+    so every job leaves its ranks' buffers in memory until the machine restarts (a test suite's worth
+    fills /dev/shm). Call this once the job's processes have exited.
+    """
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
+        path.unlink(missing_ok=True)
+
+
 def run_method(
     method: Method, config_path: Path, common: list[str], args: argparse.Namespace, out_dir: Path
 ) -> dict[str, Any]:
@@ -144,7 +156,7 @@ def run_method(
         "--num_gpus",
         str(args.nproc),
         "--master_port",
-        str(free_port()),
+        str(port := free_port()),
         "--log_level",
         "warning",
         str(TRAIN_SCRIPT),
@@ -167,7 +179,10 @@ def run_method(
         "PATH": os.pathsep.join(filter(None, [str(Path(sys.executable).parent), os.environ.get("PATH")])),
     }
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, timeout=args.timeout, env=env)
+    try:
+        proc = subprocess.run(cmd, timeout=args.timeout, env=env)
+    finally:
+        remove_deepspeed_shm_buffers(port)
     wall = time.perf_counter() - t0
     done = json_out.exists()
     if proc.returncode == LAUNCHER_EXIT_AFTER_WORK and done:
