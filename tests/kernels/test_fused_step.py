@@ -23,8 +23,7 @@ import pytest
 import torch
 
 from ds_lioncub.comm import packing
-from ds_lioncub.comm.packing import MomentumPiece, ParamPiece
-from ds_lioncub.comm.packing import dispatch
+from ds_lioncub.comm.packing import MomentumPiece, ParamPiece, dispatch
 from ds_lioncub.comm.packing.compiled import CompiledPacking
 from ds_lioncub.comm.packing.self_check import SelfCheckedPacking
 from ds_lioncub.comm.packing.torch_impl import TorchPacking
@@ -279,13 +278,12 @@ def test_apply_rounds_the_decay_before_the_step(impl: Implementation, lr: float,
     params = (torch.linspace(-3, 3, 4099) * 1.000001).to(impl.device)
     packed = torch.full((513,), 0b10110010, dtype=torch.uint8).to(impl.device)
     expected = [params.clone()]
-    ref = [(lr, weight_decay)]
     signs = torch.from_numpy(np.unpackbits(packed.cpu().numpy(), bitorder="little")[:4099].astype(np.float32) * 2 - 1)
     if weight_decay != 0:
         expected[0].mul_(1 - lr * weight_decay)
     expected[0].add_(signs.to(impl.device), alpha=-lr)
     got = params.clone()
-    packing.apply_packed_signs(packed, [ParamPiece(got, *ref[0])])
+    packing.apply_packed_signs(packed, [ParamPiece(got, lr, weight_decay)])
     assert same_bits([got], expected)
 
 
