@@ -17,8 +17,10 @@ import torch
 from torch import nn
 
 from ds_lioncub import LionCub
-from ds_lioncub.aggregation import KbitVote, OneBitVote
+from ds_lioncub.aggregation import Bucket, KbitVote, OneBitVote, build_aggregation
 from ds_lioncub.comm import packing
+from ds_lioncub.comm.transport import TorchTransport
+from ds_lioncub.config import parse_config
 from ds_lioncub.op_builder import LionCubPackingCPUBuilder
 
 # Odd sizes and the smallest bucket (1024 elements): pieces start and end mid-byte, and tensors are cut.
@@ -138,3 +140,35 @@ def test_means_and_l1_stay_on_the_unpacked_path(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(KbitVote, "finish_packed", packed)
     params, _ = train("auto", options, torch.float32)
     assert all(torch.isfinite(p).all() for p in params)
+
+
+# ------------------------------------------------------------------ the packed entry and exit of the votes
+
+
+def sign_vote_aggregations() -> list[Any]:
+    return [build_aggregation(parse_config(options), TorchTransport(), False) for options in SIGN_VOTES]
+
+
+@pytest.mark.parametrize("index", range(len(SIGN_VOTES)), ids=[mode_id(options) for options in SIGN_VOTES])
+@pytest.mark.parametrize("positive_ties", [True, False])
+def test_the_packed_vote_is_the_unpacked_vote_packed(index: int, positive_ties: bool) -> None:
+    # At a world of one the vote of a sign is that sign: +1 where c > 0, ties by the rule, NaN -1.
+    vote = sign_vote_aggregations()[index]
+    c = torch.tensor([1.5, -2.0, 0.0, -0.0, float("nan"), 3.0, -1e-30, 7.0, 0.0, -4.0, 2.0])
+    bits, nbytes = vote.sign_message_layout(c.numel())
+    message = packing.pack_signs(c, positive_ties, bits=bits, nbytes=nbytes)
+    packed = vote.finish_packed(vote.start_packed(message, c.numel(), positive_ties))
+    tie = 1.0 if positive_ties else -1.0
+    expected = torch.tensor([1.0, -1.0, tie, tie, -1.0, 1.0, -1.0, 1.0, tie, -1.0, 1.0])
+    assert torch.equal(packing.unpack_signs(packed, c.numel()), expected)
+    unpacked = vote.finish(vote.start(Bucket(c.clone(), [c.numel()], []), positive_ties))
+    assert torch.equal(unpacked, expected)
+
+
+def test_a_message_of_the_wrong_length_or_a_non_sign_vote_is_refused() -> None:
+    one_bit = sign_vote_aggregations()[0]
+    with pytest.raises(ValueError, match="packed sign message"):
+        one_bit.start_packed(torch.zeros(3, dtype=torch.uint8), 8, True)
+    l1 = build_aggregation(parse_config({"compression": "kbit", "bits": 8, "quantizer": "l1"}), TorchTransport(), False)
+    with pytest.raises(ValueError, match="votes of sign fields"):
+        l1.start_packed(torch.zeros(8, dtype=torch.uint8), 8, True)
