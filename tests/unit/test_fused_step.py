@@ -36,7 +36,7 @@ SIGN_VOTES = [
         for algorithm in ("allreduce", "alltoall")
     ),
 ]
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: the torch composition on both
 
 
 def mode_id(options: dict[str, Any]) -> str:
