@@ -394,3 +394,19 @@ def test_bad_arguments_are_refused() -> None:
         packing.lion_direction_pack_signs([MomentumPiece(m, g, 0.9, 0.99)], nbytes=1)
     with pytest.raises(ValueError, match="fewer than 9 signs"):
         packing.apply_packed_signs(torch.zeros(1, dtype=torch.uint8), [ParamPiece(m, 0.1, 0.0)])
+
+
+@pytest.mark.parametrize("path", ["compiled", "torch"])
+def test_the_report_says_which_fused_step_runs(cpu_op: Any, path: str) -> None:
+    from ds_lioncub.report import report
+
+    packing.set_packing_path(path)
+    try:
+        lines = report(build=True, color=False).splitlines()
+    finally:
+        packing.set_packing_path(None)
+    line = next(line for line in lines if line.startswith("fused step (cpu)"))
+    if path == "compiled":
+        assert "compiled kernels" in line and "float32/bfloat16/float16" in line
+    else:
+        assert "torch composition" in line and "torch packing path" in line
