@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import re
 import shlex
 import statistics
@@ -41,6 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from benchmarks.bench_packing import _machine
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before ds_lioncub (and DeepSpeed) is imported
 SECTION = "## Fused step kernels"
@@ -210,7 +211,7 @@ def main() -> int:
     notes.update(
         load_after=_load(),
         path=path,
-        machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        machine=_machine(),
     )
     command = " ".join(["python -m benchmarks.bench_step", *map(shlex.quote, sys.argv[1:])])
     section = markdown(command, numel, rows, notes)
