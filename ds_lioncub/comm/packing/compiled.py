@@ -2,7 +2,8 @@
 
 The kernels write into preallocated outputs and read contiguous inputs of a few dtypes, listed once
 below. Any other dtype goes to the pure torch implementation, which gives the same bytes: an exotic
-dtype costs speed, never a failure.
+dtype costs speed, never a failure. The CPU and CUDA ops have the same functions, so one class serves
+both; :mod:`.dispatch` loads the op for the device and builds one :class:`CompiledPacking` around it.
 
 The fused step kernels (``lion_direction_pack_signs``, ``apply_packed_signs``) take a whole bucket and
 reproduce the torch composition bit for bit where torch's own rounding does not depend on where an
