@@ -9,6 +9,8 @@ per parameter, and every rank applies the same update, so parameters stay bitwis
 
 from __future__ import annotations
 
+import os
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -23,7 +25,16 @@ from ds_lioncub._version import __version__
 from ds_lioncub.aggregation import COMM_DTYPES, Aggregator, Bucket, ExactMean, build_aggregation, packed_sign_vote
 from ds_lioncub.buckets import Piece, plan_buckets
 from ds_lioncub.comm.backend import CompressedBackend
-from ds_lioncub.comm.packing import MomentumPiece, ParamPiece, apply_packed_signs, lion_direction_pack_signs
+from ds_lioncub.comm.packing import (
+    MomentumPiece,
+    ParamPiece,
+    apply_packed_signs,
+    lion_direction_pack_signs,
+    pack_fields,
+    packed_length,
+    unpack_fields,
+    unpack_signs,
+)
 from ds_lioncub.comm.quantize import tie_sign
 from ds_lioncub.comm.transport import CommStats, TorchTransport, Transport, make_transport
 from ds_lioncub.config import LionCubConfig, parse_config
@@ -36,7 +47,9 @@ from ds_lioncub.errors import (
 from ds_lioncub.fingerprint import check_same_on_every_rank, describe_parameters
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
 from ds_lioncub.param_selection import select_parameters
+from ds_lioncub.planner.auto import AutoResolution, auto_node_size, log_auto_resolution, resolve_auto
 from ds_lioncub.replica_check import check_replicas
+from ds_lioncub.telemetry import StepRecord, StepTelemetry, TelemetryTotals, pack_local_signs
 
 
 class Entry(NamedTuple):
@@ -100,8 +113,15 @@ class LionCub(torch.optim.Optimizer):
         self.param_names: list[str] | None = None
         self._momentum_synced: set[int] = set()
         self._states_only = False
+        # Per-step records (docs/design.md, section 19); a mode that re-votes a bucket calls
+        # telemetry.note_revoted_bucket().
+        self.telemetry = StepTelemetry(vote_stats=self.options.telemetry.vote_stats)
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
         super().__init__(params, defaults)
+        # compression="auto": the planner's mode for this world, the same on every rank (the inputs are).
+        self.auto_resolution: AutoResolution | None = None
+        if self.options.compression == "auto":
+            self._resolve_auto()
         # Before anything that could issue collectives of option-dependent sizes: every rank the same set-up.
         self._check_same_set_up_on_every_rank()
         self._aggregator: Aggregator | None = build_aggregation(self.options, self.transport, False)
@@ -202,6 +222,18 @@ class LionCub(torch.optim.Optimizer):
             f"{self.options.summary()}"
         )
 
+    def _resolve_auto(self) -> None:
+        """Replace ``options`` by the planner's choice at ZeRO stage 0 and say so on rank 0 (planner.auto).
+
+        Nodes of G ranks: G from ``hybrid.node_size`` or the launcher's variables, else one rank per node.
+        """
+        num_params = sum(p.numel() for p in self._flat_params() if p.requires_grad)
+        node_size = auto_node_size(self.options, os.environ)
+        resolution = resolve_auto(self.options, num_params, self.transport.world_size, node_size)
+        self.auto_resolution = resolution
+        self.options = resolution.options
+        log_auto_resolution(resolution, self.transport.rank)
+
     def _check_same_set_up_on_every_rank(self) -> None:
         """Raise the same error on every rank if the ranks were built with different options or models."""
         groups = [
@@ -278,6 +310,16 @@ class LionCub(torch.optim.Optimizer):
         return stats
 
     @property
+    def last_step_telemetry(self) -> StepRecord | None:
+        """What the last step did (bytes, collectives, seconds, vote rates); None before the first step."""
+        return self.telemetry.last
+
+    @property
+    def telemetry_totals(self) -> TelemetryTotals:
+        """Sums over every step recorded so far (skipped DeepSpeed steps included)."""
+        return self.telemetry.totals
+
+    @property
     def momentum_synced_parameters(self) -> list[torch.Tensor]:
         """The parameters whose ``exp_avg`` momentum sync averages."""
         return [p for position, p in enumerate(self._flat_params()) if position in self._momentum_synced]
@@ -326,6 +368,7 @@ class LionCub(torch.optim.Optimizer):
         if self._states_only:
             return loss
         step = self.param_groups[0]["step"] + 1
+        self.telemetry.begin_step(self.comm_stats())
         aggregator = self._aggregator
         if aggregator is None or aggregator.reduces_gradients:
             self._exact_lion_step(entries, aggregator)
@@ -344,7 +387,24 @@ class LionCub(torch.optim.Optimizer):
             names = self.param_names or [f"parameter #{i} of shape {tuple(p.shape)}" for i, p in enumerate(params)]
             labels = [repr(name) for name in names] if self.param_names else names
             check_replicas(self.transport, params, labels, step, agreement=self._agreement_transport)
+        self._end_telemetry_step(step)
         return loss
+
+    def _end_telemetry_step(self, step: int) -> None:
+        """Sum the chunk owners' tie counts over the group (vote_stats only) and close the step's record."""
+        owner_ties = self.telemetry.owner_tie_counts()
+        if owner_ties is not None:
+            # The telemetry's own 8-byte all-reduce is left out of comm_stats(), like the set-up check:
+            # the counters describe the training's traffic.
+            counted = self.transport.stats + CommStats()
+            self.transport.all_reduce_sum(owner_ties)
+            self.transport.stats = counted
+        self.telemetry.end_step(step, self.comm_stats())
+
+    def _add_aggregated_bucket(self, started: float, comm_seconds_before: float, voted_elements: int) -> None:
+        """Credit the telemetry with a bucket: the time since ``started`` less the collectives' time in it."""
+        in_collectives = self.transport.stats.seconds - comm_seconds_before
+        self.telemetry.add_bucket(time.perf_counter() - started - in_collectives, voted_elements)
 
     def _participants(self) -> list[Entry]:
         """The parameters that take part in this step.
@@ -415,7 +475,9 @@ class LionCub(torch.optim.Optimizer):
             grads = [_grad_piece(entries[piece.tensor_index].grad, piece) for piece in bucket]
             if mean is not None:
                 sizes = [piece.length for piece in bucket]
+                started, comm_seconds = time.perf_counter(), self.transport.stats.seconds
                 averaged = mean.finish(mean.start(Bucket(torch.cat(grads), sizes, []), True))
+                self._add_aggregated_bucket(started, comm_seconds, 0)
                 grads = list(averaged.split(sizes))
             for piece, grad in zip(bucket, grads, strict=True):
                 entry = entries[piece.tensor_index]
@@ -456,10 +518,19 @@ class LionCub(torch.optim.Optimizer):
         if votes is not None:
             numel = sum(sizes)
             bits, nbytes = votes.sign_message_layout(numel)
+            # Telemetry's local seconds: here the packing and unpacking share their passes with Lion's
+            # direction and update, so those passes count whole (collectives excluded, as elsewhere).
+            started, comm_seconds = time.perf_counter(), self.transport.stats.seconds
             message = prepare_sign_message(entries, bucket, positive_ties, bits, nbytes)
-            voted = votes.finish_packed(votes.start_packed(message, numel, positive_ties))
-            del message  # released before the update, as the unpacked path releases its messages
+            local_signs = sign_bits_of_message(message, bits, numel) if self.telemetry.vote_stats else None
+            pending = votes.start_packed(message, numel, positive_ties)
+            del message
+            voted = votes.finish_packed(pending)
+            if local_signs is not None:
+                self.telemetry.count_vote(aggregator, pending, local_signs, unpack_signs(voted, numel))
+            del pending, local_signs  # the received messages are released before the update is applied
             apply_voted_signs(entries, bucket, voted)
+            self._add_aggregated_bucket(started, comm_seconds, numel)
             return
         update = torch.empty(sum(sizes), dtype=torch.float32, device=entries[bucket[0].tensor_index].param.device)
         for piece, direction in zip(bucket, update.split(sizes), strict=True):
@@ -473,9 +544,17 @@ class LionCub(torch.optim.Optimizer):
             if aggregator.needs_whole_tensor_mean_abs
             else []
         )
+        # Taken before the vote overwrites the directions (vote_stats only).
+        local_signs = pack_local_signs(update, positive_ties) if self.telemetry.vote_stats else None
+        started, comm_seconds = time.perf_counter(), self.transport.stats.seconds
         # The result overwrites the directions it was packed from: one bucket-sized buffer, not two (and
         # the received messages are released before the update is applied).
-        delta = aggregator.finish(aggregator.start(Bucket(update, sizes, mean_abs), positive_ties), out=update)
+        pending = aggregator.start(Bucket(update, sizes, mean_abs), positive_ties)
+        delta = aggregator.finish(pending, out=update)
+        self._add_aggregated_bucket(started, comm_seconds, update.numel())
+        if local_signs is not None:
+            self.telemetry.count_vote(aggregator, pending, local_signs, delta)
+        del pending, local_signs
         for piece, piece_delta in zip(bucket, delta.split(sizes), strict=True):
             entry = entries[piece.tensor_index]
             apply_update(_piece_of(entry.param, piece), piece_delta, entry.group["lr"], entry.group["weight_decay"])
@@ -520,6 +599,14 @@ def apply_voted_signs(entries: list[Entry], bucket: list[Piece], voted: torch.Te
         entry = entries[piece.tensor_index]
         pieces.append(ParamPiece(_piece_of(entry.param, piece), entry.group["lr"], entry.group["weight_decay"]))
     apply_packed_signs(voted, pieces)
+
+
+def sign_bits_of_message(message: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """The first ``numel`` sign fields of a ``bits``-wide sign message as 1-bit signs, unpadded: what
+    :func:`~ds_lioncub.telemetry.pack_local_signs` gives for the direction the message was packed from."""
+    if bits == 1:
+        return message[: packed_length(numel)]  # padding bits are 0, as pack_local_signs leaves them
+    return pack_fields(unpack_fields(message, bits, numel), 1)
 
 
 def _piece_of(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:

@@ -84,9 +84,11 @@ def train(mode: str, options: dict[str, object], rank: int, results: dict[str, o
         before = optimizer.comm_stats()
         optimizer.step()
         results[f"{prefix}train-stats/{mode}/{step}"] = optimizer.comm_stats() - before
+        results[f"{prefix}train-telemetry/{mode}/{step}"] = optimizer.last_step_telemetry
         if "momentum_sync" in options:
             for name, param in params.items():
                 results[f"{prefix}train-exp-avg/{mode}/{step}/{name}"] = optimizer.state[param]["exp_avg"].clone()
+    results[f"{prefix}train-telemetry-totals/{mode}"] = optimizer.telemetry_totals
     for name, param in params.items():
         results[f"{prefix}train-param/{mode}/{name}"] = param.detach().clone()
         results[f"{prefix}train-exp-avg/{mode}/final/{name}"] = optimizer.state[param]["exp_avg"].clone()

@@ -13,7 +13,8 @@ replacing its public methods on the instance; a float sum that went through the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -25,17 +26,24 @@ from ds_lioncub.errors import LionCubConfigError
 
 @dataclass
 class CommStats:
-    """Cumulative traffic of one rank: collectives issued and payload bytes sent / received."""
+    """Cumulative traffic of one rank: collectives issued, payload bytes sent / received, seconds inside them.
+
+    ``seconds`` is host wall-clock time (``time.perf_counter``) from entering a collective's data
+    movement to its return, the rank-order float sum's additions included. It is left out of ``==``:
+    two runs move the same bytes but never take the same time.
+    """
 
     collectives: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    seconds: float = field(default=0.0, compare=False)
 
     def __sub__(self, other: CommStats) -> CommStats:
         return CommStats(
             self.collectives - other.collectives,
             self.bytes_sent - other.bytes_sent,
             self.bytes_received - other.bytes_received,
+            self.seconds - other.seconds,
         )
 
     def __add__(self, other: CommStats) -> CommStats:
@@ -43,6 +51,7 @@ class CommStats:
             self.collectives + other.collectives,
             self.bytes_sent + other.bytes_sent,
             self.bytes_received + other.bytes_received,
+            self.seconds + other.seconds,
         )
 
 
@@ -121,8 +130,9 @@ class TransportBase:
             raise ValueError(f"all_to_all: {send.numel()} elements do not split into {self.world_size} equal chunks")
         flat = send.contiguous().view(-1)
         received = torch.empty_like(flat)
+        started = time.perf_counter()
         self._raw_all_to_all(flat, received)
-        self._count(wire.all_to_all_bytes(_nbytes(send), self.world_size))
+        self._count(wire.all_to_all_bytes(_nbytes(send), self.world_size), time.perf_counter() - started)
         return received.view(send.shape)
 
     def all_gather(self, send: torch.Tensor) -> torch.Tensor:
@@ -131,8 +141,9 @@ class TransportBase:
             return send.clone()
         flat = send.contiguous().view(-1)
         received = flat.new_empty(flat.numel() * self.world_size)
+        started = time.perf_counter()
         self._raw_all_gather(flat, received)
-        self._count(wire.all_gather_bytes(_nbytes(send), self.world_size))
+        self._count(wire.all_gather_bytes(_nbytes(send), self.world_size), time.perf_counter() - started)
         return received
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -142,13 +153,15 @@ class TransportBase:
         self._check_sum_dtype(tensor.dtype)
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         flat = work.view(-1)
+        started = time.perf_counter()
         if tensor.is_floating_point():
             self._ordered_float_sum(flat)
         else:
             self._raw_integer_all_reduce_sum(flat)
+        seconds = time.perf_counter() - started
         if work is not tensor:
             tensor.copy_(work)
-        self._count(wire.all_reduce_bytes(_nbytes(tensor), self.world_size))
+        self._count(wire.all_reduce_bytes(_nbytes(tensor), self.world_size), seconds)
         return tensor
 
     # ------------------------------------------------------------------ shared internals
@@ -176,10 +189,11 @@ class TransportBase:
         if send is not flat:
             flat.copy_(send[:numel])
 
-    def _count(self, moved: int) -> None:
+    def _count(self, moved: int, seconds: float) -> None:
         self.stats.collectives += 1
         self.stats.bytes_sent += moved
         self.stats.bytes_received += moved
+        self.stats.seconds += seconds
 
     # ------------------------------------------------------------------ hooks
 
