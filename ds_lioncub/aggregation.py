@@ -12,6 +12,13 @@ A synchronous step calls ``start`` then ``finish`` per bucket. The three kinds d
 aggregate: :class:`ExactMean` averages gradients (exact Lion then runs on the mean), while
 :class:`OneBitVote` and :class:`KbitVote` aggregate each rank's pre-sign update ``c`` and return
 the direction every rank applies (±1, or a mean in [-1, 1]).
+
+The sign votes (the 1-bit vote, and the k-bit vote of sign fields) also take their message packed
+and give the voted signs back packed (:class:`PackedSignVote`: ``sign_message_layout``,
+``start_packed``, ``finish_packed``), so the optimizer can build the message in the same pass as
+Lion's direction and apply the packed result in the same pass as the update (the fused kernels of
+:mod:`ds_lioncub.comm.packing`); :func:`packed_sign_vote` says whether an aggregation offers it.
+``start`` then ``finish`` is the same vote with the packing and unpacking done here.
 """
 
 from __future__ import annotations
@@ -29,10 +36,15 @@ from ds_lioncub.comm.votes import (
     PendingAggregate,
     finish_kbit_mean,
     finish_kbit_vote,
+    finish_kbit_vote_packed,
     finish_sign_vote,
+    finish_sign_vote_packed,
+    kbit_message_bytes,
     pack_kbit_message,
+    sign_vote_message_bytes,
     start_kbit_sum,
     start_sign_vote,
+    start_sign_vote_packed,
 )
 from ds_lioncub.config import LionCubConfig
 
@@ -67,6 +79,22 @@ class Aggregator(Protocol):
     def start(self, bucket: Bucket, positive_ties: bool) -> object: ...
 
     def finish(self, pending: object, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+class PackedSignVote(Protocol):
+    """A vote on packed sign fields whose result is ±1, entered and left packed."""
+
+    def sign_message_layout(self, numel: int) -> tuple[int, int]:
+        """(bits per sign field, message bytes) of a rank's message for ``numel`` elements."""
+        ...
+
+    def start_packed(self, message: torch.Tensor, numel: int, positive_ties: bool) -> object:
+        """``start`` for a message already packed as ``pack_signs(c, positive_ties, bits=..., nbytes=...)``."""
+        ...
+
+    def finish_packed(self, pending: object) -> torch.Tensor:
+        """The voted signs packed one bit per element (1 = +1), at least ``ceil(numel/8)`` bytes."""
+        ...
 
 
 class ExactMean:
@@ -119,6 +147,16 @@ class OneBitVote:
         target = torch.empty(pending.numel, dtype=torch.float32, device=pending.received.device) if out is None else out
         return finish_sign_vote(self.transport, pending, target)
 
+    def sign_message_layout(self, numel: int) -> tuple[int, int]:
+        return 1, sign_vote_message_bytes(numel, self.transport.world_size)
+
+    def start_packed(self, message: torch.Tensor, numel: int, positive_ties: bool) -> PendingAggregate:
+        return start_sign_vote_packed(self.transport, message, numel, positive_ties)
+
+    def finish_packed(self, pending: object) -> torch.Tensor:
+        assert isinstance(pending, PendingAggregate)
+        return finish_sign_vote_packed(self.transport, pending)
+
 
 class KbitVote:
     """Sums of b-bit fields: the sign or the L1-quantized update of each rank, voted or averaged.
@@ -164,6 +202,36 @@ class KbitVote:
             return finish_kbit_vote(self.transport, self.codec, pending, target)
         return finish_kbit_mean(self.transport, self.codec, pending, target)
 
+    @property
+    def votes_packed_signs(self) -> bool:
+        """Whether this is a vote of sign fields (the packed entry and exit apply)."""
+        return self.codec.quantizer == "sign" and self.aggregation == "vote"
+
+    def sign_message_layout(self, numel: int) -> tuple[int, int]:
+        self._require_packed_sign_vote()
+        return self.codec.bits, kbit_message_bytes(self.codec, numel)
+
+    def start_packed(self, message: torch.Tensor, numel: int, positive_ties: bool) -> PendingAggregate:
+        self._require_packed_sign_vote()
+        expected = kbit_message_bytes(self.codec, numel)
+        if message.numel() != expected or message.dtype != torch.uint8:
+            raise ValueError(
+                f"a packed k-bit message of {numel} elements is {expected} uint8 bytes, got {message.numel()}"
+            )
+        return start_kbit_sum(self.transport, self.codec, message, numel, positive_ties)
+
+    def finish_packed(self, pending: object) -> torch.Tensor:
+        self._require_packed_sign_vote()
+        assert isinstance(pending, PendingAggregate)
+        return finish_kbit_vote_packed(self.transport, self.codec, pending)
+
+    def _require_packed_sign_vote(self) -> None:
+        if not self.votes_packed_signs:
+            raise ValueError(
+                f"the packed entry and exit are for votes of sign fields, not quantizer={self.codec.quantizer!r} "
+                f"with aggregation={self.aggregation!r}"
+            )
+
 
 def _piece_means(bucket: Bucket) -> torch.Tensor:
     """Each piece's mu for the L1 scale: the whole tensor's mean |c| if given, else the piece's own."""
@@ -171,6 +239,15 @@ def _piece_means(bucket: Bucket) -> torch.Tensor:
     for piece, whole_mean in zip(bucket.values.split(bucket.piece_sizes), bucket.piece_mean_abs, strict=True):
         means.append(piece.abs().mean() if whole_mean is None else whole_mean)
     return torch.stack(means)
+
+
+def packed_sign_vote(aggregator: Aggregator) -> PackedSignVote | None:
+    """``aggregator`` as a :class:`PackedSignVote` when it is one (1-bit vote, k-bit vote of signs), else None."""
+    if isinstance(aggregator, OneBitVote):
+        return aggregator
+    if isinstance(aggregator, KbitVote) and aggregator.votes_packed_signs:
+        return aggregator
+    return None
 
 
 def build_aggregation(options: LionCubConfig, transport: Transport, gradients_averaged: bool) -> Aggregator | None:
@@ -190,4 +267,14 @@ def build_aggregation(options: LionCubConfig, transport: Transport, gradients_av
     return KbitVote(transport, codec, options.aggregation, options.l1_clip)
 
 
-__all__ = ["COMM_DTYPES", "Aggregator", "Bucket", "ExactMean", "KbitVote", "OneBitVote", "build_aggregation"]
+__all__ = [
+    "COMM_DTYPES",
+    "Aggregator",
+    "Bucket",
+    "ExactMean",
+    "KbitVote",
+    "OneBitVote",
+    "PackedSignVote",
+    "build_aggregation",
+    "packed_sign_vote",
+]

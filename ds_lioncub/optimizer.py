@@ -22,9 +22,19 @@ from torch import nn
 
 from ds_lioncub._logging import get_logger
 from ds_lioncub._version import __version__
-from ds_lioncub.aggregation import COMM_DTYPES, Aggregator, Bucket, ExactMean, build_aggregation
+from ds_lioncub.aggregation import COMM_DTYPES, Aggregator, Bucket, ExactMean, build_aggregation, packed_sign_vote
 from ds_lioncub.buckets import Piece, plan_buckets
 from ds_lioncub.comm.backend import CompressedBackend
+from ds_lioncub.comm.packing import (
+    MomentumPiece,
+    ParamPiece,
+    apply_packed_signs,
+    lion_direction_pack_signs,
+    pack_fields,
+    packed_length,
+    unpack_fields,
+    unpack_signs,
+)
 from ds_lioncub.comm.quantize import tie_sign
 from ds_lioncub.comm.transport import CommStats, TorchTransport, Transport, make_transport
 from ds_lioncub.config import LionCubConfig, parse_config
@@ -496,8 +506,32 @@ class LionCub(torch.optim.Optimizer):
         positive_ties: bool,
         whole_mean_abs: dict[int, torch.Tensor],
     ) -> None:
-        """One bucket of a compressed step; its buffers are freed on return, before the next bucket's."""
+        """One bucket of a compressed step; its buffers are freed on return, before the next bucket's.
+
+        Sign votes (1-bit, k-bit of signs) run on packed messages: :func:`prepare_sign_message` (Lion's
+        direction, the momentum update and the packing, one pass where compiled), the vote, and
+        :func:`apply_voted_signs` (unpack and update, one pass). The other modes build the fp32 bucket
+        of ``c`` and aggregate it. Both give the same bits (tests/unit/test_fused_step.py).
+        """
         sizes = [piece.length for piece in bucket]
+        votes = packed_sign_vote(aggregator)
+        if votes is not None:
+            numel = sum(sizes)
+            bits, nbytes = votes.sign_message_layout(numel)
+            # Telemetry's local seconds: here the packing and unpacking share their passes with Lion's
+            # direction and update, so those passes count whole (collectives excluded, as elsewhere).
+            started, comm_seconds = time.perf_counter(), self.transport.stats.seconds
+            message = prepare_sign_message(entries, bucket, positive_ties, bits, nbytes)
+            local_signs = sign_bits_of_message(message, bits, numel) if self.telemetry.vote_stats else None
+            pending = votes.start_packed(message, numel, positive_ties)
+            del message
+            voted = votes.finish_packed(pending)
+            if local_signs is not None:
+                self.telemetry.count_vote(aggregator, pending, local_signs, unpack_signs(voted, numel))
+            del pending, local_signs  # the received messages are released before the update is applied
+            apply_voted_signs(entries, bucket, voted)
+            self._add_aggregated_bucket(started, comm_seconds, numel)
+            return
         update = torch.empty(sum(sizes), dtype=torch.float32, device=entries[bucket[0].tensor_index].param.device)
         for piece, direction in zip(bucket, update.split(sizes), strict=True):
             entry = entries[piece.tensor_index]
@@ -541,6 +575,38 @@ class LionCub(torch.optim.Optimizer):
             averaged = mean.finish(mean.start(Bucket(torch.cat(slices), sizes, [])))
             for target, value in zip(slices, averaged.split(sizes), strict=True):
                 target.copy_(value)
+
+
+def prepare_sign_message(
+    entries: list[Entry], bucket: list[Piece], positive_ties: bool, bits: int, nbytes: int
+) -> torch.Tensor:
+    """A bucket's local work before a sign vote: its packed sign message (``bits``-wide fields, ``nbytes``
+    bytes) of Lion's direction ``c``, with the bucket's momenta updated (``lion_direction``, then
+    ``update_momentum``, then ``pack_signs``, fused where the packing path has the kernels)."""
+    pieces = []
+    for piece in bucket:
+        entry = entries[piece.tensor_index]
+        beta1, beta2 = entry.group["betas"]
+        pieces.append(MomentumPiece(_piece_of(entry.exp_avg, piece), _grad_piece(entry.grad, piece), beta1, beta2))
+    return lion_direction_pack_signs(pieces, positive_ties, bits=bits, nbytes=nbytes)
+
+
+def apply_voted_signs(entries: list[Entry], bucket: list[Piece], voted: torch.Tensor) -> None:
+    """A bucket's local work after a sign vote: each parameter piece updated by its voted signs (packed,
+    one bit per element), as ``apply_update`` with the signs unpacked to ±1 (fused where compiled)."""
+    pieces = []
+    for piece in bucket:
+        entry = entries[piece.tensor_index]
+        pieces.append(ParamPiece(_piece_of(entry.param, piece), entry.group["lr"], entry.group["weight_decay"]))
+    apply_packed_signs(voted, pieces)
+
+
+def sign_bits_of_message(message: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """The first ``numel`` sign fields of a ``bits``-wide sign message as 1-bit signs, unpadded: what
+    :func:`~ds_lioncub.telemetry.pack_local_signs` gives for the direction the message was packed from."""
+    if bits == 1:
+        return message[: packed_length(numel)]  # padding bits are 0, as pack_local_signs leaves them
+    return pack_fields(unpack_fields(message, bits, numel), 1)
 
 
 def _piece_of(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:

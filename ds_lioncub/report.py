@@ -110,7 +110,25 @@ def _active_paths(devices: list[str]) -> list[str]:
             lines.append(_line(f"active path ({device})", f"ERROR: {error}"))
             continue
         lines.append(_line(f"self-check ({device})", _self_check(choice.ops)))
+        lines.append(_line(f"fused step ({device})", _fused_step(choice.path, choice.module)))
     return lines
+
+
+def _fused_step(path: str, module: object) -> str:
+    """Whether a sign-vote bucket's local work runs as the fused kernels or as the torch composition."""
+    from ds_lioncub.comm.packing.compiled import FUSED_STEP_DTYPES
+    from ds_lioncub.comm.packing.self_check import dtype_name
+
+    composition = "the torch composition (lion_direction, update_momentum, pack_signs; unpack_signs, apply_update)"
+    if path != "compiled":
+        return f"{composition}, on the {path} packing path"
+    if not (hasattr(module, "lion_direction_pack_signs") and hasattr(module, "apply_packed_signs")):
+        return f"{composition}: the loaded op predates the fused kernels (rebuild it)"
+    dtypes = "/".join(dtype_name(dtype) for dtype in FUSED_STEP_DTYPES)
+    return (
+        f"compiled kernels, one pass each way, for {dtypes} (16-bit momentum: torch's own update after the "
+        "fused pack); other dtype mixes: the torch composition; checked against it with the self-check above"
+    )
 
 
 def _self_check(ops: object) -> str:

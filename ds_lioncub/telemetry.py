@@ -45,7 +45,9 @@ class StepRecord:
         bytes_received: payload bytes this rank received in the step (bytes).
         comm_seconds: host wall-clock seconds inside the transports' collectives (s).
         local_seconds: host wall-clock seconds in the aggregations' own work, i.e. packing,
-            counting, voting and unpacking of every bucket, collectives excluded (s).
+            counting, voting and unpacking of every bucket, collectives excluded (s). The sign votes
+            pack and unpack in the same passes as Lion's direction and update (the fused step,
+            docs/design.md section 5.1); those passes count whole.
         buckets: buckets aggregated in the step (count; 0 when nothing is aggregated, e.g. compression
             "none" under DeepSpeed).
         revoted_buckets: buckets whose vote was taken a second time in the step (count).

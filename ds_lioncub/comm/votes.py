@@ -16,6 +16,11 @@ other work between the two.
   that holds them ("mean").
 
 Zeros (a local sign of 0, a vote sum of 0) resolve to +1 when ``positive_ties`` is true, else -1.
+
+The votes also have packed entries and exits (``start_sign_vote_packed``, ``finish_sign_vote_packed``,
+``finish_kbit_vote_packed``): the caller hands over the message already packed (by the fused step
+kernels, :func:`~ds_lioncub.comm.packing.lion_direction_pack_signs`) and gets the voted signs back
+packed, one bit per element, instead of unpacked to ±1. The unpacked forms are these plus the packing.
 """
 
 from __future__ import annotations
@@ -59,12 +64,27 @@ class PendingAggregate:
 # ---------------------------------------------------------------------------------------------------- 1-bit vote
 
 
+def sign_vote_message_bytes(numel: int, world_size: int) -> int:
+    """The length of a rank's packed sign message for ``numel`` elements: padded to whole chunks of whole bytes."""
+    return vote_padded_numel(numel, world_size) // 8
+
+
 def start_sign_vote(transport: Transport, update: torch.Tensor, positive_ties: bool) -> PendingAggregate:
     """Pack the signs of ``update`` (flat, non-empty) and exchange them by all-to-all."""
-    p, numel = transport.world_size, update.numel()
-    padded_numel = vote_padded_numel(numel, p)
-    received = transport.all_to_all(pack_signs(update, positive_ties, nbytes=padded_numel // 8))
-    return PendingAggregate(received.view(p, -1), numel, positive_ties)
+    numel = update.numel()
+    message = pack_signs(update, positive_ties, nbytes=sign_vote_message_bytes(numel, transport.world_size))
+    return start_sign_vote_packed(transport, message, numel, positive_ties)
+
+
+def start_sign_vote_packed(
+    transport: Transport, message: torch.Tensor, numel: int, positive_ties: bool
+) -> PendingAggregate:
+    """Exchange a packed sign message (``sign_vote_message_bytes(numel, p)`` bytes, padding bits 0) by all-to-all."""
+    expected = sign_vote_message_bytes(numel, transport.world_size)
+    if message.numel() != expected or message.dtype != torch.uint8:
+        raise ValueError(f"a packed sign message of {numel} elements is {expected} uint8 bytes, got {message.numel()}")
+    received = transport.all_to_all(message)
+    return PendingAggregate(received.view(transport.world_size, -1), numel, positive_ties)
 
 
 def finish_sign_vote(transport: Transport, pending: PendingAggregate, out: torch.Tensor) -> torch.Tensor:
@@ -72,13 +92,25 @@ def finish_sign_vote(transport: Transport, pending: PendingAggregate, out: torch
 
     ``out`` (contiguous, ``numel`` elements) may be the update whose signs were packed in phase 1.
     """
+    return unpack_signs(finish_sign_vote_packed(transport, pending), pending.numel, out=out)
+
+
+def finish_sign_vote_packed(transport: Transport, pending: PendingAggregate) -> torch.Tensor:
+    """The voted signs, packed: bit ``i`` is element ``i``'s vote (1 = +1); at least ``ceil(numel/8)`` bytes."""
     chunk_numel = vote_padded_numel(pending.numel, transport.world_size) // transport.world_size
     # Fused: count, vote and pack in one pass over the packed messages (vote sum 2k - p; 0 is a tie).
     chunk_vote = vote_packed_signs(pending.received, chunk_numel, pending.positive_ties)
-    return unpack_signs(transport.all_gather(chunk_vote), pending.numel, out=out)
+    return transport.all_gather(chunk_vote)
 
 
 # ---------------------------------------------------------------------------------------------------- k-bit sums
+
+
+def kbit_message_bytes(codec: KbitCodec, numel: int) -> int:
+    """The length of a rank's packed k-bit message for ``numel`` elements, padded as ``codec.algorithm`` needs."""
+    if codec.algorithm == "allreduce":
+        return packed_length(numel, codec.bits)
+    return vote_padded_numel(numel, codec.world_size) * codec.bits // 8  # all-to-all: whole chunks of whole bytes
 
 
 def pack_kbit_message(
@@ -93,11 +125,7 @@ def pack_kbit_message(
     Sign fields are 1 for +1 and 0 for -1 (zeros by the tie rule); L1 fields are ``q + L`` with
     ``q = clamp(round(c * scale), -L, L)``, one fp32 scale per segment of ``segment_sizes``.
     """
-    numel = update.numel()
-    if codec.algorithm == "allreduce":
-        nbytes = packed_length(numel, codec.bits)
-    else:  # all-to-all: whole chunks of whole bytes; padding fields are 0
-        nbytes = vote_padded_numel(numel, codec.world_size) * codec.bits // 8
+    nbytes = kbit_message_bytes(codec, update.numel())
     if codec.quantizer == "sign":
         return pack_signs(update, positive_ties, bits=codec.bits, nbytes=nbytes)
     if l1_scales is None or segment_sizes is None:
@@ -120,17 +148,21 @@ def finish_kbit_vote(
     transport: Transport, codec: KbitCodec, pending: PendingAggregate, out: torch.Tensor
 ) -> torch.Tensor:
     """The sign of the summed fields (ties by the tie rule) as ±1 into ``out`` (contiguous, ``numel`` elements)."""
+    return unpack_signs(finish_kbit_vote_packed(transport, codec, pending), pending.numel, out=out)
+
+
+def finish_kbit_vote_packed(transport: Transport, codec: KbitCodec, pending: PendingAggregate) -> torch.Tensor:
+    """The sign of the summed fields (ties by the tie rule), packed one bit per element (1 = +1)."""
     # The vote straight from the field sums: one integer comparison, no signed sums in int32.
     threshold = codec.vote_threshold(pending.positive_ties)
     numel = pending.numel
     if codec.algorithm == "allreduce":
         fields = unpack_fields(pending.received, codec.bits, numel)
         # fits uint8: the codec's world-size limit keeps p * 2L (sign: p) < 2**bits
-        return unpack_signs(pack_fields(fields >= threshold, 1), numel, out=out)
+        return pack_fields(fields >= threshold, 1)
     chunk_numel = vote_padded_numel(numel, transport.world_size) // transport.world_size
     field_sum = sum_fields_per_position(pending.received, codec.bits, chunk_numel)
-    gathered = transport.all_gather(pack_fields(field_sum >= threshold, 1))
-    return unpack_signs(gathered, numel, out=out)
+    return transport.all_gather(pack_fields(field_sum >= threshold, 1))
 
 
 def finish_kbit_mean(
@@ -157,8 +189,13 @@ __all__ = [
     "PendingAggregate",
     "finish_kbit_mean",
     "finish_kbit_vote",
+    "finish_kbit_vote_packed",
     "finish_sign_vote",
+    "finish_sign_vote_packed",
+    "kbit_message_bytes",
     "pack_kbit_message",
+    "sign_vote_message_bytes",
     "start_kbit_sum",
     "start_sign_vote",
+    "start_sign_vote_packed",
 ]

@@ -25,6 +25,20 @@ def test_training_matches_brute_force_simulation(ranks: list[dict[str, Any]]) ->
     checks.training_matches_brute_force_simulation(ranks, exact_modes=checks.ORDER_FREE_MODES)
 
 
+def test_sign_votes_train_the_same_bits_on_the_torch_and_the_compiled_packing(ranks: list[dict[str, Any]]) -> None:
+    # The sign-vote modes ran twice on every rank: on the path the environment selects (the fused kernels
+    # when compiled) and forced to the torch composition; parameters and momenta must match bit for bit.
+    if ranks[0]["packing-path"] != "compiled":
+        pytest.skip(f"the ranks ran the {ranks[0]['packing-path']} packing path, not the compiled one")
+    compared = 0
+    for rank in ranks:
+        for key, value in rank.items():
+            if key.startswith("torch-packing/train-param/") or key.startswith("torch-packing/train-exp-avg/"):
+                assert torch.equal(rank[key.removeprefix("torch-packing/")], value), key
+                compared += 1
+    assert compared >= len(ranks) * 2 * len(PARAM_NAMES) * 4  # four or five sign-vote modes per world
+
+
 def test_bf16_gradient_averaging_stays_close_to_fp32(ranks: list[dict[str, Any]]) -> None:
     for name in PARAM_NAMES:
         bf16 = ranks[0][f"train-param/none-bf16/{name}"]

@@ -134,6 +134,10 @@ def training_modes(world_size: int) -> dict[str, dict[str, object]]:
     return modes
 
 
+# The modes whose buckets go through the packed sign vote (and so the fused step kernels where compiled).
+SIGN_VOTE_MODES = ("1bit", "1bit-positive", "4bit-sign", "2bit-sign", "1bit-sync")
+
+
 def simulate_training(world_size: int, steps: int, **options: object) -> tuple[list[Tensor], list[list[Tensor]]]:
     """The brute-force reference (reference.simulate_lioncub) on this module's model, gradients and
     training hyper-parameters: what every rank's LionCub must end with after ``steps`` steps.

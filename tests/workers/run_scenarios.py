@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ds_lioncub import LionCub
-from ds_lioncub.comm import CompressedBackend, legacy_padded_numel
+from ds_lioncub.comm import CompressedBackend, legacy_padded_numel, packing
 from tests.support import scenarios as sc
 
 
@@ -67,32 +67,44 @@ def run_legacy(backend: CompressedBackend, rank: int) -> dict[str, object]:
     return results
 
 
+def train(mode: str, options: dict[str, object], rank: int, results: dict[str, object], prefix: str = "") -> None:
+    """TRAIN_STEPS steps of one training mode; parameters and momenta saved under ``prefix`` + the usual keys."""
+    params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
+    optimizer = LionCub(
+        list(params.items()),
+        lr=sc.TRAIN_LR,
+        betas=sc.TRAIN_BETAS,
+        weight_decay=sc.TRAIN_WEIGHT_DECAY,
+        bucket_size=sc.BUCKET_SIZE,
+        **options,
+    )
+    for step in range(1, sc.TRAIN_STEPS + 1):
+        optimizer.zero_grad()
+        sc.loss_of(params, rank, step).backward()
+        before = optimizer.comm_stats()
+        optimizer.step()
+        results[f"{prefix}train-stats/{mode}/{step}"] = optimizer.comm_stats() - before
+        results[f"{prefix}train-telemetry/{mode}/{step}"] = optimizer.last_step_telemetry
+        if "momentum_sync" in options:
+            for name, param in params.items():
+                results[f"{prefix}train-exp-avg/{mode}/{step}/{name}"] = optimizer.state[param]["exp_avg"].clone()
+    results[f"{prefix}train-telemetry-totals/{mode}"] = optimizer.telemetry_totals
+    for name, param in params.items():
+        results[f"{prefix}train-param/{mode}/{name}"] = param.detach().clone()
+        results[f"{prefix}train-exp-avg/{mode}/final/{name}"] = optimizer.state[param]["exp_avg"].clone()
+
+
 def run_training(rank: int, world_size: int) -> dict[str, object]:
-    results: dict[str, object] = {}
-    for mode, options in sc.training_modes(world_size).items():
-        params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
-        optimizer = LionCub(
-            list(params.items()),
-            lr=sc.TRAIN_LR,
-            betas=sc.TRAIN_BETAS,
-            weight_decay=sc.TRAIN_WEIGHT_DECAY,
-            bucket_size=sc.BUCKET_SIZE,
-            **options,
-        )
-        for step in range(1, sc.TRAIN_STEPS + 1):
-            optimizer.zero_grad()
-            sc.loss_of(params, rank, step).backward()
-            before = optimizer.comm_stats()
-            optimizer.step()
-            results[f"train-stats/{mode}/{step}"] = optimizer.comm_stats() - before
-            results[f"train-telemetry/{mode}/{step}"] = optimizer.last_step_telemetry
-            if "momentum_sync" in options:
-                for name, param in params.items():
-                    results[f"train-exp-avg/{mode}/{step}/{name}"] = optimizer.state[param]["exp_avg"].clone()
-        results[f"train-telemetry-totals/{mode}"] = optimizer.telemetry_totals
-        for name, param in params.items():
-            results[f"train-param/{mode}/{name}"] = param.detach().clone()
-            results[f"train-exp-avg/{mode}/final/{name}"] = optimizer.state[param]["exp_avg"].clone()
+    results: dict[str, object] = {"packing-path": packing.packing_path("cpu").path}
+    modes = sc.training_modes(world_size)
+    for mode, options in modes.items():
+        train(mode, options, rank, results)
+    # The sign votes again on the torch packing path (the composition the fused kernels must equal).
+    packing.set_packing_path("torch")
+    for mode in sc.SIGN_VOTE_MODES:
+        if mode in modes:
+            train(mode, modes[mode], rank, results, prefix="torch-packing/")
+    packing.set_packing_path(None)
     params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
     optimizer = LionCub(list(params.items()), compression="1bit")
     sc.loss_of(params, rank, 1).backward()

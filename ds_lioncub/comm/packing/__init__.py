@@ -8,7 +8,10 @@ tensor's device type (:mod:`.dispatch`): the op-builder kernels of ``ops/csrc`` 
 built by :mod:`.builders`), cupy for the 1-bit layouts of CUDA tensors (:mod:`.cupy_impl`), or pure
 torch (:mod:`.torch_impl`). All three give the same bytes, and the first two are held to it: each
 dtype they are asked to handle is first checked against torch (:mod:`.self_check`), and a mismatch
-raises instead of computing. ``DS_LIONCUB_PACKING`` or
+raises instead of computing. Two operations fuse a Lion step's local work with the packing
+(:func:`lion_direction_pack_signs`, :func:`apply_packed_signs`): the compiled kernels do each in one
+pass over memory, the other implementations run the composition of :mod:`ds_lioncub.lion`'s
+equations and the packing, which the kernels equal bit for bit. ``DS_LIONCUB_PACKING`` or
 :func:`set_packing_path` forces one; ``python -m ds_lioncub.report`` shows which one runs and why.
 """
 
@@ -28,7 +31,14 @@ from ds_lioncub.comm.packing.dispatch import (
     requested_mode,
     set_packing_path,
 )
-from ds_lioncub.comm.packing.layout import FIELD_WIDTHS, L1_FIELD_WIDTHS, PackingOps, packed_length
+from ds_lioncub.comm.packing.layout import (
+    FIELD_WIDTHS,
+    L1_FIELD_WIDTHS,
+    MomentumPiece,
+    PackingOps,
+    ParamPiece,
+    packed_length,
+)
 from ds_lioncub.comm.packing.torch_impl import sign_bits
 
 
@@ -175,13 +185,65 @@ def pack_l1_fields(
     return ops_for(flat).pack_l1_fields(flat, scales_t, sizes, levels, bits, message_bytes)
 
 
+# ====================================================================== the fused Lion step
+
+
+def lion_direction_pack_signs(
+    pieces: Sequence[MomentumPiece], zero_is_positive: bool = True, *, bits: int = 1, nbytes: int | None = None
+) -> torch.Tensor:
+    """Lion's direction, the momentum update and :func:`pack_signs`, in one pass where compiled.
+
+    For the pieces of a bucket, in order: ``c = lion_direction(m, g, beta1)`` (fp32), then
+    ``update_momentum(m, g, beta2)`` in place, and the returned message is
+    ``pack_signs(cat(c), zero_is_positive, bits=bits, nbytes=nbytes)``, bit for bit; ``c`` itself is
+    never stored by the compiled kernels. Momentum views must be writable in place (a piece of a
+    contiguous tensor); gradients are only read.
+    """
+    _check_width(bits)
+    if not pieces:
+        raise ValueError("lion_direction_pack_signs needs at least one piece")
+    first = pieces[0].exp_avg
+    for piece in pieces:
+        if piece.exp_avg.dim() != 1 or piece.grad.numel() != piece.exp_avg.numel():
+            raise ValueError("lion_direction_pack_signs: each piece is a flat momentum view and a gradient of its size")
+        if piece.exp_avg.device != first.device or piece.grad.device != first.device:
+            raise ValueError("lion_direction_pack_signs: every piece must be on one device")
+    numel = sum(piece.exp_avg.numel() for piece in pieces)
+    flat_pieces = [piece._replace(grad=piece.grad.reshape(-1)) for piece in pieces]
+    message_bytes = _message_bytes(numel, bits, nbytes)
+    return ops_for(first).lion_direction_pack_signs(flat_pieces, zero_is_positive, bits, message_bytes)
+
+
+def apply_packed_signs(packed: torch.Tensor, pieces: Sequence[ParamPiece]) -> None:
+    """Unpack sign bits and apply Lion's update, in one pass where compiled.
+
+    For the pieces in order, each takes the next ``numel`` bits of ``packed`` (1 = +1) as ``delta``
+    and gets ``apply_update(param, delta, lr, weight_decay)``, bit for bit as with ``delta`` unpacked
+    to fp32 by :func:`unpack_signs`. Parameter views are updated in place.
+    """
+    if not pieces:
+        raise ValueError("apply_packed_signs needs at least one piece")
+    flat = packed.reshape(-1)
+    numel = sum(piece.param.numel() for piece in pieces)
+    if flat.numel() * 8 < numel:
+        raise ValueError(f"{flat.numel()} bytes hold fewer than {numel} signs")
+    for piece in pieces:
+        if piece.param.dim() != 1 or piece.param.device != flat.device:
+            raise ValueError("apply_packed_signs: each piece is a flat parameter view on the device of packed")
+    ops_for(flat).apply_packed_signs(flat, pieces)
+
+
 __all__ = [
     "FIELD_WIDTHS",
     "PACKING_ENV",
     "PACKING_MODES",
+    "MomentumPiece",
     "PackingOps",
     "PackingPath",
+    "ParamPiece",
+    "apply_packed_signs",
     "count_set_bits_per_position",
+    "lion_direction_pack_signs",
     "pack_fields",
     "pack_l1_fields",
     "pack_signs",

@@ -191,7 +191,9 @@ class LionCubPackingCPUBuilder(_LionCubBuilderMixin, CPUOpBuilder):
         # DeepSpeed's CPU flags (-O3, -march=native, -fopenmp) without -g and without its py-cpuinfo
         # probe (two subprocesses, ~3 s on every load, even of a cached build); the kernels pick their
         # SIMD path from the compiler's own macros (__AVX2__, __F16C__). No -ffast-math anywhere:
-        # the kernels must round exactly as torch does.
+        # the kernels must round exactly as torch does. -ffp-contract=off: the fused step's parameter
+        # update rounds p * decay before adding -lr * s, as torch's two operations do; GCC would
+        # otherwise fuse them into one fma (the kernels' intended fmas are written as fma calls).
         machine = platform.machine().lower()
         if machine.startswith(("ppc", "powerpc")):
             arch = "-mcpu=native"
@@ -199,7 +201,7 @@ class LionCubPackingCPUBuilder(_LionCubBuilderMixin, CPUOpBuilder):
             arch = "-march=rv64gc"
         else:
             arch = "-march=native"
-        return ["-O3", "-Wno-reorder", arch, "-fopenmp"]
+        return ["-O3", "-Wno-reorder", arch, "-fopenmp", "-ffp-contract=off"]
 
 
 class LionCubPackingCUDABuilder(_LionCubBuilderMixin, CUDAOpBuilder):

@@ -4,15 +4,33 @@ The kernels write into preallocated outputs and read contiguous inputs of a few 
 below. Any other dtype goes to the pure torch implementation, which gives the same bytes: an exotic
 dtype costs speed, never a failure. The CPU and CUDA ops have the same functions, so one class serves
 both; :mod:`.dispatch` loads the op for the device and builds one :class:`CompiledPacking` around it.
+
+The fused step kernels (``lion_direction_pack_signs``, ``apply_packed_signs``) take a whole bucket and
+reproduce the torch composition bit for bit where torch's own rounding does not depend on where an
+element falls in its loops (measured, and held to it by the tests and the self-check):
+
+- fp32 momentum and gradient: direction, momentum update and sign pack in one pass;
+- bf16/fp16 momentum with a gradient of the same dtype: direction and sign pack in one pass, then
+  torch's own ``update_momentum`` (its 16-bit ``add_`` with alpha rounds one way in its vectorised
+  body and another in its scalar remainder, and which elements fall where depends on torch's
+  thread split and CPU capability, so no kernel could match it everywhere);
+- fp32, bf16 or fp16 parameters: unpack and update in one pass (all of it computes in fp32).
+
+Any other bucket (a bf16 gradient beside an fp32 momentum, a momentum view the kernel cannot write
+through) runs the torch composition instead, decided by the dtypes alone, so the same bucket always
+takes the same path; the two give the same bits, a choice of speed only. An op built before these
+kernels existed (a stale prebuilt module) also leaves them to torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ds_lioncub.comm.packing.layout import PackingOps, packed_length
+from ds_lioncub.comm.packing.layout import MomentumPiece, PackingOps, ParamPiece, packed_length
+from ds_lioncub.lion import update_momentum
 
 # The dtypes the kernels accept.
 SIGN_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.bool)  # pack_signs
@@ -20,6 +38,8 @@ SIGN_OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # unpack_si
 FIELD_INPUT_DTYPES = (torch.uint8, torch.bool, torch.int32)  # pack_fields
 L1_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # quantize_l1_pack
 MESSAGE_DTYPE = torch.uint8  # what unpack_fields, unpack_signs, sum_fields and vote_packed_signs read
+# The fused step kernels: momentum with a gradient of the same dtype, and parameters, of these dtypes.
+FUSED_STEP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CompiledPacking:
@@ -91,6 +111,43 @@ class CompiledPacking:
         self.module.quantize_l1_pack(flat.contiguous(), offsets, scales.contiguous(), levels, bits, out)
         return out
 
+    def lion_direction_pack_signs(
+        self, pieces: Sequence[MomentumPiece], zero_is_positive: bool, bits: int, nbytes: int
+    ) -> torch.Tensor:
+        if not (hasattr(self.module, "lion_direction_pack_signs") and all(map(_fused_momentum, pieces))):
+            return self.fallback.lion_direction_pack_signs(pieces, zero_is_positive, bits, nbytes)
+        # 1 - beta as Python computes it in lion.py; the kernel rounds each scalar as torch does.
+        scalars = [value for p in pieces for value in (p.beta1, 1 - p.beta1, p.beta2, 1 - p.beta2)]
+        out = _new_bytes(nbytes, pieces[0].exp_avg)
+        momenta = [piece.exp_avg for piece in pieces]
+        grads = [piece.grad.contiguous() for piece in pieces]
+        self.module.lion_direction_pack_signs(momenta, grads, scalars, zero_is_positive, bits, out)
+        for piece in pieces:  # the kernel updates fp32 momentum only (see the module docstring)
+            if piece.exp_avg.dtype != torch.float32:
+                update_momentum(piece.exp_avg, piece.grad, piece.beta2)
+        return out
+
+    def apply_packed_signs(self, packed: torch.Tensor, pieces: Sequence[ParamPiece]) -> None:
+        if not (
+            hasattr(self.module, "apply_packed_signs")
+            and packed.dtype == MESSAGE_DTYPE
+            and all(piece.param.dtype in FUSED_STEP_DTYPES and piece.param.is_contiguous() for piece in pieces)
+        ):
+            self.fallback.apply_packed_signs(packed, pieces)
+            return
+        # (whether weight decay applies, 1 - lr * wd, -lr) as apply_update computes them
+        scalars = [value for p in pieces for value in (float(p.weight_decay != 0), 1 - p.lr * p.weight_decay, -p.lr)]
+        self.module.apply_packed_signs(packed.contiguous(), [piece.param for piece in pieces], scalars)
+
+
+def _fused_momentum(piece: MomentumPiece) -> bool:
+    """Whether the fused kernel reproduces the torch composition for this piece (and can write its momentum)."""
+    return (
+        piece.exp_avg.dtype in FUSED_STEP_DTYPES
+        and piece.grad.dtype == piece.exp_avg.dtype
+        and piece.exp_avg.is_contiguous()
+    )
+
 
 def _new_bytes(nbytes: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
@@ -98,6 +155,7 @@ def _new_bytes(nbytes: int, like: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "FIELD_INPUT_DTYPES",
+    "FUSED_STEP_DTYPES",
     "L1_INPUT_DTYPES",
     "MESSAGE_DTYPE",
     "SIGN_INPUT_DTYPES",

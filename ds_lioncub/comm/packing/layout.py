@@ -14,7 +14,8 @@ computes; every implementation gives the same bytes for the same arguments.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -25,6 +26,24 @@ L1_FIELD_WIDTHS = (2, 4, 8)  # an L1 field holds q + L for q in [-L, L] with L >
 def packed_length(numel: int, bits: int = 1) -> int:
     """Bytes needed for ``numel`` fields of ``bits`` bits."""
     return (numel * bits + 7) // 8
+
+
+class MomentumPiece(NamedTuple):
+    """One piece of a bucket for the fused direction pass: a momentum view (updated in place), its
+    gradient (flat, the same number of elements) and the piece's Lion betas."""
+
+    exp_avg: torch.Tensor
+    grad: torch.Tensor
+    beta1: float
+    beta2: float
+
+
+class ParamPiece(NamedTuple):
+    """One piece of a bucket for the fused update: a parameter view (updated in place), lr and weight decay."""
+
+    param: torch.Tensor
+    lr: float
+    weight_decay: float
 
 
 class PackingOps(Protocol):
@@ -72,5 +91,18 @@ class PackingOps(Protocol):
         scale ``scales[i]`` (a 1-d float32 tensor); a scale of 0 gives q = 0 for its whole segment."""
         ...
 
+    def lion_direction_pack_signs(
+        self, pieces: Sequence[MomentumPiece], zero_is_positive: bool, bits: int, nbytes: int
+    ) -> torch.Tensor:
+        """The sign fields of Lion's fp32 pre-sign update ``c`` of every piece, one piece after the other,
+        packed as ``pack_signs`` packs them (``nbytes`` bytes), and each piece's momentum updated in place:
+        exactly ``lion_direction`` then ``update_momentum`` (:mod:`ds_lioncub.lion`) then ``pack_signs``."""
+        ...
 
-__all__ = ["FIELD_WIDTHS", "L1_FIELD_WIDTHS", "PackingOps", "packed_length"]
+    def apply_packed_signs(self, packed: torch.Tensor, pieces: Sequence[ParamPiece]) -> None:
+        """Each piece's parameter updated in place by the next ``numel`` sign bits of ``packed`` (1 = +1):
+        exactly ``unpack_signs`` to fp32 then ``apply_update`` (:mod:`ds_lioncub.lion`) per piece."""
+        ...
+
+
+__all__ = ["FIELD_WIDTHS", "L1_FIELD_WIDTHS", "MomentumPiece", "PackingOps", "ParamPiece", "packed_length"]

@@ -8,9 +8,12 @@ read. The composite operations (signs, sums, the vote, L1) are written with ``se
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from ds_lioncub.comm.packing.layout import packed_length
+from ds_lioncub.comm.packing.layout import MomentumPiece, ParamPiece, packed_length
+from ds_lioncub.lion import apply_update, lion_direction, update_momentum
 
 
 def sign_bits(x: torch.Tensor, zero_is_positive: bool = True) -> torch.Tensor:
@@ -122,6 +125,25 @@ class TorchPacking:
                 fields[start : start + size] = q.clamp_(-levels, levels).to(torch.int32).add_(levels).to(torch.uint8)
             start += size
         return self.pack_fields(fields, bits, nbytes)
+
+    # The fused step operations, as the composition of Lion's equations and the packing they fuse: the
+    # reference the compiled kernels are held to, and what every other implementation runs.
+
+    def lion_direction_pack_signs(
+        self, pieces: Sequence[MomentumPiece], zero_is_positive: bool, bits: int, nbytes: int
+    ) -> torch.Tensor:
+        sizes = [piece.exp_avg.numel() for piece in pieces]
+        directions = torch.empty(sum(sizes), dtype=torch.float32, device=pieces[0].exp_avg.device)
+        for piece, direction in zip(pieces, directions.split(sizes), strict=True):
+            lion_direction(piece.exp_avg, piece.grad, piece.beta1, out=direction)
+            update_momentum(piece.exp_avg, piece.grad, piece.beta2)
+        return self.pack_signs(directions, zero_is_positive, bits, nbytes)
+
+    def apply_packed_signs(self, packed: torch.Tensor, pieces: Sequence[ParamPiece]) -> None:
+        sizes = [piece.param.numel() for piece in pieces]
+        signs = self.unpack_signs(packed, sum(sizes), torch.float32, None)
+        for piece, delta in zip(pieces, signs.split(sizes), strict=True):
+            apply_update(piece.param, delta, piece.lr, piece.weight_decay)
 
 
 __all__ = ["TorchPacking", "pad_bytes", "sign_bits"]

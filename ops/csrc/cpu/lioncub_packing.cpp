@@ -7,11 +7,14 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>  // lighter than torch/extension.h: a 4x faster JIT build
+#include <pybind11/stl.h>  // std::vector arguments of the fused step kernels
 
 #include <algorithm>
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <vector>
+#include <cmath>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -764,6 +767,274 @@ void quantize_l1_pack(const at::Tensor& c, const at::Tensor& offsets, const at::
     }
 }
 
+// ================================================================ fused Lion step: direction + momentum + sign pack
+
+// The scalars of one bucket piece, rounded as torch rounds them (see ds_lioncub/lion.py):
+//   c  = copy_(m).mul_(beta1).add_(g, alpha=1-beta1)  in fp32:  fma(g, a1, fl(m * b1))
+//   m' = m.mul_(beta2).add_(g, alpha=1-beta2)         fp32 m:   fma(g, a2, fl(m * b2))
+// torch's CPU add_ with alpha is a fused multiply-add (vector body and scalar tail alike), and a
+// Python float scalar becomes an fp32 scalar for fp32 tensors. bf16/fp16 momentum and gradients are
+// widened to fp32 exactly for c, so c follows the same formula; their momentum update is NOT done
+// here: torch's bf16/fp16 add_ with alpha rounds differently in its vectorised body and in its
+// scalar remainder (measured), and which elements fall in which depends on torch's thread split and
+// CPU capability, so the caller runs torch's own update_momentum for those pieces.
+// The caller passes 1-beta1 and 1-beta2 as Python computed them (doubles).
+struct DirectionScalars {
+    float b1, a1, b2, a2;
+};
+
+inline DirectionScalars direction_scalars(const double* beta1_beta2)
+{
+    return DirectionScalars{static_cast<float>(beta1_beta2[0]), static_cast<float>(beta1_beta2[1]),
+                            static_cast<float>(beta1_beta2[2]), static_cast<float>(beta1_beta2[3])};
+}
+
+// Element i's sign bit of c; fp32 momentum is updated in place, 16-bit momentum left to the caller.
+template <typename T>
+inline bool lion_element(T* m, const T* g, int64_t i, const DirectionScalars& s, bool zip)
+{
+    const float mf = static_cast<float>(m[i]);
+    const float gf = static_cast<float>(g[i]);
+    if constexpr (std::is_same<T, float>::value) m[i] = std::fma(gf, s.a2, mf * s.b2);
+    return lioncub::float_positive(std::fma(gf, s.a1, mf * s.b1), zip);
+}
+
+// Up to 32 elements one by one; bit j of the result is element j's sign bit.
+template <typename T>
+inline uint32_t lion_scalar(T* m, const T* g, int n, const DirectionScalars& s, bool zip)
+{
+    uint32_t mask = 0;
+    for (int j = 0; j < n; ++j) mask |= static_cast<uint32_t>(lion_element(m, g, j, s, zip)) << j;
+    return mask;
+}
+
+template <typename T>
+inline uint32_t lion_block32(T* m, const T* g, const DirectionScalars& s, bool zip)
+{
+    return lion_scalar(m, g, 32, s, zip);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+template <>
+inline uint32_t lion_block32<float>(float* m, const float* g, const DirectionScalars& s, bool zip)
+{
+    const __m256 b1 = _mm256_set1_ps(s.b1), a1 = _mm256_set1_ps(s.a1);
+    const __m256 b2 = _mm256_set1_ps(s.b2), a2 = _mm256_set1_ps(s.a2);
+    const __m256 zero = _mm256_setzero_ps();
+    uint32_t mask = 0;
+    for (int k = 0; k < 4; ++k) {
+        const __m256 mv = _mm256_loadu_ps(m + 8 * k);
+        const __m256 gv = _mm256_loadu_ps(g + 8 * k);
+        // the same operand order as torch's vectorised add: fmadd(other, alpha, self)
+        const __m256 c = _mm256_fmadd_ps(gv, a1, _mm256_mul_ps(mv, b1));
+        const __m256 plus = zip ? _mm256_cmp_ps(c, zero, _CMP_GE_OQ) : _mm256_cmp_ps(c, zero, _CMP_GT_OQ);
+        mask |= static_cast<uint32_t>(_mm256_movemask_ps(plus)) << (8 * k);
+        _mm256_storeu_ps(m + 8 * k, _mm256_fmadd_ps(gv, a2, _mm256_mul_ps(mv, b2)));
+    }
+    return mask;
+}
+#endif
+
+// Sign fields of one bucket, written group by group (8 elements = `bits` bytes). Pieces start at any
+// element, so the group a piece ends in may be finished by the next piece: its bits wait in `carry`.
+struct SignFieldWriter {
+    uint8_t* out;
+    int bits;
+    int64_t nbytes;
+    int64_t offset = 0;  // elements written or waiting so far
+    uint32_t carry = 0;  // sign bits of the open group, elements offset/8*8 .. offset-1
+
+    void finish()
+    {
+        int64_t written = (offset / 8) * bits;
+        if (offset % 8) {
+            const int64_t take = std::min<int64_t>(bits, nbytes - written);
+            store_bytes(out + written, mask_to_fields(carry, bits), static_cast<int>(take));
+            written += take;
+        }
+        if (nbytes > written) std::memset(out + written, 0, nbytes - written);
+    }
+};
+
+template <typename T>
+void lion_piece(T* m, const T* g, int64_t n, const DirectionScalars& s, bool zip, SignFieldWriter& w)
+{
+    // head: finish the group the previous piece left open
+    const int64_t open = w.offset % 8;
+    const int64_t head = open == 0 ? 0 : std::min<int64_t>(n, 8 - open);
+    if (head > 0) {
+        w.carry |= lion_scalar(m, g, static_cast<int>(head), s, zip) << open;
+        if (open + head == 8) {
+            store_mask_group(w.out + (w.offset / 8) * w.bits, w.carry, w.bits);
+            w.carry = 0;
+        }
+    }
+    // body: whole groups, in parallel
+    const int64_t groups = (n - head) / 8;
+    T* mb = m + head;
+    const T* gb = g + head;
+    uint8_t* ob = w.out + ((w.offset + head) / 8) * w.bits;
+    const int bits = w.bits;
+    at::parallel_for(0, groups, kGroupGrain, [&](int64_t g0, int64_t g1) {
+        int64_t q = g0;
+        for (; q + 4 <= g1; q += 4) {
+            const uint32_t mask = lion_block32(mb + 8 * q, gb + 8 * q, s, zip);
+            if (bits == 1) {
+                std::memcpy(ob + q, &mask, 4);
+            } else {
+                for (int k = 0; k < 4; ++k) store_mask_group(ob + (q + k) * bits, (mask >> (8 * k)) & 0xFFu, bits);
+            }
+        }
+        for (; q < g1; ++q) store_mask_group(ob + q * bits, lion_scalar(mb + 8 * q, gb + 8 * q, 8, s, zip), bits);
+    });
+    // tail: opens a new group
+    const int64_t done = head + 8 * groups;
+    if (n > done) w.carry = lion_scalar(m + done, g + done, static_cast<int>(n - done), s, zip);
+    w.offset += n;
+}
+
+// For each piece i: c = Lion's pre-sign update of (exp_avgs[i], grads[i]) and, for fp32, exp_avgs[i]
+// updated in place (bf16/fp16: see DirectionScalars); the sign fields of all the c's, one after the other, packed as pack_signs packs them into out
+// (zero fields past the last element). c is never stored. scalars: 4 per piece (beta1, 1 - beta1,
+// beta2, 1 - beta2). exp_avgs and grads: contiguous, the same dtype per piece (fp32, bf16 or fp16).
+void lion_direction_pack_signs(const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& grads,
+                               const std::vector<double>& scalars, bool zero_is_positive, int64_t bits,
+                               const at::Tensor& out)
+{
+    const char* what = "lion_direction_pack_signs";
+    TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, what, ": bits must be 1, 2, 4 or 8");
+    TORCH_CHECK(exp_avgs.size() == grads.size() && scalars.size() == 4 * exp_avgs.size(), what,
+                ": one gradient and four scalars per momentum");
+    int64_t total = 0;
+    for (size_t i = 0; i < exp_avgs.size(); ++i) {
+        check_in(exp_avgs[i], what);
+        check_in(grads[i], what);
+        TORCH_CHECK(exp_avgs[i].scalar_type() == grads[i].scalar_type() && exp_avgs[i].numel() == grads[i].numel(),
+                    what, ": a momentum and its gradient differ in dtype or size");
+        total += exp_avgs[i].numel();
+    }
+    check_out(out, (total * bits + 7) / 8, what);
+    SignFieldWriter w{out.data_ptr<uint8_t>(), static_cast<int>(bits), out.numel()};
+    for (size_t i = 0; i < exp_avgs.size(); ++i) {
+        const double* sc = scalars.data() + 4 * i;
+        const int64_t n = exp_avgs[i].numel();
+        switch (exp_avgs[i].scalar_type()) {
+            case at::kFloat:
+                lion_piece(exp_avgs[i].data_ptr<float>(), grads[i].data_ptr<float>(), n,
+                           direction_scalars(sc), zero_is_positive, w);
+                break;
+            case at::kBFloat16:
+                lion_piece(exp_avgs[i].data_ptr<at::BFloat16>(), grads[i].data_ptr<at::BFloat16>(), n,
+                           direction_scalars(sc), zero_is_positive, w);
+                break;
+            case at::kHalf:
+                lion_piece(exp_avgs[i].data_ptr<at::Half>(), grads[i].data_ptr<at::Half>(), n,
+                           direction_scalars(sc), zero_is_positive, w);
+                break;
+            default: TORCH_CHECK(false, what, ": unsupported dtype ", exp_avgs[i].scalar_type());
+        }
+    }
+    w.finish();
+}
+
+// ================================================================ fused Lion step: unpack the vote + apply
+
+// p = p * (1 - lr*wd) - lr * s for s = +1/-1, as apply_update's mul_ then add_(delta, alpha=-lr):
+// the decay product is rounded (to p's dtype) before the add, never fused with it (this file is built
+// with -ffp-contract=off); -lr * s is exact, so torch's fused add is a plain add. bf16/fp16 params
+// compute in fp32 and round to the dtype after each of the two operations.
+struct ApplyScalars {
+    bool has_decay;
+    float decay, neg_lr;
+};
+
+template <typename T>
+inline void apply_element(T* p, int64_t i, bool plus, const ApplyScalars& s)
+{
+    const float step = plus ? s.neg_lr : -s.neg_lr;
+    float v = static_cast<float>(p[i]);
+    if (s.has_decay) v = static_cast<float>(T(v * s.decay));
+    p[i] = T(v + step);
+}
+
+template <typename T>
+inline void apply_scalar(T* p, int64_t i0, int64_t i1, const uint8_t* packed, int64_t bit0, const ApplyScalars& s)
+{
+    for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = bit0 + i;
+        apply_element(p, i, ((packed[b >> 3] >> (b & 7)) & 1u) != 0, s);
+    }
+}
+
+// Elements [8*q0, 8*q1) of p, whose bits are whole bytes bytes[q0 .. q1).
+template <typename T>
+inline void apply_groups(T* p, int64_t q0, int64_t q1, const uint8_t* bytes, const ApplyScalars& s)
+{
+    int64_t q = q0;
+#if defined(__AVX2__)
+    if (std::is_same<T, float>::value) {
+        float* x = reinterpret_cast<float*>(p);
+        const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        const __m256 minus_step = _mm256_set1_ps(-s.neg_lr);  // the step of a -1 vote: +lr
+        const __m256 plus_step = _mm256_set1_ps(s.neg_lr);    // the step of a +1 vote: -lr
+        const __m256 decay = _mm256_set1_ps(s.decay);
+        for (; q < q1; ++q) {
+            const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bytes[q]), bit), bit);
+            const __m256 step = _mm256_blendv_ps(minus_step, plus_step, _mm256_castsi256_ps(set));
+            __m256 v = _mm256_loadu_ps(x + 8 * q);
+            if (s.has_decay) v = _mm256_mul_ps(v, decay);
+            _mm256_storeu_ps(x + 8 * q, _mm256_add_ps(v, step));
+        }
+    }
+#endif
+    for (; q < q1; ++q) apply_scalar(p + 8 * q, 0, 8, bytes + q, 0, s);
+}
+
+template <typename T>
+void apply_piece(T* p, int64_t n, const uint8_t* packed, int64_t offset, const ApplyScalars& s)
+{
+    const int64_t open = offset % 8;
+    const int64_t head = open == 0 ? 0 : std::min<int64_t>(n, 8 - open);
+    apply_scalar(p, 0, head, packed, offset, s);
+    const int64_t groups = (n - head) / 8;
+    T* pb = p + head;
+    const uint8_t* bytes = packed + (offset + head) / 8;
+    at::parallel_for(0, groups, kGroupGrain, [&](int64_t q0, int64_t q1) { apply_groups(pb, q0, q1, bytes, s); });
+    apply_scalar(p, head + 8 * groups, n, packed, offset, s);
+}
+
+// For each piece i (one after the other in the sign bits of `packed`): params[i] = params[i] * decay - lr * s.
+// scalars: 3 per piece (1.0 if weight decay applies else 0.0, 1 - lr*wd, -lr). params: contiguous fp32,
+// bf16 or fp16.
+void apply_packed_signs(const at::Tensor& packed, const std::vector<at::Tensor>& params,
+                        const std::vector<double>& scalars)
+{
+    const char* what = "apply_packed_signs";
+    check_in(packed, what);
+    TORCH_CHECK(packed.scalar_type() == at::kByte, what, ": packed must be uint8");
+    TORCH_CHECK(scalars.size() == 3 * params.size(), what, ": three scalars per parameter");
+    int64_t total = 0;
+    for (const auto& p : params) {
+        check_in(p, what);
+        total += p.numel();
+    }
+    TORCH_CHECK(packed.numel() * 8 >= total, what, ": ", packed.numel(), " bytes hold fewer than ", total, " signs");
+    const uint8_t* bits = packed.data_ptr<uint8_t>();
+    int64_t offset = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+        const double* sc = scalars.data() + 3 * i;
+        const ApplyScalars s{sc[0] != 0.0, static_cast<float>(sc[1]), static_cast<float>(sc[2])};
+        const int64_t n = params[i].numel();
+        switch (params[i].scalar_type()) {
+            case at::kFloat: apply_piece(params[i].data_ptr<float>(), n, bits, offset, s); break;
+            case at::kBFloat16: apply_piece(params[i].data_ptr<at::BFloat16>(), n, bits, offset, s); break;
+            case at::kHalf: apply_piece(params[i].data_ptr<at::Half>(), n, bits, offset, s); break;
+            default: TORCH_CHECK(false, what, ": unsupported dtype ", params[i].scalar_type());
+        }
+        offset += n;
+    }
+}
+
 std::string simd()
 {
     std::string s;
@@ -800,6 +1071,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
           py::arg("out"), release_gil());
     m.def("quantize_l1_pack", &quantize_l1_pack, "L1 quantize (per-segment scales) and pack", py::arg("c"),
           py::arg("offsets"), py::arg("scales"), py::arg("levels"), py::arg("bits"), py::arg("out"), release_gil());
+    m.def("lion_direction_pack_signs", &lion_direction_pack_signs,
+          "fused Lion direction + momentum update + sign pack over bucket pieces", py::arg("exp_avgs"),
+          py::arg("grads"), py::arg("scalars"), py::arg("zero_is_positive"), py::arg("bits"), py::arg("out"),
+          release_gil());
+    m.def("apply_packed_signs", &apply_packed_signs, "fused unpack of voted signs + Lion parameter update",
+          py::arg("packed"), py::arg("params"), py::arg("scalars"), release_gil());
     m.def("simd", &simd, "instruction set the kernels were compiled for");
     m.attr("device") = "cpu";
 }

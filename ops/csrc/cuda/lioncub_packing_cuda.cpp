@@ -5,6 +5,9 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/utils/pybind.h>
+#include <pybind11/stl.h>  // std::vector arguments of the fused step
+
+#include <vector>
 
 #include "lioncub_packing_cuda.h"
 
@@ -158,6 +161,67 @@ void quantize_l1_pack(const at::Tensor& c, const at::Tensor& offsets, const at::
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The fused Lion step over the pieces of a bucket (see ../cpu/lioncub_packing.cpp for the semantics;
+// scalars: beta1, 1 - beta1, beta2, 1 - beta2 per piece, rounded to fp32 here as torch rounds them).
+void lion_direction_pack_signs(const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& grads,
+                               const std::vector<double>& scalars, bool zero_is_positive, int64_t bits,
+                               const at::Tensor& out)
+{
+    const char* what = "lion_direction_pack_signs";
+    check_bits(bits, what);
+    TORCH_CHECK(exp_avgs.size() == grads.size() && scalars.size() == 4 * exp_avgs.size(), what,
+                ": one gradient and four scalars per momentum");
+    int64_t total = 0;
+    for (size_t i = 0; i < exp_avgs.size(); ++i) {
+        check_cuda(exp_avgs[i], what);
+        check_cuda(grads[i], what);
+        TORCH_CHECK(exp_avgs[i].scalar_type() == grads[i].scalar_type() && exp_avgs[i].numel() == grads[i].numel(),
+                    what, ": a momentum and its gradient differ in dtype or size");
+        total += exp_avgs[i].numel();
+    }
+    check_out(out, (total * bits + 7) / 8, what);
+    const c10::cuda::CUDAGuard guard(out.device());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+    C10_CUDA_CHECK(cudaMemsetAsync(out.data_ptr<uint8_t>(), 0, out.numel(), stream));
+    int64_t offset = 0;
+    for (size_t i = 0; i < exp_avgs.size(); ++i) {
+        const double* sc = scalars.data() + 4 * i;
+        lioncub::cuda::launch_lion_direction_pack(
+            float_kind(exp_avgs[i], what), exp_avgs[i].data_ptr(), grads[i].data_ptr(), exp_avgs[i].numel(), offset,
+            static_cast<float>(sc[0]), static_cast<float>(sc[1]), static_cast<float>(sc[2]), static_cast<float>(sc[3]),
+            zero_is_positive, static_cast<int>(bits), out.data_ptr<uint8_t>(), stream);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        offset += exp_avgs[i].numel();
+    }
+}
+
+// scalars: 1.0 if weight decay applies else 0.0, 1 - lr * wd, -lr per piece.
+void apply_packed_signs(const at::Tensor& packed, const std::vector<at::Tensor>& params,
+                        const std::vector<double>& scalars)
+{
+    const char* what = "apply_packed_signs";
+    check_cuda(packed, what);
+    TORCH_CHECK(packed.scalar_type() == at::kByte, what, ": packed must be uint8");
+    TORCH_CHECK(scalars.size() == 3 * params.size(), what, ": three scalars per parameter");
+    int64_t total = 0;
+    for (const auto& p : params) {
+        check_cuda(p, what);
+        total += p.numel();
+    }
+    TORCH_CHECK(packed.numel() * 8 >= total, what, ": ", packed.numel(), " bytes hold fewer than ", total, " signs");
+    const c10::cuda::CUDAGuard guard(packed.device());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+    int64_t offset = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+        const double* sc = scalars.data() + 3 * i;
+        lioncub::cuda::launch_apply_packed_signs(float_kind(params[i], what), params[i].data_ptr(), params[i].numel(),
+                                                 packed.data_ptr<uint8_t>(), offset, sc[0] != 0.0,
+                                                 static_cast<float>(sc[1]), static_cast<float>(sc[2]), stream);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        offset += params[i].numel();
+    }
+}
+
 std::string simd() { return "cuda"; }
 
 }  // namespace
@@ -178,6 +242,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("unpack_fields", &unpack_fields, py::arg("packed"), py::arg("bits"), py::arg("out"), release_gil());
     m.def("quantize_l1_pack", &quantize_l1_pack, py::arg("c"), py::arg("offsets"), py::arg("scales"),
           py::arg("levels"), py::arg("bits"), py::arg("out"), release_gil());
+    m.def("lion_direction_pack_signs", &lion_direction_pack_signs, py::arg("exp_avgs"), py::arg("grads"),
+          py::arg("scalars"), py::arg("zero_is_positive"), py::arg("bits"), py::arg("out"), release_gil());
+    m.def("apply_packed_signs", &apply_packed_signs, py::arg("packed"), py::arg("params"), py::arg("scalars"),
+          release_gil());
     m.def("simd", &simd);
     m.attr("device") = "cuda";
     m.attr("max_voters") = lioncub::cuda::max_voters();

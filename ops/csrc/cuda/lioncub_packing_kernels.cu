@@ -1,6 +1,7 @@
 // ds_lioncub packing kernels for CUDA. Same layout, tie rule and results as the CPU kernels and the
 // pure torch path (../includes/lioncub_packing.h). Built without --use_fast_math: the L1 quantizer
 // multiplies and rounds exactly as torch does (__fmul_rn, rintf = round half to even).
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -250,6 +251,68 @@ __global__ void quantize_l1_pack_kernel(R in, int64_t n, const int64_t* offsets,
     }
 }
 
+// ---------------------------------------------------------------- fused Lion step (mirrors ../cpu/lioncub_packing.cpp)
+
+// c = fma(g, 1 - beta1, fl(m * beta1)) as torch's mul_ then add_(alpha) compute it, and for fp32
+// momentum m' = fma(g, 1 - beta2, fl(m * beta2)); the _rn intrinsics keep nvcc from fusing or
+// reassociating anything else. 16-bit momentum is updated by the caller with torch's own ops.
+// One thread per output group (8 elements, `bits` bytes) that the piece [offset, offset + n) of the
+// bucket touches: a group shared with a neighbouring piece is OR-ed in, which is safe because the
+// bucket's message was zeroed first and the pieces' launches run one after another on one stream.
+template <typename R>
+__global__ void lion_direction_pack_kernel(R m, R g, float* m_out, int64_t n, int64_t offset, float b1, float a1,
+                                           float b2, float a2, bool zip, int bits, uint8_t* out)
+{
+    const int64_t first = offset / 8, last = (offset + n - 1) / 8;
+    for (int64_t q = first + thread_index(); q <= last; q += thread_stride()) {
+        uint32_t mask = 0;
+        for (int j = 0; j < 8; ++j) {
+            const int64_t e = 8 * q + j - offset;
+            if (e < 0 || e >= n) continue;
+            const float mf = m.value(e), gf = g.value(e);
+            const float c = __fmaf_rn(gf, a1, __fmul_rn(mf, b1));
+            if (m_out != nullptr) m_out[e] = __fmaf_rn(gf, a2, __fmul_rn(mf, b2));
+            mask |= static_cast<uint32_t>(float_positive(c, zip)) << j;
+        }
+        const uint64_t w = mask_to_fields(mask, bits);
+        for (int k = 0; k < bits; ++k) out[q * bits + k] |= static_cast<uint8_t>(w >> (8 * k));
+    }
+}
+
+// p = p * decay - lr * s: the decay product rounded (to p's dtype) before the add, as torch's mul_
+// then add_(delta, alpha=-lr); -lr * s is exact.
+struct F32Param {
+    float* p;
+    __device__ __forceinline__ float load(int64_t i) const { return p[i]; }
+    __device__ __forceinline__ float round(float v) const { return v; }
+    __device__ __forceinline__ void store(int64_t i, float v) const { p[i] = v; }
+};
+struct BF16Param {
+    uint16_t* p;
+    __device__ __forceinline__ float load(int64_t i) const { return __uint_as_float(uint32_t(p[i]) << 16); }
+    __device__ __forceinline__ float round(float v) const { return __bfloat162float(__float2bfloat16_rn(v)); }
+    __device__ __forceinline__ void store(int64_t i, float v) const { p[i] = __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+};
+struct F16Param {
+    uint16_t* p;
+    __device__ __forceinline__ float load(int64_t i) const { return __half2float(__ushort_as_half(p[i])); }
+    __device__ __forceinline__ float round(float v) const { return __half2float(__float2half_rn(v)); }
+    __device__ __forceinline__ void store(int64_t i, float v) const { p[i] = __half_as_ushort(__float2half_rn(v)); }
+};
+
+template <typename P>
+__global__ void apply_packed_signs_kernel(P param, int64_t n, const uint8_t* packed, int64_t offset, bool has_decay,
+                                          float decay, float neg_lr)
+{
+    for (int64_t e = thread_index(); e < n; e += thread_stride()) {
+        const int64_t b = offset + e;
+        const bool plus = (packed[b >> 3] >> (b & 7)) & 1u;
+        float v = param.load(e);
+        if (has_decay) v = param.round(__fmul_rn(v, decay));
+        param.store(e, __fadd_rn(v, plus ? neg_lr : -neg_lr));
+    }
+}
+
 }  // namespace
 
 // ================================================================ launchers
@@ -330,6 +393,51 @@ void launch_quantize_l1_pack(InputKind kind, const void* c, int64_t n, const int
         default:
             quantize_l1_pack_kernel<<<grid, kThreads, 0, stream>>>(F16{static_cast<const uint16_t*>(c)}, n, offsets,
                                                                    scales, nseg, levels, bits, out, nbytes);
+            break;
+    }
+}
+
+void launch_lion_direction_pack(InputKind kind, void* m, const void* g, int64_t n, int64_t offset, float b1, float a1,
+                                float b2, float a2, bool zip, int bits, uint8_t* out, cudaStream_t stream)
+{
+    if (n == 0) return;
+    const unsigned grid = grid_for((offset + n - 1) / 8 - offset / 8 + 1);
+    switch (kind) {
+        case InputKind::kF32:
+            lion_direction_pack_kernel<<<grid, kThreads, 0, stream>>>(
+                F32{static_cast<const float*>(m)}, F32{static_cast<const float*>(g)}, static_cast<float*>(m), n, offset,
+                b1, a1, b2, a2, zip, bits, out);
+            break;
+        case InputKind::kBF16:
+            lion_direction_pack_kernel<<<grid, kThreads, 0, stream>>>(
+                BF16{static_cast<const uint16_t*>(m)}, BF16{static_cast<const uint16_t*>(g)}, nullptr, n, offset, b1, a1,
+                b2, a2, zip, bits, out);
+            break;
+        default:
+            lion_direction_pack_kernel<<<grid, kThreads, 0, stream>>>(
+                F16{static_cast<const uint16_t*>(m)}, F16{static_cast<const uint16_t*>(g)}, nullptr, n, offset, b1, a1,
+                b2, a2, zip, bits, out);
+            break;
+    }
+}
+
+void launch_apply_packed_signs(InputKind kind, void* p, int64_t n, const uint8_t* packed, int64_t offset,
+                               bool has_decay, float decay, float neg_lr, cudaStream_t stream)
+{
+    if (n == 0) return;
+    const unsigned grid = grid_for(n);
+    switch (kind) {
+        case InputKind::kF32:
+            apply_packed_signs_kernel<<<grid, kThreads, 0, stream>>>(F32Param{static_cast<float*>(p)}, n, packed, offset,
+                                                                     has_decay, decay, neg_lr);
+            break;
+        case InputKind::kBF16:
+            apply_packed_signs_kernel<<<grid, kThreads, 0, stream>>>(BF16Param{static_cast<uint16_t*>(p)}, n, packed,
+                                                                     offset, has_decay, decay, neg_lr);
+            break;
+        default:
+            apply_packed_signs_kernel<<<grid, kThreads, 0, stream>>>(F16Param{static_cast<uint16_t*>(p)}, n, packed,
+                                                                     offset, has_decay, decay, neg_lr);
             break;
     }
 }
