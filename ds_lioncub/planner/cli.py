@@ -4,7 +4,7 @@
 
     python -m ds_lioncub.planner --params N --nodes M --gpus-per-node G --inter-node-bandwidth RATE
            [--intra-node-bandwidth RATE] [--latency T] [--json] [--local-costs FILE]
-           [--ring-efficiency E] [--all-to-all-efficiency E]
+           [--ring-efficiency E] [--all-to-all-efficiency E] [--ranks-per-core R]
     python -m ds_lioncub.planner --calibrate [--save FILE]
 
 The default output is a table of every feasible candidate, fastest predicted step first, and the
@@ -71,6 +71,16 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise LionCubConfigError(f"LionCub: {text!r} is not a number") from None
+    if not (value > 0 and value != float("inf")):
+        raise LionCubConfigError(f"LionCub: {text!r} must be a positive number")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m ds_lioncub.planner",
@@ -116,6 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="E",
         help=f"fraction of the link rate all-to-alls reach (default {GLOO_LINK_EFFICIENCY.all_to_all:g}, gloo's; "
         "NCCL: about 1)",
+    )
+    parser.add_argument(
+        "--ranks-per-core",
+        type=_argument(_positive_number),
+        default=1.0,
+        metavar="R",
+        help="CPU ranks sharing each core of a machine (e.g. 2 for 4 ranks on 2 cores): the local cost table, "
+        "one rank's alone on a core, is multiplied by R when above 1 (default 1)",
     )
     parser.add_argument("--json", action="store_true", help="print the recommendation and candidates as JSON")
     parser.add_argument(
@@ -225,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cluster = Cluster(args.nodes, args.gpus_per_node)
     efficiency = LinkEfficiency(args.ring_efficiency, args.all_to_all_efficiency)
     network = Network(args.inter_node_bandwidth, args.intra_node_bandwidth, args.latency, efficiency)
-    candidates = plan(args.params, cluster, network, costs)
+    candidates = plan(args.params, cluster, network, costs, ranks_per_core=args.ranks_per_core)
     if args.json:
         print(json.dumps(as_json(candidates), indent=2))
     else:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ds_lioncub.comm import wire
@@ -244,8 +244,7 @@ def predict_aggregation_seconds(
     take turns on a core each take ``ranks_per_core`` times as long, so above 1 the local work is
     multiplied by it (at or below 1 it is as measured: idle cores do not speed up one rank's work).
     """
-    if not (math.isfinite(ranks_per_core) and ranks_per_core > 0):
-        raise LionCubConfigError(f"LionCub: ranks per core must be a positive number, got {ranks_per_core!r}.")
+    _check_ranks_per_core(ranks_per_core)
     options = parse_config(params)
     costs = DEFAULT_LOCAL_COSTS if local_costs is None else local_costs
     tally = _Tally()
@@ -371,6 +370,7 @@ def plan(
     bucket_size: int = LIONCUB_BUCKET_SIZE,
     exact_bucket_size: int = DEEPSPEED_BUCKET_SIZE,
     hybrid_with_one_rank_per_node: bool = False,
+    ranks_per_core: float = 1.0,
 ) -> list[Candidate]:
     """Every feasible candidate for ``num_params`` parameters on ``cluster``, fastest predicted step first.
 
@@ -379,10 +379,13 @@ def plan(
     ``bucket_size``: LionCub's; ``exact_bucket_size``: the elements per bucket of exact Lion's
     gradient reduction (DeepSpeed's by default; LionCub's own when it runs without DeepSpeed).
     ``hybrid_with_one_rank_per_node``: list the hybrid also when G = 1, where it is stage 0 under
-    another name (for a job whose ZeRO stage is fixed at 2).
+    another name (for a job whose ZeRO stage is fixed at 2). ``ranks_per_core``: ranks sharing each CPU
+    core of a machine; above 1 every candidate's local work is multiplied by it (the table is one
+    rank's alone on its core; see :func:`predict_aggregation_seconds`).
     """
     if num_params < 1:
         raise LionCubConfigError(f"LionCub: the model needs at least 1 parameter, got {num_params}.")
+    _check_ranks_per_core(ranks_per_core)
     costs = DEFAULT_LOCAL_COSTS if local_costs is None else local_costs
     candidates = []
     if 0 in zero_stages:
@@ -399,7 +402,20 @@ def plan(
             candidates.append(
                 hybrid_candidate(label, params, num_params, cluster, network, costs, bucket_size, exact_bucket_size)
             )
+    if ranks_per_core > 1:
+        candidates = [_with_shared_cores(candidate, ranks_per_core) for candidate in candidates]
     return sorted(candidates, key=lambda candidate: candidate.seconds_per_step)
+
+
+def _check_ranks_per_core(ranks_per_core: float) -> None:
+    if not (math.isfinite(ranks_per_core) and ranks_per_core > 0):
+        raise LionCubConfigError(f"LionCub: ranks per core must be a positive number, got {ranks_per_core!r}.")
+
+
+def _with_shared_cores(candidate: Candidate, ranks_per_core: float) -> Candidate:
+    """``candidate`` with its local work taking ``ranks_per_core`` times as long (ranks taking turns on a core)."""
+    local = candidate.local_seconds * ranks_per_core
+    return replace(candidate, local_seconds=local, seconds_per_step=candidate.comm_seconds + local)
 
 
 def describe_network(network: Network) -> str:

@@ -447,6 +447,21 @@ def test_cli_link_efficiency_flags_reach_the_model(capsys: pytest.CaptureFixture
     assert expected != plan(100_000_000, Cluster(4, 1), Network(GBIT, None, DEFAULT_LATENCY))  # the flags changed it
 
 
+def test_ranks_sharing_cores_multiply_every_candidates_local_work(capsys: pytest.CaptureFixture[str]) -> None:
+    alone = {(c.label, c.zero_stage): c for c in plan(10**7, Cluster(2, 4), Network(GBIT))}
+    shared = plan(10**7, Cluster(2, 4), Network(GBIT), ranks_per_core=2.0)
+    assert len(shared) == len(alone)
+    for c in shared:
+        one = alone[(c.label, c.zero_stage)]
+        assert c.local_seconds == pytest.approx(2 * one.local_seconds) and c.comm_seconds == one.comm_seconds
+        assert c.seconds_per_step == pytest.approx(one.comm_seconds + 2 * one.local_seconds)
+    assert [c.seconds_per_step for c in shared] == sorted(c.seconds_per_step for c in shared)
+    args = ["--params", "1e7", "--nodes", "2", "--gpus-per-node", "4", "--inter-node-bandwidth", "1gbit", "--json"]
+    assert main([*args, "--ranks-per-core", "2"]) == 0
+    rows = json.loads(capsys.readouterr().out)["candidates"]
+    assert [row["seconds_per_step"] for row in rows] == pytest.approx([c.seconds_per_step for c in shared])
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
