@@ -222,7 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.save:
             with open(args.save, "w") as file:
                 file.write(costs.to_json() + "\n")
-        print(as_python_table(costs, "python -m ds_lioncub.planner --calibrate"))
+        threads = "" if args.threads is None else f" --threads {args.threads}"
+        command = f"python -m ds_lioncub.planner --calibrate{threads}"
+        print(as_python_table(costs, command))
         return 0
     missing = [
         flag
