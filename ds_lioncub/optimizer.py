@@ -232,6 +232,8 @@ class LionCub(torch.optim.Optimizer):
         resolution = resolve_auto(self.options, num_params, self.transport.world_size, node_size)
         self.auto_resolution = resolution
         self.options = resolution.options
+        # The resolution may have turned vote_stats off (exact Lion takes no vote): record what runs.
+        self.telemetry = StepTelemetry(vote_stats=self.options.telemetry.vote_stats)
         log_auto_resolution(resolution, self.transport.rank)
 
     def _check_same_set_up_on_every_rank(self) -> None:

@@ -14,7 +14,7 @@ in ``train_loss_rank0``) into one PNG.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -116,12 +116,16 @@ class PredictionRow:
     note: str = ""
 
 
-def cluster_network(link_rate: str, intra_node_rate: str | None) -> Any:
-    """The planner's Network: ``link_rate`` between nodes, ``intra_node_rate`` inside one, default latency."""
+def cluster_network(link_rate: str, intra_node_rate: str | None, efficiency: Any = None) -> Any:
+    """The planner's Network: ``link_rate`` between nodes, ``intra_node_rate`` inside one, default latency.
+
+    ``efficiency``: a :class:`ds_lioncub.planner.LinkEfficiency` (default: the planner's, gloo's).
+    """
     from ds_lioncub import planner
 
     intra = None if intra_node_rate is None else planner.parse_rate(intra_node_rate)
-    return planner.Network(inter_node_bandwidth=planner.parse_rate(link_rate), intra_node_bandwidth=intra)
+    network = planner.Network(inter_node_bandwidth=planner.parse_rate(link_rate), intra_node_bandwidth=intra)
+    return network if efficiency is None else replace(network, efficiency=efficiency)
 
 
 def why_infeasible(params: dict[str, Any], world_size: int) -> str:
@@ -144,13 +148,15 @@ def prediction_rows(
     link_rates: Sequence[str] = LINK_RATES,
     intra_node_rate: str | None = None,
     local_work: bool = True,
+    efficiency: Any = None,
 ) -> list[PredictionRow]:
     """The planner's stage-0 step for each of ``runs`` on ``nodes`` x ``gpus_per_node``, at each link rate.
 
     Each run's options are matched to the planner's candidate with the same aggregation
     (:func:`ds_lioncub.planner.aggregation_key`: compression, precision or bits, quantizer, algorithm).
     ``local_work=False``: the collectives alone (a local cost table of zeros; ``local_s`` is ``None``),
-    for hardware the planner's default table, measured on a CPU, does not describe.
+    for hardware the planner's default table, measured on a CPU, does not describe. ``efficiency``:
+    the links' :class:`ds_lioncub.planner.LinkEfficiency` (default: gloo's).
     """
     from ds_lioncub import planner
     from ds_lioncub.config import parse_config
@@ -161,7 +167,7 @@ def prediction_rows(
     )
     rows = []
     for rate in link_rates:
-        network = cluster_network(rate, intra_node_rate)
+        network = cluster_network(rate, intra_node_rate, efficiency)
         candidates = planner.plan(num_params, cluster, network, costs, zero_stages=(0,))
         by_key = {planner.aggregation_key(parse_config(c.params)): c for c in candidates if c.zero_stage == 0}
         link = planner.format_rate(planner.parse_rate(rate))
@@ -220,17 +226,21 @@ def prediction_report(runs: Sequence[RunConfig], num_params: int, ranks: int) ->
     large_intra = "100GB/s"  # NVLink-class links between the GPUs of one node
     latency_us = planner.Network(inter_node_bandwidth=1.0).latency * 1e6  # the default Network latency
     large = (LARGE_MODEL_PARAMS, LARGE_MODEL_NODES, LARGE_MODEL_GPUS_PER_NODE)
-    large_rows = prediction_rows(runs, *large, intra_node_rate=large_intra, local_work=False)
+    # GPUs talk through NCCL, whose rings and all-to-alls come near the link rate: no gloo losses.
+    large_rows = prediction_rows(
+        runs, *large, intra_node_rate=large_intra, local_work=False, efficiency=planner.IDEAL_LINK_EFFICIENCY
+    )
     return "\n".join(
         [
             "PLANNER PREDICTIONS (ds_lioncub.planner, an alpha-beta model): NOT measurements.",
             "The step times above were measured on one machine, where the ranks' 'network' is a loopback",
             "copy: they show compute and load, not what the bytes would cost on a link. Below, what the",
             "planner predicts each configuration above costs per optimizer step where the ranks talk over a",
-            f"network. comm ms: the collectives (bytes / link rate + {latency_us:.0f} us per round); local ms:",
-            "Lion's arithmetic and the aggregation's packing and counting at the planner's default",
-            "per-element costs, measured on a CPU; step ms: comm + local. Forward and backward passes are",
-            "left out (the same in every mode). vs Lion: Lion's step ms / the row's (above 1: faster).",
+            f"network. comm ms: the collectives (bytes / (link rate x gloo's link efficiency) + {latency_us:.0f} us",
+            "per round); local ms: Lion's arithmetic and the aggregation's packing and counting at the",
+            "planner's default per-element costs, measured on a CPU with one rank per core; step ms: comm +",
+            "local. Forward and backward passes are left out (the same in every mode). vs Lion: Lion's step",
+            "ms / the row's (above 1: faster).",
             "",
             f"This model ({num_params:,} params) on {ranks} machines of one CPU rank each, like the ranks above",
             "but each on its own machine:",
@@ -238,7 +248,8 @@ def prediction_report(runs: Sequence[RunConfig], num_params: int, ranks: int) ->
             "",
             f"A {large[0] / 1e9:.1f}B-parameter model on {large[1]} nodes x {large[2]} GPUs ({large_intra} between "
             f"the GPUs of a node), ZeRO stage 0,",
-            "communication only (the planner's local costs are CPU figures, which do not describe GPUs):",
+            "communication only (the planner's local costs are CPU figures, which do not describe GPUs),",
+            "at the full link rate (link efficiency 1, as NCCL comes near):",
             format_prediction_table(large_rows, baseline),
             "(python -m ds_lioncub.planner --params N --nodes M --gpus-per-node G --inter-node-bandwidth RATE",
             " ranks every mode, the ZeRO-2 hybrid included, for any cluster.)",

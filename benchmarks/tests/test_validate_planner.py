@@ -83,7 +83,7 @@ def test_rows_and_table_from_synthetic_reports(tmp_path: Path) -> None:
     (tmp_path / "b_worker.json").write_text(json.dumps(p4))
     (tmp_path / "notes.txt").write_text("not a report")
 
-    calls: list[tuple[dict[str, Any], int, int, float]] = []
+    calls: list[tuple[dict[str, Any], int, int, float, float]] = []
     # Hand-picked answers per (compression, n): fp32 1e7 -> 0.32 s (0.30 of it the collectives),
     # 1-bit 1e7 -> 0.02 s (0.01), fp32 1e6 -> 0.2 s (0.1), 4-bit l1 1e8 -> 2.4 s (1.5).
     answers = {
@@ -93,18 +93,21 @@ def test_rows_and_table_from_synthetic_reports(tmp_path: Path) -> None:
         ("kbit", 10**8): Prediction(2.4, 1.5),
     }
 
-    def fake_planner(params: dict[str, Any], numel: int, world_size: int, link_bytes_per_s: float) -> Prediction:
-        calls.append((params, numel, world_size, link_bytes_per_s))
+    def fake_planner(
+        params: dict[str, Any], numel: int, world_size: int, link_bytes_per_s: float, ranks_per_core: float
+    ) -> Prediction:
+        calls.append((params, numel, world_size, link_bytes_per_s, ranks_per_core))
         return answers[(params["compression"], numel)]
 
     rows = validate_planner.build_rows(validate_planner.load_reports(tmp_path), fake_planner)
 
-    # The planner is asked in bytes per second: 1 Gbit/s = 1.25e8 B/s, 250 Mbit/s = 3.125e7 B/s.
-    assert sorted((c[1], c[2], c[3]) for c in calls) == [
-        (10**6, 2, 1.25e8),
-        (10**7, 2, 1.25e8),
-        (10**7, 2, 1.25e8),
-        (10**8, 4, 3.125e7),
+    # The planner is asked in bytes per second: 1 Gbit/s = 1.25e8 B/s, 250 Mbit/s = 3.125e7 B/s; p ranks of
+    # one thread on a 2-core machine: 1 rank per core at p = 2, 2 at p = 4.
+    assert sorted((c[1], c[2], c[3], c[4]) for c in calls) == [
+        (10**6, 2, 1.25e8, 1.0),
+        (10**7, 2, 1.25e8, 1.0),
+        (10**7, 2, 1.25e8, 1.0),
+        (10**8, 4, 3.125e7, 2.0),
     ]
     assert {
         "compression": "kbit",
@@ -131,9 +134,40 @@ def test_rows_and_table_from_synthetic_reports(tmp_path: Path) -> None:
     assert "| 1-bit vote | 2 | 1 Gbit/s | 1e+07 | 0.0500 | 0.0200 | 0.40 | **no** |" in table
     assert "| fp32 all-reduce | 2 | 1 Gbit/s | 1e+06 | 0.0500 | 0.2000 | 4.00 | - |" in table
     assert "| 4-bit l1 vote, alltoall | 4 | 250 Mbit/s | 1e+08 | 2.000 | 2.400 | 1.20 | yes |" in table
+    # Judged (n >= 1e7): 0.8, 0.4, 1.2 (median 0.8); the fit subset (p = 2, 1 Gbit/s) holds 0.8 and 0.4.
     assert (
-        "n >= 1e+07: 2 of 3 points within 25%; furthest: 1-bit vote, p = 2, 1 Gbit/s, n = 1e+07, ratio 0.40." in table
+        "n >= 1e+07: 2 of 3 points within 25%, median ratio 0.80; furthest: 1-bit vote, p = 2, 1 Gbit/s, n = 1e+07, "
+        "ratio 0.40." in table
     )
+    assert (
+        "- fit subset (p = 2, 1 Gbit/s): 1 of 2 points within 25%, median ratio 0.60; furthest: 1-bit vote, p = 2, "
+        "1 Gbit/s, n = 1e+07, ratio 0.40." in table
+    )
+    assert (
+        "- held out (the rest): 1 of 1 points within 25%, median ratio 1.20; furthest: 4-bit l1 vote, alltoall, "
+        "p = 4, 250 Mbit/s, n = 1e+08, ratio 1.20." in table
+    )
+
+
+def test_link_efficiencies_are_fitted_on_the_fit_subset_alone() -> None:
+    # p = 2 at 1 Gbit/s (1.25e8 B/s), n = 1e7, built so that rings run at 80% of the link and all-to-alls at 40%:
+    # fp32 all-reduce: 4n bytes sent (2 * 4n * (p-1)/p); 4-bit sign all-to-all: n/4 bytes of fields
+    # (4n/8 * (p-1)/p), then an all-gather of n/16 bytes of votes (n/p/8 * (p-1)).
+    n, rate = 10**7, 1.25e8
+    fp32 = 4 * n / (0.8 * rate)
+    sign4 = (n / 4) / (0.4 * rate) + (n / 16) / (0.8 * rate)
+    fit = {
+        "p": 2,
+        "rate_bps": 10**9,
+        "results": [
+            _result("fp32", "fp32 all-reduce", n, 2, fp32, fp32),
+            _result("kbit:sign:4:alltoall", "4-bit sign vote, alltoall", n, 2, sign4, sign4),
+            _result("fp32", "fp32 all-reduce", 10**6, 2, 1.0, 1.0),  # below 1e7: not fitted on
+        ],
+    }
+    held_out = {"p": 4, "rate_bps": 10**9, "results": [_result("fp32", "fp32 all-reduce", n, 4, 9.0, 9.0)]}
+    ring, all_to_all = validate_planner.fit_link_efficiency([fit, held_out])
+    assert ring == pytest.approx(0.8, rel=1e-6) and all_to_all == pytest.approx(0.4, rel=1e-6)
 
 
 def test_a_directory_without_reports_is_refused(tmp_path: Path) -> None:

@@ -11,8 +11,11 @@ cluster (:class:`Cluster`) and network (:class:`Network`), fastest first;
 
 from ds_lioncub.planner.local_costs import DEFAULT_LOCAL_COSTS, LocalCosts, aggregation_key
 from ds_lioncub.planner.model import (
+    GLOO_LINK_EFFICIENCY,
+    IDEAL_LINK_EFFICIENCY,
     Candidate,
     Cluster,
+    LinkEfficiency,
     Network,
     plan,
     predict_aggregation_seconds,
@@ -21,8 +24,11 @@ from ds_lioncub.units import format_rate, format_seconds, parse_duration, parse_
 
 __all__ = [
     "DEFAULT_LOCAL_COSTS",
+    "GLOO_LINK_EFFICIENCY",
+    "IDEAL_LINK_EFFICIENCY",
     "Candidate",
     "Cluster",
+    "LinkEfficiency",
     "LocalCosts",
     "Network",
     "aggregation_key",

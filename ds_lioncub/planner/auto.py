@@ -10,7 +10,8 @@ communication dtype).
 
 The result is the fastest candidate of :func:`~ds_lioncub.planner.plan` at that ZeRO stage. The
 options the user gave are kept, except that ``network`` is dropped (it served its purpose), and
-when exact Lion wins ``momentum_sync`` and ``hybrid`` too (they apply to compressed modes only);
+when exact Lion wins ``momentum_sync`` and ``hybrid`` too (they apply to compressed modes only), and
+``telemetry.vote_stats`` is turned off (exact Lion takes no vote to measure; the sentence says so);
 at stage 0 ``hybrid`` only gives the node size. One sentence says what was chosen and why; the
 caller logs it on rank 0, at warning level when compression was found not to pay.
 """
@@ -62,14 +63,24 @@ def _concrete(options: LionCubConfig, chosen: dict[str, Any], zero_stage: int) -
         given.pop("hybrid", None)
     if chosen["compression"] == "none":
         given.pop("momentum_sync", None)
+        if "telemetry" in given:
+            given["telemetry"] = {**given["telemetry"], "vote_stats": False}
     mode = dict(chosen)
     if "hybrid" in given:
         mode.pop("hybrid", None)  # the user's own block (it gave the node size)
     return parse_config({**given, **mode})
 
 
+def _vote_stats_note(options: LionCubConfig) -> str:
+    """What the sentence adds when exact Lion is chosen for options that asked for vote statistics."""
+    if not options.telemetry.vote_stats:
+        return ""
+    return " telemetry.vote_stats is turned off: exact Lion takes no vote to measure."
+
+
 def _exact(options: LionCubConfig, sentence: str) -> AutoResolution:
-    return AutoResolution(_concrete(options, {"compression": "none"}, 0), sentence, fell_back=True)
+    resolved = _concrete(options, {"compression": "none"}, 0)
+    return AutoResolution(resolved, sentence + _vote_stats_note(options), fell_back=True)
 
 
 def resolve_auto(
@@ -128,6 +139,7 @@ def resolve_auto(
             f"LionCub auto: compression does not pay for {where}: the best compressed mode ({compressed.label}) is "
             f"predicted at {format_seconds(compressed.seconds_per_step)}/step, exact Lion at "
             f"{format_seconds(exact.seconds_per_step)}; using exact Lion (compression 'none', {exact.label})."
+            + _vote_stats_note(options)
         )
         return AutoResolution(_concrete(options, best.params, zero_stage), sentence, True, tuple(candidates))
     sentence = (

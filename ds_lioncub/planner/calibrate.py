@@ -9,15 +9,20 @@ The sums inside an all-reduce are the collective's own work, pipelined with its 
 counted in its time (:mod:`ds_lioncub.planner.model`), so exact Lion's fp32 all-reduce has no local
 work (0) and its bf16 all-reduce only the conversion to bf16 and back. ``p`` is 4, or the largest
 world a k-bit all-reduce admits when that is smaller (the per-element work of every aggregation
-hardly depends on ``p``: the owner of a chunk handles ``p`` rows of ``n / p`` elements). Each
-figure is the fastest of ``rounds`` x ``repeats`` timed runs, each after one warm-up run (the least
-disturbed by other load on the machine).
+hardly depends on ``p``: the owner of a chunk handles ``p`` rows of ``n / p`` elements).
+
+It is measured the way a step runs: on one LionCub bucket (``bucket_size``'s default, 8,388,608
+elements, 32 MB of fp32: beyond the caches, streamed through memory as a real bucket is), and each
+figure is the median of ``rounds`` x ``repeats`` timed runs (each call after one warm-up run): a step
+pays the typical run, not the best one. The table is one rank's, running alone on its core(s); when
+more ranks than cores share a machine, the model scales it by the ranks per core
+(:func:`~ds_lioncub.planner.model.predict_aggregation_seconds`, docs/design.md, section 18).
 """
 
 from __future__ import annotations
 
-import math
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,12 +33,14 @@ from ds_lioncub.aggregation import Bucket, build_aggregation
 from ds_lioncub.comm.kbit import KbitCodec, max_allreduce_world_size
 from ds_lioncub.comm.packing import packing_path
 from ds_lioncub.comm.transport.base import TransportBase
-from ds_lioncub.config import parse_config
+from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
 from ds_lioncub.planner.local_costs import LION_UPDATE, LocalCosts, aggregation_key
 
 CALIBRATION_WORLD = 4
+# One LionCub bucket (its default bucket_size): the elements a step's aggregation works on at a time.
+CALIBRATION_NUMEL: int = LionCubConfig.model_fields["bucket_size"].default
 
 
 class LoopbackTransport(TransportBase):
@@ -75,18 +82,19 @@ def _world_for(params: dict[str, Any]) -> int | None:
     return None
 
 
-def _fastest_seconds(run: Callable[[], object], repeats: int) -> float:
+def _timed_runs(run: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds of ``repeats`` runs of ``run``, after one warm-up run."""
     run()  # warm-up: first-use builds and self-checks happen here, outside the timing
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
 
 
-def _measurements(numel: int, repeats: int, generator: torch.Generator) -> dict[str, Callable[[], float]]:
-    """Per table key, a function that times its work once (fastest of ``repeats``) and returns seconds per element."""
+def _measurements(numel: int, repeats: int, generator: torch.Generator) -> dict[str, Callable[[], list[float]]]:
+    """Per table key, a function that times its work ``repeats`` times and returns each run's seconds per element."""
     values = torch.randn(numel, generator=generator)
     param, exp_avg, grad = values.clone(), torch.zeros(numel), torch.randn(numel, generator=generator)
     direction = torch.empty(numel)
@@ -96,10 +104,13 @@ def _measurements(numel: int, repeats: int, generator: torch.Generator) -> dict[
         update_momentum(exp_avg, grad, 0.99)
         apply_update(param, direction.sign_(), 1e-4, 0.1)
 
-    timers: dict[str, Callable[[], float]] = {
-        LION_UPDATE: lambda: _fastest_seconds(lion_step, repeats) / numel,
-        "none/fp32": lambda: 0.0,
-        "none/bf16": lambda: _fastest_seconds(lambda: values.to(torch.bfloat16).float(), repeats) / numel,
+    def per_element(run: Callable[[], object]) -> list[float]:
+        return [seconds / numel for seconds in _timed_runs(run, repeats)]
+
+    timers: dict[str, Callable[[], list[float]]] = {
+        LION_UPDATE: lambda: per_element(lion_step),
+        "none/fp32": lambda: [0.0],
+        "none/bf16": lambda: per_element(lambda: values.to(torch.bfloat16).float()),
     }
     for params in calibration_modes():
         world = _world_for(params)
@@ -114,39 +125,40 @@ def _measurements(numel: int, repeats: int, generator: torch.Generator) -> dict[
             # start() only reads the values: they stay the same input for every run
             aggregator.finish(aggregator.start(Bucket(values, [numel], [None]), True), out=output)
 
-        def timed(aggregate: Callable[[], None] = aggregate) -> float:
-            return _fastest_seconds(aggregate, repeats) / numel
+        def timed(aggregate: Callable[[], None] = aggregate) -> list[float]:
+            return per_element(aggregate)
 
         timers[aggregation_key(options)] = timed
     return timers
 
 
 def measure_local_costs(
-    numel: int = 1 << 21, repeats: int = 5, rounds: int = 5, seed: int = 0, threads: int | None = None
+    numel: int = CALIBRATION_NUMEL, repeats: int = 3, rounds: int = 5, seed: int = 0, threads: int | None = None
 ) -> LocalCosts:
     """Seconds per element of Lion's update and of every aggregation's local work on this machine (CPU).
 
-    ``rounds`` passes over every entry, each the fastest of ``repeats`` runs; the table keeps each
-    entry's fastest pass (a pass that other load on the machine slowed down is not kept). ``threads``:
-    torch's intra-op threads while measuring (default: as set), e.g. 1 for ranks that share a machine's
-    cores one each.
+    ``rounds`` passes over every entry, each of ``repeats`` timed runs; the table keeps each entry's
+    median run (a burst of other load on the machine spoils a few runs of one pass, not an entry).
+    ``threads``: torch's intra-op threads while measuring (default: as set), e.g. 1 for ranks that
+    share a machine's cores one each.
     """
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
         timers = _measurements(numel, repeats, torch.Generator().manual_seed(seed))
-        table = dict.fromkeys(timers, math.inf)
+        samples: dict[str, list[float]] = {key: [] for key in timers}
         for _ in range(rounds):  # passes over all entries, so that a burst of other load spoils one pass, not an entry
             for key, timer in timers.items():
-                table[key] = min(table[key], timer())
+                samples[key] += timer()
         threads_used = torch.get_num_threads()
     finally:
         torch.set_num_threads(previous_threads)
+    table = {key: statistics.median(runs) for key, runs in samples.items()}
     path = packing_path("cpu")
     measured_on = (
         f"{platform.machine()} {platform.processor() or platform.system()}, {threads_used} torch thread(s), "
-        f"packing path {path.path!r}, {numel} elements, fastest of {rounds} x {repeats}"
+        f"packing path {path.path!r}, {numel} elements, median of {rounds} x {repeats}"
     )
     return LocalCosts(table, measured_on)
 
@@ -161,4 +173,4 @@ def as_python_table(costs: LocalCosts, command: str) -> str:
     )
 
 
-__all__ = ["LoopbackTransport", "as_python_table", "calibration_modes", "measure_local_costs"]
+__all__ = ["CALIBRATION_NUMEL", "LoopbackTransport", "as_python_table", "calibration_modes", "measure_local_costs"]

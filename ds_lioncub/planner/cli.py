@@ -4,12 +4,15 @@
 
     python -m ds_lioncub.planner --params N --nodes M --gpus-per-node G --inter-node-bandwidth RATE
            [--intra-node-bandwidth RATE] [--latency T] [--json] [--local-costs FILE]
+           [--ring-efficiency E] [--all-to-all-efficiency E] [--ranks-per-core R]
     python -m ds_lioncub.planner --calibrate [--save FILE]
 
 The default output is a table of every feasible candidate, fastest predicted step first, and the
 ds_config blocks of the best one. ``--json`` prints ``{"recommended": {"params", "zero_stage"},
 "candidates": [{"params", "zero_stage", "seconds_per_step", "bytes_per_step_per_rank"}, ...]}``.
-Bad arguments exit with status 2 and argparse's message.
+Bad arguments exit with status 2 and argparse's message. The link efficiencies (the fraction of
+the link rate each kind of collective reaches, :class:`~ds_lioncub.planner.model.LinkEfficiency`)
+default to gloo's on the emulated network; NCCL comes near 1 on both.
 """
 
 from __future__ import annotations
@@ -22,7 +25,16 @@ from typing import Any
 
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.planner.local_costs import DEFAULT_LOCAL_COSTS, LocalCosts
-from ds_lioncub.planner.model import DEFAULT_LATENCY, Candidate, Cluster, Network, describe_network, plan
+from ds_lioncub.planner.model import (
+    DEFAULT_LATENCY,
+    GLOO_LINK_EFFICIENCY,
+    Candidate,
+    Cluster,
+    LinkEfficiency,
+    Network,
+    describe_network,
+    plan,
+)
 from ds_lioncub.units import format_seconds, parse_duration, parse_rate
 
 
@@ -47,6 +59,26 @@ def _positive_count(text: str) -> int:
     if value < 1 or value != int(value):
         raise LionCubConfigError(f"LionCub: {text!r} must be a whole number >= 1")
     return int(value)
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise LionCubConfigError(f"LionCub: {text!r} is not a number (write a fraction such as 0.9)") from None
+    if not 0 < value <= 1:
+        raise LionCubConfigError(f"LionCub: {text!r} must be a fraction of the link rate in (0, 1]")
+    return value
+
+
+def _positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise LionCubConfigError(f"LionCub: {text!r} is not a number") from None
+    if not (value > 0 and value != float("inf")):
+        raise LionCubConfigError(f"LionCub: {text!r} must be a positive number")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +110,30 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_LATENCY,
         metavar="T",
         help=f"per message round, e.g. 5us, 50us, 1ms (default {DEFAULT_LATENCY * 1e6:g}us)",
+    )
+    parser.add_argument(
+        "--ring-efficiency",
+        type=_argument(_fraction),
+        default=GLOO_LINK_EFFICIENCY.ring,
+        metavar="E",
+        help="fraction of the link rate ring all-reduces and all-gathers reach "
+        f"(default {GLOO_LINK_EFFICIENCY.ring:g}, gloo's; NCCL: about 1)",
+    )
+    parser.add_argument(
+        "--all-to-all-efficiency",
+        type=_argument(_fraction),
+        default=GLOO_LINK_EFFICIENCY.all_to_all,
+        metavar="E",
+        help=f"fraction of the link rate all-to-alls reach (default {GLOO_LINK_EFFICIENCY.all_to_all:g}, gloo's; "
+        "NCCL: about 1)",
+    )
+    parser.add_argument(
+        "--ranks-per-core",
+        type=_argument(_positive_number),
+        default=1.0,
+        metavar="R",
+        help="CPU ranks sharing each core of a machine (e.g. 2 for 4 ranks on 2 cores): the local cost table, "
+        "one rank's alone on a core, is multiplied by R when above 1 (default 1)",
     )
     parser.add_argument("--json", action="store_true", help="print the recommendation and candidates as JSON")
     parser.add_argument(
@@ -166,7 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.save:
             with open(args.save, "w") as file:
                 file.write(costs.to_json() + "\n")
-        print(as_python_table(costs, "python -m ds_lioncub.planner --calibrate"))
+        threads = "" if args.threads is None else f" --threads {args.threads}"
+        command = f"python -m ds_lioncub.planner --calibrate{threads}"
+        print(as_python_table(costs, command))
         return 0
     missing = [
         flag
@@ -185,8 +243,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as error:
         parser.error(f"--local-costs: {error}")
     cluster = Cluster(args.nodes, args.gpus_per_node)
-    network = Network(args.inter_node_bandwidth, args.intra_node_bandwidth, args.latency)
-    candidates = plan(args.params, cluster, network, costs)
+    efficiency = LinkEfficiency(args.ring_efficiency, args.all_to_all_efficiency)
+    network = Network(args.inter_node_bandwidth, args.intra_node_bandwidth, args.latency, efficiency)
+    candidates = plan(args.params, cluster, network, costs, ranks_per_core=args.ranks_per_core)
     if args.json:
         print(json.dumps(as_json(candidates), indent=2))
     else:

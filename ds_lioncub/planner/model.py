@@ -1,6 +1,6 @@
 """The α-β model: predicted seconds and bytes per step of every LionCub mode on a cluster.
 
-Each collective costs ``rounds * α + max(node link bytes / β_inter, in-node bytes / β_intra)``:
+Each collective costs ``rounds * α + max(node link bytes / β_inter, in-node bytes / β_intra) / e``:
 
 - ``α`` (``Network.latency``) is paid once per round, a step in which every rank sends one message
   and waits for one: a ring all-reduce has ``2 (p - 1)`` rounds (reduce-scatter, then all-gather),
@@ -8,7 +8,12 @@ Each collective costs ``rounds * α + max(node link bytes / β_inter, in-node by
 - the bytes come from :mod:`ds_lioncub.comm.wire` (the only place they are written): how many
   cross one node's link to the network, shared by the node's ranks, and how many a rank sends to
   ranks of its own node (:func:`~ds_lioncub.comm.wire.link_bytes`); the two kinds of link run at
-  once, so the slower sets the time.
+  once, so the slower sets the time;
+- ``e`` (``Network.efficiency``, a :class:`LinkEfficiency`) is the fraction of the link rate the
+  transport reaches in that kind of collective: a ring (all-reduce, all-gather, reduce-scatter)
+  or a pairwise all-to-all. It carries what the byte count leaves out (packet headers, the
+  transport's own scheduling); its defaults are gloo's on the emulated network
+  (:data:`GLOO_LINK_EFFICIENCY`, docs/design.md, section 18).
 
 A step adds its collectives (no overlap with each other or with compute) and the local work of
 :mod:`ds_lioncub.planner.local_costs`: Lion's arithmetic on the elements the rank steps, and what
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ds_lioncub.comm import wire
@@ -52,6 +57,39 @@ ELEMENT_SIZE = {"fp32": 4, "bf16": 2}
 
 
 @dataclass(frozen=True)
+class LinkEfficiency:
+    """The fraction of a link's rate a transport reaches, by kind of collective (``0 < e <= 1``).
+
+    Attributes:
+        ring: ring all-reduce, all-gather and reduce-scatter.
+        all_to_all: pairwise all-to-all.
+    """
+
+    ring: float
+    all_to_all: float
+
+    def __post_init__(self) -> None:
+        for name, value in (("ring", self.ring), ("all_to_all", self.all_to_all)):
+            if not (math.isfinite(value) and 0 < value <= 1):
+                raise LionCubConfigError(
+                    f"LionCub: the {name} link efficiency must be a fraction of the link rate in (0, 1], got {value!r}."
+                )
+
+    def of(self, kind: wire.CollectiveKind) -> float:
+        """The efficiency of a collective of ``kind``."""
+        return self.all_to_all if kind == "all_to_all" else self.ring
+
+
+# gloo over TCP on the emulated network (benchmarks/RESULTS.md, "Planner vs the emulated network"),
+# fitted on the p = 2, 1 Gbit/s measurements alone by ``python -m benchmarks.validate_planner --fit``:
+# time inside the collectives against the bytes at the full rate. Its all-to-all reaches about half
+# the rate its ring does. NCCL's rings and all-to-alls come near the link rate on both:
+# LinkEfficiency(1.0, 1.0) (IDEAL_LINK_EFFICIENCY) is the model without transport losses.
+GLOO_LINK_EFFICIENCY = LinkEfficiency(ring=0.93, all_to_all=0.43)
+IDEAL_LINK_EFFICIENCY = LinkEfficiency(ring=1.0, all_to_all=1.0)
+
+
+@dataclass(frozen=True)
 class Network:
     """The links between the ranks.
 
@@ -61,11 +99,14 @@ class Network:
         intra_node_bandwidth: bytes per second, each direction, between two ranks of one node; ``None``:
             in-node links are no bottleneck (NVLink next to Ethernet): in-node bytes cost only their rounds.
         latency: seconds per round of a collective (α): the time for the smallest message to arrive.
+        efficiency: the fraction of the link rate each kind of collective reaches (default gloo's,
+            :data:`GLOO_LINK_EFFICIENCY`; :data:`IDEAL_LINK_EFFICIENCY` for none lost, near NCCL's).
     """
 
     inter_node_bandwidth: float
     intra_node_bandwidth: float | None = None
     latency: float = DEFAULT_LATENCY
+    efficiency: LinkEfficiency = GLOO_LINK_EFFICIENCY
 
     def __post_init__(self) -> None:
         rates = [self.inter_node_bandwidth] + ([] if self.intra_node_bandwidth is None else [self.intra_node_bandwidth])
@@ -141,12 +182,12 @@ def rounds(collective: wire.Collective) -> int:
 def collective_seconds(
     collective: wire.Collective, placement: wire.Placement, node_size: int, network: Network
 ) -> float:
-    """``rounds * α + max(node link bytes / β_inter, in-node bytes / β_intra)`` (see the module docstring)."""
+    """``rounds * α + max(node link bytes / β_inter, in-node bytes / β_intra) / e`` (see the module docstring)."""
     if collective.world_size <= 1:
         return 0.0
     on_links = wire.link_bytes(collective, placement, node_size)
     transfer = max(on_links.node_link / network.inter_node_bandwidth, on_links.within_node / network.in_node_bandwidth)
-    return rounds(collective) * network.latency + transfer
+    return rounds(collective) * network.latency + transfer / network.efficiency.of(collective.kind)
 
 
 def aggregation_collectives(options: LionCubConfig, numel: int, world_size: int) -> list[wire.Collective]:
@@ -192,17 +233,23 @@ def predict_aggregation_seconds(
     world_size: int,
     network: Network,
     local_costs: LocalCosts | None = None,
+    ranks_per_core: float = 1.0,
 ) -> float:
     """Seconds of one aggregation of ``numel`` elements over ``world_size`` ranks, one rank per node.
 
     What ``benchmarks/bench_comm.py`` times for one op: the collectives of the mode (exact modes: one
     all-reduce in ``comm_dtype``; no buckets, no finite check) plus the aggregation's local work.
+    ``ranks_per_core``: ranks sharing each CPU core of the machine(s) that run them (the emulated
+    cluster puts its p ranks on one machine). The table is one rank's alone on its core; ranks that
+    take turns on a core each take ``ranks_per_core`` times as long, so above 1 the local work is
+    multiplied by it (at or below 1 it is as measured: idle cores do not speed up one rank's work).
     """
+    _check_ranks_per_core(ranks_per_core)
     options = parse_config(params)
     costs = DEFAULT_LOCAL_COSTS if local_costs is None else local_costs
     tally = _Tally()
     tally.add(aggregation_collectives(options, numel, world_size), "spanning", 1, network)
-    local = costs.cost(aggregation_key(options)) * numel if world_size > 1 else 0.0
+    local = costs.cost(aggregation_key(options)) * numel * max(1.0, ranks_per_core) if world_size > 1 else 0.0
     return tally.seconds + local
 
 
@@ -323,6 +370,7 @@ def plan(
     bucket_size: int = LIONCUB_BUCKET_SIZE,
     exact_bucket_size: int = DEEPSPEED_BUCKET_SIZE,
     hybrid_with_one_rank_per_node: bool = False,
+    ranks_per_core: float = 1.0,
 ) -> list[Candidate]:
     """Every feasible candidate for ``num_params`` parameters on ``cluster``, fastest predicted step first.
 
@@ -331,10 +379,13 @@ def plan(
     ``bucket_size``: LionCub's; ``exact_bucket_size``: the elements per bucket of exact Lion's
     gradient reduction (DeepSpeed's by default; LionCub's own when it runs without DeepSpeed).
     ``hybrid_with_one_rank_per_node``: list the hybrid also when G = 1, where it is stage 0 under
-    another name (for a job whose ZeRO stage is fixed at 2).
+    another name (for a job whose ZeRO stage is fixed at 2). ``ranks_per_core``: ranks sharing each CPU
+    core of a machine; above 1 every candidate's local work is multiplied by it (the table is one
+    rank's alone on its core; see :func:`predict_aggregation_seconds`).
     """
     if num_params < 1:
         raise LionCubConfigError(f"LionCub: the model needs at least 1 parameter, got {num_params}.")
+    _check_ranks_per_core(ranks_per_core)
     costs = DEFAULT_LOCAL_COSTS if local_costs is None else local_costs
     candidates = []
     if 0 in zero_stages:
@@ -351,23 +402,43 @@ def plan(
             candidates.append(
                 hybrid_candidate(label, params, num_params, cluster, network, costs, bucket_size, exact_bucket_size)
             )
+    if ranks_per_core > 1:
+        candidates = [_with_shared_cores(candidate, ranks_per_core) for candidate in candidates]
     return sorted(candidates, key=lambda candidate: candidate.seconds_per_step)
 
 
+def _check_ranks_per_core(ranks_per_core: float) -> None:
+    if not (math.isfinite(ranks_per_core) and ranks_per_core > 0):
+        raise LionCubConfigError(f"LionCub: ranks per core must be a positive number, got {ranks_per_core!r}.")
+
+
+def _with_shared_cores(candidate: Candidate, ranks_per_core: float) -> Candidate:
+    """``candidate`` with its local work taking ``ranks_per_core`` times as long (ranks taking turns on a core)."""
+    local = candidate.local_seconds * ranks_per_core
+    return replace(candidate, local_seconds=local, seconds_per_step=candidate.comm_seconds + local)
+
+
 def describe_network(network: Network) -> str:
-    """``"1 Gbit/s, 50 us"`` (with the in-node rate when it differs)."""
+    """``"1 Gbit/s, latency 50 us"`` (with the in-node rate when it differs, the link efficiencies when not gloo's)."""
     text = format_rate(network.inter_node_bandwidth)
     if network.intra_node_bandwidth is not None:
         text += f" between nodes, {format_rate(network.intra_node_bandwidth)} inside"
-    return f"{text}, latency {network.latency * 1e6:.3g} us"
+    text += f", latency {network.latency * 1e6:.3g} us"
+    if network.efficiency != GLOO_LINK_EFFICIENCY:
+        efficiency = network.efficiency
+        text += f", link efficiency {efficiency.ring:g} (rings) and {efficiency.all_to_all:g} (all-to-all)"
+    return text
 
 
 __all__ = [
     "DEEPSPEED_BUCKET_SIZE",
     "DEFAULT_LATENCY",
+    "GLOO_LINK_EFFICIENCY",
+    "IDEAL_LINK_EFFICIENCY",
     "LIONCUB_BUCKET_SIZE",
     "Candidate",
     "Cluster",
+    "LinkEfficiency",
     "Network",
     "aggregation_collectives",
     "bucket_sizes",

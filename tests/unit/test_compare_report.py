@@ -74,9 +74,16 @@ def test_prediction_rows_are_the_planners_stage0_candidates() -> None:
 def test_large_model_rows_are_communication_only_and_say_what_cannot_run() -> None:
     cluster = planner.Cluster(nodes=4, gpus_per_node=8)
     rows = compare_report.prediction_rows(
-        RUNS, 1_300_000_000, 4, 8, link_rates=("100gbit",), intra_node_rate="100GB/s", local_work=False
+        RUNS,
+        1_300_000_000,
+        4,
+        8,
+        link_rates=("100gbit",),
+        intra_node_rate="100GB/s",
+        local_work=False,
+        efficiency=planner.IDEAL_LINK_EFFICIENCY,
     )
-    network = planner.Network(inter_node_bandwidth=100e9 / 8, intra_node_bandwidth=100e9)
+    network = planner.Network(100e9 / 8, 100e9, efficiency=planner.LinkEfficiency(1.0, 1.0))
     candidates = planner.plan(1_300_000_000, cluster, network)
     for row, params in zip(rows[:2], PLANNER_PARAMS[:2], strict=True):
         expected = _stage0(candidates, params)

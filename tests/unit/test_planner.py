@@ -27,8 +27,10 @@ from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.integration.wiring import resolve_auto_for_engine
 from ds_lioncub.planner import (
     DEFAULT_LOCAL_COSTS,
+    GLOO_LINK_EFFICIENCY,
     Candidate,
     Cluster,
+    LinkEfficiency,
     LocalCosts,
     Network,
     parse_duration,
@@ -40,7 +42,7 @@ from ds_lioncub.planner.auto import log_auto_resolution, resolve_auto
 from ds_lioncub.planner.calibrate import LoopbackTransport, measure_local_costs
 from ds_lioncub.planner.cli import main
 from ds_lioncub.planner.local_costs import aggregation_key
-from ds_lioncub.planner.model import DEEPSPEED_BUCKET_SIZE, LIONCUB_BUCKET_SIZE
+from ds_lioncub.planner.model import DEEPSPEED_BUCKET_SIZE, DEFAULT_LATENCY, LIONCUB_BUCKET_SIZE
 from tests.support.launch import REPO
 
 GBIT = 1e9 / 8
@@ -218,32 +220,52 @@ def test_the_hybrid_vote_groups_share_the_node_link() -> None:
 
 @pytest.mark.parametrize("p", [2, 3, 8])
 def test_one_aggregation_costs_its_rounds_and_bytes(p: int) -> None:
-    """rounds x latency + bytes / bandwidth + local work per element, with one rank per node."""
+    """rounds x latency + bytes / (bandwidth x efficiency) + local work per element, with one rank per node."""
     n, beta, alpha = 1_000_003, 1.25e8, 40e-6
+    ring_e, a2a_e = 0.8, 0.4  # rings at 80% of the link, all-to-alls at 40%
     costs = LocalCosts({"1bit": 2e-9, "none/fp32": 0.0, "kbit/sign/4/alltoall/vote": 3e-9})
-    network = Network(beta, None, alpha)
+    network = Network(beta, None, alpha, LinkEfficiency(ring_e, a2a_e))
     n_pad = padded(n, p)
-    one_bit = 2 * (p - 1) * alpha + ((p - 1) * n_pad // 8 // p + (p - 1) * n_pad // (8 * p)) / beta + 2e-9 * n
+    # 1-bit: all-to-all of n_pad/8 bytes (a rank keeps 1/p), then all-gather of n_pad/(8p) bytes from every rank
+    signs, votes = (p - 1) * n_pad // 8 // p, (p - 1) * n_pad // (8 * p)
+    one_bit = 2 * (p - 1) * alpha + signs / (beta * a2a_e) + votes / (beta * ring_e) + 2e-9 * n
     assert predict_aggregation_seconds({"compression": "1bit"}, n, p, network, costs) == pytest.approx(one_bit)
-    exact = 2 * (p - 1) * alpha + ring_all_reduce(4 * n, p) / beta
+    exact = 2 * (p - 1) * alpha + ring_all_reduce(4 * n, p) / (beta * ring_e)
     assert predict_aggregation_seconds({"compression": "none"}, n, p, network, costs) == pytest.approx(exact)
     sign4 = kbit_params(4, "sign", "alltoall")
-    kbit = 2 * (p - 1) * alpha + expected_aggregation_bytes(sign4, n, p) / beta + 3e-9 * n
+    fields = (p - 1) * (n_pad * 4 // 8) // p  # 4-bit fields, all-to-all; then the same 1-bit votes
+    kbit = 2 * (p - 1) * alpha + fields / (beta * a2a_e) + votes / (beta * ring_e) + 3e-9 * n
+    assert fields + votes == expected_aggregation_bytes(sign4, n, p)
     assert predict_aggregation_seconds(sign4, n, p, network, costs) == pytest.approx(kbit)
+    # Ranks taking turns on cores: the local work, and only it, is multiplied by the ranks per core.
+    shared = predict_aggregation_seconds(sign4, n, p, network, costs, ranks_per_core=2.5)
+    assert shared == pytest.approx(kbit + 1.5 * 3e-9 * n)
+    assert predict_aggregation_seconds(sign4, n, p, network, costs, ranks_per_core=0.5) == pytest.approx(kbit)
+
+
+def test_link_efficiency_defaults_to_gloos_and_is_checked() -> None:
+    # gloo's all-to-all reaches a smaller fraction of the link than its ring (benchmarks/RESULTS.md).
+    assert Network(GBIT).efficiency == GLOO_LINK_EFFICIENCY
+    assert 0 < GLOO_LINK_EFFICIENCY.all_to_all < GLOO_LINK_EFFICIENCY.ring <= 1
+    for ring, all_to_all in ((0.0, 0.5), (0.9, 1.5), (math.nan, 0.5)):
+        with pytest.raises(LionCubConfigError, match="link efficiency must be a fraction"):
+            LinkEfficiency(ring, all_to_all)
+    with pytest.raises(LionCubConfigError, match="ranks per core"):
+        predict_aggregation_seconds({"compression": "1bit"}, 10, 2, Network(GBIT), ranks_per_core=0)
 
 
 def test_the_node_link_is_shared_and_in_node_bytes_use_the_in_node_rate() -> None:
     """Exact Lion on 2 x 4 ranks: the ring's bytes cross the 1 Gbit/s node link; 1 node: only the in-node rate."""
     n = 10**6
-    slow_nodes = Network(GBIT, 100 * GBIT, 0.0)
+    slow_nodes = Network(GBIT, 100 * GBIT, 0.0, LinkEfficiency(0.5, 1.0))  # rings at half of either link's rate
     [two_nodes] = [
         c
         for c in plan(n, Cluster(2, 4), slow_nodes, ZeroCosts({}))
         if c.params == {"compression": "none"} and c.zero_stage == 0
     ]
-    assert two_nodes.comm_seconds == pytest.approx(ring_all_reduce(4 * n, 8) / GBIT)
+    assert two_nodes.comm_seconds == pytest.approx(ring_all_reduce(4 * n, 8) / (0.5 * GBIT))
     [one_node] = [c for c in plan(n, Cluster(1, 8), slow_nodes, ZeroCosts({})) if c.params == {"compression": "none"}]
-    assert one_node.comm_seconds == pytest.approx(ring_all_reduce(4 * n, 8) / (100 * GBIT))
+    assert one_node.comm_seconds == pytest.approx(ring_all_reduce(4 * n, 8) / (0.5 * 100 * GBIT))
     [free] = [
         c
         for c in plan(n, Cluster(1, 8), Network(GBIT, None, 5e-6), ZeroCosts({}))
@@ -412,6 +434,34 @@ def test_cli_table_shows_every_candidate_and_the_block_to_paste(capsys: pytest.C
     assert block["zero_optimization"] == {"stage": candidates[0].zero_stage}
 
 
+def test_cli_link_efficiency_flags_reach_the_model(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--params", "1e8", "--nodes", "4", "--gpus-per-node", "1", "--inter-node-bandwidth", "1gbit", "--json"]
+    flags = ["--ring-efficiency", "0.5", "--all-to-all-efficiency", "1"]
+    assert main(args + flags) == 0
+    rows = json.loads(capsys.readouterr().out)["candidates"]
+    network = Network(GBIT, None, DEFAULT_LATENCY, LinkEfficiency(0.5, 1.0))
+    expected = plan(100_000_000, Cluster(4, 1), network)
+    assert [(row["params"], row["seconds_per_step"]) for row in rows] == [
+        (c.params, pytest.approx(c.seconds_per_step)) for c in expected
+    ]
+    assert expected != plan(100_000_000, Cluster(4, 1), Network(GBIT, None, DEFAULT_LATENCY))  # the flags changed it
+
+
+def test_ranks_sharing_cores_multiply_every_candidates_local_work(capsys: pytest.CaptureFixture[str]) -> None:
+    alone = {(c.label, c.zero_stage): c for c in plan(10**7, Cluster(2, 4), Network(GBIT))}
+    shared = plan(10**7, Cluster(2, 4), Network(GBIT), ranks_per_core=2.0)
+    assert len(shared) == len(alone)
+    for c in shared:
+        one = alone[(c.label, c.zero_stage)]
+        assert c.local_seconds == pytest.approx(2 * one.local_seconds) and c.comm_seconds == one.comm_seconds
+        assert c.seconds_per_step == pytest.approx(one.comm_seconds + 2 * one.local_seconds)
+    assert [c.seconds_per_step for c in shared] == sorted(c.seconds_per_step for c in shared)
+    args = ["--params", "1e7", "--nodes", "2", "--gpus-per-node", "4", "--inter-node-bandwidth", "1gbit", "--json"]
+    assert main([*args, "--ranks-per-core", "2"]) == 0
+    rows = json.loads(capsys.readouterr().out)["candidates"]
+    assert [row["seconds_per_step"] for row in rows] == pytest.approx([c.seconds_per_step for c in shared])
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -434,6 +484,11 @@ def test_cli_table_shows_every_candidate_and_the_block_to_paste(capsys: pytest.C
             "unit",
         ),
         (["--params", "1e9", "--nodes", "0", "--gpus-per-node", "8", "--inter-node-bandwidth", "1gbit"], "--nodes"),
+        (
+            ["--params", "1e9", "--nodes", "2", "--gpus-per-node", "1", "--inter-node-bandwidth", "1gbit"]
+            + ["--all-to-all-efficiency", "1.5"],
+            "--all-to-all-efficiency",
+        ),
     ],
 )
 def test_cli_bad_arguments_exit_2_with_a_message(
@@ -490,6 +545,36 @@ def test_auto_falls_back_to_exact_lion_loudly_when_compression_does_not_pay() ->
     finally:
         get_logger().removeHandler(handler)
     assert [(r.levelno, r.getMessage()) for r in records] == [(logging.WARNING, resolution.sentence)]
+
+
+@pytest.mark.parametrize(("world", "node_size", "stage"), [(16, 8, 0), (1, 1, 0), (8, 4, 3)])
+def test_auto_turns_vote_stats_off_when_it_chooses_exact_lion(world: int, node_size: int, stage: int) -> None:
+    # 400 Gbit/s and 1e5 parameters: compression does not pay; a world of one and ZeRO-3 run exact Lion too.
+    options = auto_options("400gbit", "5us", telemetry={"vote_stats": True})
+    resolution = resolve_auto(options, 100_000, world, node_size, stage)
+    assert resolution.fell_back and resolution.options.compression == "none"
+    assert resolution.options.telemetry.vote_stats is False
+    assert "telemetry.vote_stats is turned off" in resolution.sentence
+    # Where compression pays, the statistics stay on and the sentence does not mention them.
+    paying = resolve_auto(auto_options("1gbit", "50us", telemetry={"vote_stats": True}), 1_500_000_000, 32, 8, 0)
+    assert paying.options.compression != "none" and paying.options.telemetry.vote_stats is True
+    assert "vote_stats" not in paying.sentence
+
+
+def test_auto_with_vote_stats_builds_lioncub_that_falls_back_to_exact_lion() -> None:
+    model = torch.nn.Linear(10, 10)
+    optimizer = LionCub(
+        model.parameters(),
+        compression="auto",
+        network={"bandwidth": "400gbit", "latency": "5us"},
+        telemetry={"vote_stats": True},
+    )
+    assert optimizer.options.compression == "none" and not optimizer.options.telemetry.vote_stats
+    assert optimizer.telemetry.vote_stats is False  # the recorder follows the resolved options
+    model(torch.randn(3, 10)).sum().backward()
+    optimizer.step()  # a step of exact Lion records no vote statistics
+    record = optimizer.last_step_telemetry
+    assert record is not None and record.tied_elements is None
 
 
 def test_auto_is_a_pure_function_of_its_inputs() -> None:
@@ -656,7 +741,7 @@ def test_under_deepspeed_auto_plans_with_the_engines_stage_dtype_and_buckets(mon
     assert expected.zero_stage == 2 and expected.compression != "none"
     assert hybrid.compression == expected.compression and hybrid.hybrid is not None and hybrid.hybrid.node_size == 2
     # few bytes, long rounds: one all-reduce (2 rounds) beats a vote's two collectives and the finite check (4)
-    fast = {"compression": "auto", "network": {"bandwidth": "400gbit", "latency": "1ms"}}
+    fast = {"compression": "auto", "network": {"bandwidth": "400gbit", "latency": "10ms"}}
     exact = resolve_auto_for_engine(
         FakeEngine(0, torch.bfloat16, 2), parse_config(fast), list(model.named_parameters())
     )
