@@ -141,6 +141,15 @@ class NetworkConfig(DeepSpeedConfigModel):
     """Between two ranks of one node, per direction; unset: in-node links are no bottleneck (NVLink
     next to Ethernet). Set it when the ranks of a node talk over something slow."""
 
+    ring_efficiency: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    """The fraction of the link rate ring collectives (all-reduce, all-gather, reduce-scatter) reach; unset:
+    gloo's, as measured on an emulated network (``ds_lioncub.planner.GLOO_LINK_EFFICIENCY``, 0.93). NCCL
+    comes closer to 1."""
+
+    all_to_all_efficiency: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    """The same for pairwise all-to-alls (the 1-bit vote's first collective); unset: gloo's 0.43, which
+    favours modes built on all-reduces. With NCCL, set it (and ``ring_efficiency``) near 1."""
+
     @field_validator("bandwidth", "intra_node_bandwidth", mode="before")
     @classmethod
     def _rate(cls, value: Any) -> Any:

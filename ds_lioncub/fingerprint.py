@@ -15,7 +15,7 @@ Cost: one all-gather of 512 bytes per rank at set-up (more only on the error pat
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -58,6 +58,35 @@ def gather_texts(transport: Transport, text: str) -> list[str]:
     padded[: data.numel()] = data
     rows = transport.all_gather(padded).view(transport.world_size, -1)
     return [bytes(rows[rank, : int(lengths[rank])].tolist()).decode() for rank in range(transport.world_size)]
+
+
+def agreed_text(transport: Transport, what: str, compute: Callable[[], str]) -> str:
+    """``compute()``'s text, which every rank must reach alike; else the same error on every rank.
+
+    For a value each rank works out from its own surroundings (its environment variables), where a
+    rank that disagrees, or fails, while the others go on would leave them waiting in a collective.
+    A :class:`~ds_lioncub.errors.LionCubConfigError` from ``compute`` on any rank is raised on every
+    rank, naming the ranks it came from. Two small all-gathers (:func:`gather_texts`).
+    """
+    try:
+        mine = "value " + compute()
+    except LionCubConfigError as error:
+        mine = "error " + str(error).removeprefix("LionCub: ")
+    texts = gather_texts(transport, mine)
+    if any(text.startswith("error ") for text in texts):
+        failures = [text.removeprefix("error ") for text in texts if text.startswith("error ")]
+        ranks = [rank for rank, text in enumerate(texts) if text.startswith("error ")]
+        raise LionCubConfigError(
+            f"LionCub: {what} could not be worked out on rank(s) {', '.join(map(str, ranks))} of {len(texts)}: "
+            f"{failures[0]}"
+        )
+    if len(set(texts)) > 1:
+        values = [text.removeprefix("value ") for text in texts]
+        raise LionCubConfigError(
+            f"LionCub: the ranks differ in {what}: {_who_has_what(values)}. Start every rank with the same "
+            f"settings (the same launcher variables), or set the value in the config."
+        )
+    return texts[0].removeprefix("value ")
 
 
 def _who_has_what(values: Sequence[str]) -> str:

@@ -44,10 +44,16 @@ from ds_lioncub.errors import (
     NonFiniteGradientError,
     UnsupportedParameterError,
 )
-from ds_lioncub.fingerprint import check_same_on_every_rank, describe_parameters
+from ds_lioncub.fingerprint import agreed_text, check_same_on_every_rank, describe_parameters
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
 from ds_lioncub.param_selection import select_parameters
-from ds_lioncub.planner.auto import AutoResolution, auto_node_size, log_auto_resolution, resolve_auto
+from ds_lioncub.planner.auto import (
+    AUTO_NODE_SIZE_LABEL,
+    AutoResolution,
+    auto_node_size,
+    log_auto_resolution,
+    resolve_auto,
+)
 from ds_lioncub.replica_check import check_replicas
 from ds_lioncub.telemetry import StepRecord, StepTelemetry, TelemetryTotals, pack_local_signs
 
@@ -228,7 +234,12 @@ class LionCub(torch.optim.Optimizer):
         Nodes of G ranks: G from ``hybrid.node_size`` or the launcher's variables, else one rank per node.
         """
         num_params = sum(p.numel() for p in self._flat_params() if p.requires_grad)
-        node_size = auto_node_size(self.options, os.environ)
+        # Each rank reads G from its own environment; they must agree before each resolves alone.
+        counted = self.transport.stats + CommStats()  # set-up traffic, left out of comm_stats()
+        node_size = int(
+            agreed_text(self.transport, AUTO_NODE_SIZE_LABEL, lambda: str(auto_node_size(self.options, os.environ)))
+        )
+        self.transport.stats = counted
         resolution = resolve_auto(self.options, num_params, self.transport.world_size, node_size)
         self.auto_resolution = resolution
         self.options = resolution.options

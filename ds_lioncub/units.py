@@ -1,9 +1,11 @@
 """The network quantities users type (the planner's command line, the ``network`` option): rates, latencies.
 
-Rates follow tc(8), as benchmarks/netcluster does: ``bit``, ``kbit``, ``mbit``, ``gbit``, ``tbit`` are bits
-per second (decimal prefixes), ``bps``, ``kbps``, ``mbps``, ``gbps``, ``tbps`` are *bytes* per second; so
-are ``B/s``, ``kB/s``, ``MB/s``, ``GB/s``, ``TB/s``. Durations take ``s``, ``ms``, ``us`` (``µs``) or ``ns``.
-Both return plain floats in SI units: bytes per second and seconds.
+Rates: ``bit``, ``kbit``, ``mbit``, ``gbit``, ``tbit`` (tc(8)'s spelling, as benchmarks/netcluster takes them)
+are bits per second with decimal prefixes, also written ``Gbit/s`` as :func:`format_rate` prints them;
+``B/s``, ``kB/s``, ``MB/s``, ``GB/s``, ``TB/s`` are bytes per second. ``mbps`` and its kin are refused:
+tc reads them as bytes per second and most people as bits, an 8x difference nobody should have to guess.
+Durations take ``s``, ``ms``, ``us`` (``µs``) or ``ns``. Both return plain floats in SI units: bytes per
+second and seconds.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from ds_lioncub.errors import LionCubConfigError
 _NUMBER = r"(?P<value>(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)"
 _PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _SECONDS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "µs": 1e-6, "usec": 1e-6, "ns": 1e-9}
-RATE_EXAMPLES = "'1gbit', '400gbit', '250mbit' (bits/s) or '10GB/s', '125mbps' (bytes/s)"
+RATE_EXAMPLES = "'1gbit', '400gbit', '250mbit', '1 Gbit/s' (bits/s) or '10GB/s' (bytes/s)"
 
 
 def _split(text: str, what: str, examples: str) -> tuple[float, str]:
@@ -28,11 +30,14 @@ def _split(text: str, what: str, examples: str) -> tuple[float, str]:
 def parse_rate(text: str) -> float:
     """Bytes per second of a rate such as ``"1gbit"`` (1.25e8), ``"400gbit"``, ``"250mbit"`` or ``"10GB/s"``."""
     value, unit = _split(text, "the rate", RATE_EXAMPLES)
-    lower = unit.lower()
+    lower = unit.lower().removesuffix("/s") if unit.lower().endswith("bit/s") else unit.lower()
     if lower.endswith("bit"):
         prefix, bytes_per_unit = lower[:-3], 1 / 8
     elif lower.endswith("bps"):
-        prefix, bytes_per_unit = lower[:-3], 1.0
+        raise LionCubConfigError(
+            f"LionCub: the rate {text!r} is ambiguous: tc reads '{unit}' as bytes per second, most people as bits. "
+            f"Write bits as '{value:g}{lower[:-3]}bit' or bytes as '{value:g}{lower[:-3].upper()}B/s'."
+        )
     elif unit.endswith("B/s"):
         prefix, bytes_per_unit = lower[:-3], 1.0
     else:

@@ -21,11 +21,13 @@ import deepspeed
 import torch
 
 from ds_lioncub.comm.topology import create_groups, plan_hybrid, resolve_node_size
+from ds_lioncub.comm.transport import TorchTransport
 from ds_lioncub.config import LionCubConfig
 from ds_lioncub.errors import LionCubConfigError
+from ds_lioncub.fingerprint import agreed_text
 from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE, HybridSetup, check_node_blocks_on_one_host
 from ds_lioncub.optimizer import LionCub
-from ds_lioncub.planner.auto import auto_node_size, log_auto_resolution, resolve_auto
+from ds_lioncub.planner.auto import AUTO_NODE_SIZE_LABEL, auto_node_size, log_auto_resolution, resolve_auto
 from ds_lioncub.planner.model import DEEPSPEED_BUCKET_SIZE
 
 # The hybrid relies on private parts of DeepSpeed's engine and ZeRO-1/2 optimizer, checked against these releases.
@@ -61,11 +63,14 @@ def resolve_auto_for_engine(engine: Any, options: LionCubConfig, model_parameter
     stage = int(engine.zero_optimization_stage())
     exact_dtype = "fp32" if engine.communication_data_type == torch.float32 else "bf16"  # bf16 or fp16: 2 bytes
     bucket = DEEPSPEED_BUCKET_SIZE if stage == 0 else int(engine.zero_reduce_bucket_size())
+    # Each rank reads G from its own environment; they must agree before each resolves alone.
+    transport = TorchTransport(engine.seq_data_parallel_group)
+    node_size = int(agreed_text(transport, AUTO_NODE_SIZE_LABEL, lambda: str(auto_node_size(options, os.environ))))
     resolution = resolve_auto(
         options,
         _count_trained(model_parameters),
         int(engine.seq_dp_world_size),
-        auto_node_size(options, os.environ),
+        node_size,
         stage,
         exact_comm_dtypes=(exact_dtype,),
         exact_bucket_size=bucket,

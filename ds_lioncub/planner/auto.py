@@ -27,8 +27,10 @@ from ds_lioncub.comm.topology import NODE_SIZE_VARIABLES, plan_hybrid, resolve_n
 from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.planner.local_costs import LocalCosts
 from ds_lioncub.planner.model import (
+    GLOO_LINK_EFFICIENCY,
     Candidate,
     Cluster,
+    LinkEfficiency,
     Network,
     describe_network,
     plan,
@@ -36,6 +38,8 @@ from ds_lioncub.planner.model import (
 from ds_lioncub.units import format_seconds
 
 COMPRESSED_ONLY = ("momentum_sync", "hybrid")
+#: How set-up errors name G, the ranks per node that ``"auto"`` plans for.
+AUTO_NODE_SIZE_LABEL = "the ranks per node compression='auto' plans for"
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,12 @@ def resolve_auto(
     if options.compression != "auto":
         return AutoResolution(options, "", fell_back=False)
     assert options.network is not None  # the config's validation requires it with "auto"
-    network = Network(options.network.bandwidth, options.network.intra_node_bandwidth, options.network.latency)
+    given = options.network
+    efficiency = LinkEfficiency(
+        GLOO_LINK_EFFICIENCY.ring if given.ring_efficiency is None else given.ring_efficiency,
+        GLOO_LINK_EFFICIENCY.all_to_all if given.all_to_all_efficiency is None else given.all_to_all_efficiency,
+    )
+    network = Network(given.bandwidth, given.intra_node_bandwidth, given.latency, efficiency)
     if world_size == 1:
         return _exact(options, "LionCub auto: exact Lion (compression 'none'): a world of one rank sends nothing.")
     if zero_stage >= 3:
@@ -167,4 +176,4 @@ def log_auto_resolution(resolution: AutoResolution, rank: int) -> None:
         get_logger().info(resolution.sentence)
 
 
-__all__ = ["AutoResolution", "auto_node_size", "log_auto_resolution", "resolve_auto"]
+__all__ = ["AUTO_NODE_SIZE_LABEL", "AutoResolution", "auto_node_size", "log_auto_resolution", "resolve_auto"]

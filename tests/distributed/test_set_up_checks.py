@@ -50,6 +50,24 @@ def test_a_rank_built_differently_raises_the_same_error_on_every_rank(
         assert fragment in message, message
 
 
+@pytest.mark.parametrize(
+    ("scenario", "fragments"),
+    [
+        ("auto_node_size_differs", ["the ranks differ in the ranks per node", "ranks 0, 2: 3; rank 1: 1"]),
+        ("auto_node_size_invalid", ["could not be worked out on rank(s) 1 of 3", "LIONCUB_NODE_SIZE"]),
+    ],
+)
+def test_auto_plans_only_with_a_node_size_every_rank_shares(
+    ranks: list[dict[str, Any]], scenario: str, fragments: list[str]
+) -> None:
+    """compression="auto" reads G from each rank's environment: a rank that differs, or cannot read it,
+    stops every rank with one message instead of resolving alone while the others wait."""
+    message = same_message_on_every_rank(ranks, scenario)
+    assert message.startswith("LionCubConfigError: LionCub: "), message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
 def test_a_parameter_changed_on_one_rank_is_caught_at_the_next_check_on_every_rank(ranks: list[dict[str, Any]]) -> None:
     """consistency_check every 2 steps; rank 1 changes 'b' after step 2: every rank raises at step 4."""
     message = same_message_on_every_rank(ranks, "perturbed")

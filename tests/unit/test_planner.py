@@ -43,6 +43,7 @@ from ds_lioncub.planner.calibrate import LoopbackTransport, measure_local_costs
 from ds_lioncub.planner.cli import main
 from ds_lioncub.planner.local_costs import aggregation_key
 from ds_lioncub.planner.model import DEEPSPEED_BUCKET_SIZE, DEFAULT_LATENCY, LIONCUB_BUCKET_SIZE
+from ds_lioncub.units import format_rate
 from tests.support.launch import REPO
 
 GBIT = 1e9 / 8
@@ -312,8 +313,9 @@ def test_a_world_of_one_sends_nothing() -> None:
         ("400gbit", 400e9 / 8),
         ("250mbit", 250e6 / 8),
         ("10GB/s", 10e9),
-        ("125mbps", 125e6),
         ("1.5 Gbit", 1.5e9 / 8),
+        ("1 Gbit/s", 1e9 / 8),  # as format_rate prints it
+        ("250mbit/s", 250e6 / 8),
         ("100kbit", 100e3 / 8),
     ],
 )
@@ -332,6 +334,18 @@ def test_parse_duration(text: str, seconds: float) -> None:
 def test_a_bad_rate_is_refused_with_examples(text: str) -> None:
     with pytest.raises(LionCubConfigError, match="LionCub: "):
         parse_rate(text)
+
+
+@pytest.mark.parametrize("text", ["125mbps", "1Gbps", "10 kbps"])
+def test_bps_is_refused_as_ambiguous(text: str) -> None:
+    """tc's 'mbps' is megabytes per second; most people mean megabits: no silent 8x."""
+    with pytest.raises(LionCubConfigError, match="ambiguous"):
+        parse_rate(text)
+
+
+@pytest.mark.parametrize("bytes_per_second", [125e6, 31.25e6, 50e9, 1e3])
+def test_a_printed_rate_reads_back(bytes_per_second: float) -> None:
+    assert parse_rate(format_rate(bytes_per_second)) == pytest.approx(bytes_per_second, rel=1e-3)
 
 
 @pytest.mark.parametrize("text", ["5", "5 lightyears", "abc"])
@@ -506,6 +520,19 @@ def test_cli_bad_arguments_exit_2_with_a_message(
 
 def auto_options(bandwidth: str, latency: str, **more: Any) -> Any:
     return parse_config({"compression": "auto", "network": {"bandwidth": bandwidth, "latency": latency}, **more})
+
+
+@pytest.mark.parametrize(("ring", "all_to_all"), [(None, None), (1.0, 1.0), (0.5, 0.25)])
+def test_auto_plans_with_the_link_efficiencies_given_else_gloos(ring: float | None, all_to_all: float | None) -> None:
+    network: dict[str, Any] = {"bandwidth": "10gbit", "latency": "20us"}
+    if ring is not None:
+        network.update(ring_efficiency=ring, all_to_all_efficiency=all_to_all)
+    options = parse_config({"compression": "auto", "network": network})
+    resolution = resolve_auto(options, 50_000_000, 8, 1, 0)
+    efficiency = GLOO_LINK_EFFICIENCY if ring is None else LinkEfficiency(ring, all_to_all)
+    buckets = {"bucket_size": options.bucket_size, "exact_bucket_size": options.bucket_size}  # LionCub's own
+    expected = plan(50_000_000, Cluster(8, 1), Network(10e9 / 8, None, 20e-6, efficiency), zero_stages=(0,), **buckets)
+    assert [c.seconds_per_step for c in resolution.candidates] == [c.seconds_per_step for c in expected]
 
 
 def test_auto_picks_the_planners_best_mode_and_keeps_the_users_options() -> None:
@@ -717,6 +744,7 @@ class FakeEngine:
 
     def __init__(self, stage: int, dtype: torch.dtype, world: int) -> None:
         self.stage, self.communication_data_type, self.seq_dp_world_size, self.global_rank = stage, dtype, world, 0
+        self.seq_data_parallel_group = None  # torch.distributed is not initialised here: a world of one agrees on G
 
     def zero_optimization_stage(self) -> int:
         return self.stage

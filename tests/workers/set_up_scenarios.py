@@ -8,6 +8,7 @@ collective.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,10 +38,33 @@ def options(rank: int, scenario: str) -> dict[str, Any]:
         base.update(compression="kbit", bits=4)
     if rank == 1 and scenario == "lr":
         base.update(lr=2e-2)
+    if scenario.startswith("auto_"):
+        base.update(compression="auto", network={"bandwidth": "1gbit", "latency": "50us"})
     return base
 
 
-SCENARIOS = ("same", "compression", "lr", "shape", "count", "dtype", "same_again", "checked", "perturbed")
+def node_size_variable(rank: int, scenario: str) -> str | None:
+    """LIONCUB_NODE_SIZE as this rank's launcher would set it: "auto" plans with it."""
+    if scenario == "auto_node_size_differs":
+        return "1" if rank == 1 else "3"
+    if scenario == "auto_node_size_invalid":
+        return "two" if rank == 1 else "1"
+    return None
+
+
+SCENARIOS = (
+    "same",
+    "compression",
+    "lr",
+    "shape",
+    "count",
+    "dtype",
+    "auto_node_size_differs",
+    "auto_node_size_invalid",
+    "same_again",
+    "checked",
+    "perturbed",
+)
 TRAIN_STEPS = 4
 
 
@@ -50,6 +74,10 @@ def main() -> None:
     results: dict[str, Any] = {}
     for scenario in SCENARIOS:
         named = parameters(rank, scenario)
+        variable = node_size_variable(rank, scenario)
+        os.environ.pop("LIONCUB_NODE_SIZE", None)
+        if variable is not None:
+            os.environ["LIONCUB_NODE_SIZE"] = variable
         try:
             optimizer = LionCub(named, **options(rank, scenario))
             steps = TRAIN_STEPS if scenario in ("checked", "perturbed") else 1

@@ -189,7 +189,7 @@ void lion_direction_pack_signs(const std::vector<at::Tensor>& exp_avgs, const st
         lioncub::cuda::launch_lion_direction_pack(
             float_kind(exp_avgs[i], what), exp_avgs[i].data_ptr(), grads[i].data_ptr(), exp_avgs[i].numel(), offset,
             static_cast<float>(sc[0]), static_cast<float>(sc[1]), static_cast<float>(sc[2]), static_cast<float>(sc[3]),
-            zero_is_positive, static_cast<int>(bits), out.data_ptr<uint8_t>(), stream);
+            zero_is_positive, static_cast<int>(bits), out.data_ptr<uint8_t>(), out.numel(), stream);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         offset += exp_avgs[i].numel();
     }

@@ -27,10 +27,11 @@ void launch_unpack_fields(const uint8_t* packed, int bits, int64_t n, uint8_t* o
 void launch_quantize_l1_pack(InputKind kind, const void* c, int64_t n, const int64_t* offsets, const float* scales,
                              int64_t nseg, int levels, int bits, uint8_t* out, int64_t nbytes, cudaStream_t stream);
 // The fused Lion step, one bucket piece at a time (the piece starts at element `offset` of the bucket).
-// lion_direction_pack ORs the piece's sign fields into `out` (zeroed by the caller before the first
-// piece) and updates fp32 momentum in place; 16-bit momentum is left to the caller.
+// lion_direction_pack ORs the piece's sign fields into `out` (`nbytes` bytes, zeroed by the caller before
+// the first piece) and updates fp32 momentum in place; 16-bit momentum is left to the caller.
 void launch_lion_direction_pack(InputKind kind, void* m, const void* g, int64_t n, int64_t offset, float b1, float a1,
-                                float b2, float a2, bool zero_is_positive, int bits, uint8_t* out, cudaStream_t stream);
+                                float b2, float a2, bool zero_is_positive, int bits, uint8_t* out, int64_t nbytes,
+                                cudaStream_t stream);
 void launch_apply_packed_signs(InputKind kind, void* p, int64_t n, const uint8_t* packed, int64_t offset,
                                bool has_decay, float decay, float neg_lr, cudaStream_t stream);
 

@@ -261,7 +261,7 @@ __global__ void quantize_l1_pack_kernel(R in, int64_t n, const int64_t* offsets,
 // bucket's message was zeroed first and the pieces' launches run one after another on one stream.
 template <typename R>
 __global__ void lion_direction_pack_kernel(R m, R g, float* m_out, int64_t n, int64_t offset, float b1, float a1,
-                                           float b2, float a2, bool zip, int bits, uint8_t* out)
+                                           float b2, float a2, bool zip, int bits, uint8_t* out, int64_t nbytes)
 {
     const int64_t first = offset / 8, last = (offset + n - 1) / 8;
     for (int64_t q = first + thread_index(); q <= last; q += thread_stride()) {
@@ -275,7 +275,9 @@ __global__ void lion_direction_pack_kernel(R m, R g, float* m_out, int64_t n, in
             mask |= static_cast<uint32_t>(float_positive(c, zip)) << j;
         }
         const uint64_t w = mask_to_fields(mask, bits);
-        for (int k = 0; k < bits; ++k) out[q * bits + k] |= static_cast<uint8_t>(w >> (8 * k));
+        // The last group's fields may end inside a byte: a message sized to ceil(n * bits / 8) has no
+        // room for the group's remaining (zero) bytes, so they are not touched.
+        for (int k = 0; k < bits && q * bits + k < nbytes; ++k) out[q * bits + k] |= static_cast<uint8_t>(w >> (8 * k));
     }
 }
 
@@ -398,7 +400,8 @@ void launch_quantize_l1_pack(InputKind kind, const void* c, int64_t n, const int
 }
 
 void launch_lion_direction_pack(InputKind kind, void* m, const void* g, int64_t n, int64_t offset, float b1, float a1,
-                                float b2, float a2, bool zip, int bits, uint8_t* out, cudaStream_t stream)
+                                float b2, float a2, bool zip, int bits, uint8_t* out, int64_t nbytes,
+                                cudaStream_t stream)
 {
     if (n == 0) return;
     const unsigned grid = grid_for((offset + n - 1) / 8 - offset / 8 + 1);
@@ -406,17 +409,17 @@ void launch_lion_direction_pack(InputKind kind, void* m, const void* g, int64_t 
         case InputKind::kF32:
             lion_direction_pack_kernel<<<grid, kThreads, 0, stream>>>(
                 F32{static_cast<const float*>(m)}, F32{static_cast<const float*>(g)}, static_cast<float*>(m), n, offset,
-                b1, a1, b2, a2, zip, bits, out);
+                b1, a1, b2, a2, zip, bits, out, nbytes);
             break;
         case InputKind::kBF16:
             lion_direction_pack_kernel<<<grid, kThreads, 0, stream>>>(
                 BF16{static_cast<const uint16_t*>(m)}, BF16{static_cast<const uint16_t*>(g)}, nullptr, n, offset, b1, a1,
-                b2, a2, zip, bits, out);
+                b2, a2, zip, bits, out, nbytes);
             break;
         default:
             lion_direction_pack_kernel<<<grid, kThreads, 0, stream>>>(
                 F16{static_cast<const uint16_t*>(m)}, F16{static_cast<const uint16_t*>(g)}, nullptr, n, offset, b1, a1,
-                b2, a2, zip, bits, out);
+                b2, a2, zip, bits, out, nbytes);
             break;
     }
 }
