@@ -2,13 +2,17 @@
 
 An aggregation is built once, from the validated options and the transport (all option checks,
 the world-size limits of the k-bit fields included, happen in :func:`build_aggregation`), and then
-serves every bucket of every step in two phases:
+serves every bucket of every step in three stages, none of which waits before it must:
 
-- ``start(bucket, positive_ties) -> pending``: pack the bucket and run the first collective;
-- ``finish(pending, out) -> result``: reduce what arrived, run the second collective if there is
-  one, and write the result into ``out``.
+- ``start(bucket, positive_ties) -> pending``: pack the bucket and issue the first collective (the
+  bucket's values are free again on return);
+- ``reduce(pending) -> result``: wait for it, reduce what arrived, issue the second collective if
+  there is one;
+- ``complete(result, out) -> tensor``: wait for that and write the result into ``out``.
 
-A synchronous step calls ``start`` then ``finish`` per bucket. The three kinds differ in what they
+``finish(pending, out)`` is ``complete(reduce(pending), out)``. Collectives are issued in the order
+the stages run, which must be the same on every rank; the optimizer's bucket schedule
+(:mod:`ds_lioncub.optimizer`) keeps it so. The three kinds differ in what they
 aggregate: :class:`ExactMean` averages gradients (exact Lion then runs on the mean), while
 :class:`OneBitVote` and :class:`KbitVote` aggregate each rank's pre-sign update ``c`` and return
 the direction every rank applies (±1, or a mean in [-1, 1]).
@@ -27,10 +31,12 @@ from ds_lioncub.comm.transport import Transport
 from ds_lioncub.comm.vocabulary import Aggregation as AggregationKind
 from ds_lioncub.comm.votes import (
     PendingAggregate,
-    finish_kbit_mean,
-    finish_kbit_vote,
-    finish_sign_vote,
+    PendingResult,
+    finish_aggregate,
     pack_kbit_message,
+    reduce_kbit_mean,
+    reduce_kbit_vote,
+    reduce_sign_vote,
     start_kbit_sum,
     start_sign_vote,
 )
@@ -57,7 +63,7 @@ class Bucket:
 
 
 class Aggregator(Protocol):
-    """The two phases every aggregation offers (see the module docstring)."""
+    """The stages every aggregation offers (see the module docstring)."""
 
     #: True when the aggregation averages gradients (exact Lion), False when it votes on ``c``.
     reduces_gradients: bool
@@ -66,7 +72,29 @@ class Aggregator(Protocol):
 
     def start(self, bucket: Bucket, positive_ties: bool) -> object: ...
 
+    def reduce(self, pending: object) -> object: ...
+
+    def complete(self, result: object, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
     def finish(self, pending: object, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+class _VoteStages:
+    """``reduce``'s result written out, and ``finish``, shared by the votes."""
+
+    transport: Transport
+
+    def complete(self, result: object, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The result (±1, or a mean in [-1, 1]) into ``out``, which may be the bucket's own values."""
+        assert isinstance(result, PendingResult)
+        target = torch.empty(result.numel, dtype=torch.float32, device=result.gathered.device) if out is None else out
+        return finish_aggregate(self.transport, result, target)
+
+    def finish(self, pending: object, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.complete(self.reduce(pending), out)
+
+    def reduce(self, pending: object) -> object:
+        raise NotImplementedError
 
 
 class ExactMean:
@@ -87,17 +115,24 @@ class ExactMean:
         self.comm_dtype = comm_dtype
 
     def start(self, bucket: Bucket, positive_ties: bool = True) -> torch.Tensor:
-        """The rank-order sum of the bucket in ``comm_dtype`` (no ties: nothing is signed)."""
+        """The rank-order sum of the bucket in ``comm_dtype`` (no ties: nothing is signed), run to the end:
+        its reduction is local work between two collectives."""
         return self.transport.all_reduce_sum(bucket.values.to(self.comm_dtype))
 
-    def finish(self, pending: object, out: torch.Tensor | None = None) -> torch.Tensor:
+    def reduce(self, pending: object) -> object:
+        return pending
+
+    def complete(self, result: object, out: torch.Tensor | None = None) -> torch.Tensor:
         """The mean in fp32, into ``out`` when given."""
-        assert isinstance(pending, torch.Tensor)
-        mean = pending.float().div_(self.transport.world_size)
+        assert isinstance(result, torch.Tensor)
+        mean = result.float().div_(self.transport.world_size)
         return mean if out is None else out.copy_(mean)
 
+    def finish(self, pending: object, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.complete(self.reduce(pending), out)
 
-class OneBitVote:
+
+class OneBitVote(_VoteStages):
     """The majority vote of the ranks' signs: 1 bit per element in each of two collectives.
 
     Every rank sends ``2 (p-1)/p * n/8`` bytes per step for ``n`` elements (32x fewer than an fp32
@@ -113,14 +148,12 @@ class OneBitVote:
     def start(self, bucket: Bucket, positive_ties: bool) -> PendingAggregate:
         return start_sign_vote(self.transport, bucket.values, positive_ties)
 
-    def finish(self, pending: object, out: torch.Tensor | None = None) -> torch.Tensor:
-        """±1 per element into ``out``, which may be the bucket's own values (already packed)."""
+    def reduce(self, pending: object) -> PendingResult:
         assert isinstance(pending, PendingAggregate)
-        target = torch.empty(pending.numel, dtype=torch.float32, device=pending.received.device) if out is None else out
-        return finish_sign_vote(self.transport, pending, target)
+        return reduce_sign_vote(self.transport, pending)
 
 
-class KbitVote:
+class KbitVote(_VoteStages):
     """Sums of b-bit fields: the sign or the L1-quantized update of each rank, voted or averaged.
 
     Tuning:
@@ -157,12 +190,11 @@ class KbitVote:
         message = pack_kbit_message(self.codec, bucket.values, positive_ties, scales, sizes)
         return start_kbit_sum(self.transport, self.codec, message, bucket.values.numel(), positive_ties)
 
-    def finish(self, pending: object, out: torch.Tensor | None = None) -> torch.Tensor:
+    def reduce(self, pending: object) -> PendingResult:
         assert isinstance(pending, PendingAggregate)
-        target = torch.empty(pending.numel, dtype=torch.float32, device=pending.received.device) if out is None else out
         if self.aggregation == "vote":
-            return finish_kbit_vote(self.transport, self.codec, pending, target)
-        return finish_kbit_mean(self.transport, self.codec, pending, target)
+            return reduce_kbit_vote(self.transport, self.codec, pending)
+        return reduce_kbit_mean(self.transport, self.codec, pending)
 
 
 def _piece_means(bucket: Bucket) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """The wire protocols of the compressed aggregations, each in two phases.
 
-Phase 1 (``start_*``) packs the local message and runs the first collective; phase 2 (``finish_*``)
-reduces what arrived and, where the protocol has one, runs the second collective and unpacks the
-result. Running ``start`` then ``finish`` is the whole aggregation; splitting them lets a caller do
-other work between the two.
+Phase 1 (``start_*``) packs the local message and issues the first collective; phase 2
+(``reduce_*``) waits for it, reduces what arrived and issues the second collective where the protocol
+has one; :func:`finish_aggregate` waits for that and unpacks the result. Nothing waits before it
+must, so a caller can do other work, other buckets' included, between the three. ``finish_*`` run
+phase 2 and the unpacking back to back.
 
 - 1-bit vote: all-to-all of packed signs (each rank receives every rank's signs for its chunk of
   the update), per-position majority on the chunk owner, all-gather of the packed chunk votes. The
@@ -20,7 +21,7 @@ Zeros (a local sign of 0, a vote sum of 0) resolve to +1 when ``positive_ties`` 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ from ds_lioncub.comm.packing import (
     unpack_signs,
     vote_packed_signs,
 )
-from ds_lioncub.comm.transport import Transport
+from ds_lioncub.comm.transport import InFlight, Transport
 from ds_lioncub.comm.wire import vote_padded_numel
 
 
@@ -45,37 +46,66 @@ class PendingAggregate:
     """What phase 1 of a vote or sum leaves for phase 2.
 
     Attributes:
-        received: the first collective's output: ``(p, bytes)`` rows after an all-to-all, the summed
-            packed fields after a k-bit all-reduce.
+        received: the first collective, issued: ``(p, bytes)`` rows after an all-to-all, the summed
+            packed fields after a k-bit all-reduce, once waited for.
         numel: elements of the update (before padding).
         positive_ties: the tie rule of this step.
     """
 
-    received: torch.Tensor
+    received: InFlight
     numel: int
     positive_ties: bool
+
+
+@dataclass
+class PendingResult:
+    """What phase 2 leaves: the second collective, issued (or phase 2's local result), and its decoding.
+
+    Attributes:
+        gathered: the packed result, once waited for.
+        numel: elements of the update.
+        decode: ``decode(gathered, out)`` writes the result into ``out`` and returns it.
+    """
+
+    gathered: InFlight
+    numel: int
+    decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def finish_aggregate(transport: Transport, result: PendingResult, out: torch.Tensor) -> torch.Tensor:
+    """Wait for phase 2's collective and write the result into ``out`` (contiguous, ``numel`` elements)."""
+    return result.decode(transport.wait(result.gathered), out)
 
 
 # ---------------------------------------------------------------------------------------------------- 1-bit vote
 
 
 def start_sign_vote(transport: Transport, update: torch.Tensor, positive_ties: bool) -> PendingAggregate:
-    """Pack the signs of ``update`` (flat, non-empty) and exchange them by all-to-all."""
-    p, numel = transport.world_size, update.numel()
-    padded_numel = vote_padded_numel(numel, p)
-    received = transport.all_to_all(pack_signs(update, positive_ties, nbytes=padded_numel // 8))
-    return PendingAggregate(received.view(p, -1), numel, positive_ties)
+    """Pack the signs of ``update`` (flat, non-empty) and issue their all-to-all.
+
+    ``update`` is free for other use on return: only the packed signs travel.
+    """
+    padded_numel = vote_padded_numel(update.numel(), transport.world_size)
+    received = transport.start_all_to_all(pack_signs(update, positive_ties, nbytes=padded_numel // 8))
+    return PendingAggregate(received, update.numel(), positive_ties)
+
+
+def reduce_sign_vote(transport: Transport, pending: PendingAggregate) -> PendingResult:
+    """Majority of the received signs of this rank's chunk, its all-gather issued."""
+    p, numel = transport.world_size, pending.numel
+    chunk_numel = vote_padded_numel(numel, p) // p
+    # Fused: count, vote and pack in one pass over the packed messages (vote sum 2k - p; 0 is a tie).
+    chunk_vote = vote_packed_signs(transport.wait(pending.received).view(p, -1), chunk_numel, pending.positive_ties)
+    return PendingResult(transport.start_all_gather(chunk_vote), numel, _unpacked_signs(numel))
 
 
 def finish_sign_vote(transport: Transport, pending: PendingAggregate, out: torch.Tensor) -> torch.Tensor:
-    """Majority of the received signs of this rank's chunk, all-gathered and unpacked to ±1 into ``out``.
+    """Phase 2 and the unpacking: ±1 into ``out`` (contiguous, ``numel`` elements; may be the packed update)."""
+    return finish_aggregate(transport, reduce_sign_vote(transport, pending), out)
 
-    ``out`` (contiguous, ``numel`` elements) may be the update whose signs were packed in phase 1.
-    """
-    chunk_numel = vote_padded_numel(pending.numel, transport.world_size) // transport.world_size
-    # Fused: count, vote and pack in one pass over the packed messages (vote sum 2k - p; 0 is a tie).
-    chunk_vote = vote_packed_signs(pending.received, chunk_numel, pending.positive_ties)
-    return unpack_signs(transport.all_gather(chunk_vote), pending.numel, out=out)
+
+def _unpacked_signs(numel: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    return lambda gathered, out: unpack_signs(gathered, numel, out=out)
 
 
 # ---------------------------------------------------------------------------------------------------- k-bit sums
@@ -108,57 +138,82 @@ def pack_kbit_message(
 def start_kbit_sum(
     transport: Transport, codec: KbitCodec, message: torch.Tensor, numel: int, positive_ties: bool
 ) -> PendingAggregate:
-    """Run the first collective over the packed fields: the all-reduce, or the all-to-all."""
+    """Issue the first collective over the packed fields: the all-reduce, or the all-to-all."""
     if codec.algorithm == "allreduce":
-        received = transport.all_reduce_sum(message)
+        received = transport.start_all_reduce_sum(message)
     else:
-        received = transport.all_to_all(message).view(transport.world_size, -1)
+        received = transport.start_all_to_all(message)
     return PendingAggregate(received, numel, positive_ties)
+
+
+def reduce_kbit_vote(transport: Transport, codec: KbitCodec, pending: PendingAggregate) -> PendingResult:
+    """The vote of the summed fields (ties by the tie rule), packed; all-gathered under "alltoall"."""
+    # The vote straight from the field sums: one integer comparison, no signed sums in int32.
+    threshold = codec.vote_threshold(pending.positive_ties)
+    numel = pending.numel
+    received = transport.wait(pending.received)
+    if codec.algorithm == "allreduce":
+        fields = unpack_fields(received, codec.bits, numel)
+        # fits uint8: the codec's world-size limit keeps p * 2L (sign: p) < 2**bits
+        return PendingResult(InFlight(pack_fields(fields >= threshold, 1)), numel, _unpacked_signs(numel))
+    p = transport.world_size
+    field_sum = sum_fields_per_position(received.view(p, -1), codec.bits, vote_padded_numel(numel, p) // p)
+    gathered = transport.start_all_gather(pack_fields(field_sum >= threshold, 1))
+    return PendingResult(gathered, numel, _unpacked_signs(numel))
 
 
 def finish_kbit_vote(
     transport: Transport, codec: KbitCodec, pending: PendingAggregate, out: torch.Tensor
 ) -> torch.Tensor:
     """The sign of the summed fields (ties by the tie rule) as ±1 into ``out`` (contiguous, ``numel`` elements)."""
-    # The vote straight from the field sums: one integer comparison, no signed sums in int32.
-    threshold = codec.vote_threshold(pending.positive_ties)
+    return finish_aggregate(transport, reduce_kbit_vote(transport, codec, pending), out)
+
+
+def reduce_kbit_mean(transport: Transport, codec: KbitCodec, pending: PendingAggregate) -> PendingResult:
+    """The field sums of every position: the all-reduce's own, or this chunk's, all-gathered under "alltoall"."""
     numel = pending.numel
+    received = transport.wait(pending.received)
     if codec.algorithm == "allreduce":
-        fields = unpack_fields(pending.received, codec.bits, numel)
-        # fits uint8: the codec's world-size limit keeps p * 2L (sign: p) < 2**bits
-        return unpack_signs(pack_fields(fields >= threshold, 1), numel, out=out)
-    chunk_numel = vote_padded_numel(numel, transport.world_size) // transport.world_size
-    field_sum = sum_fields_per_position(pending.received, codec.bits, chunk_numel)
-    gathered = transport.all_gather(pack_fields(field_sum >= threshold, 1))
-    return unpack_signs(gathered, numel, out=out)
+        decode = lambda fields, out: _write_mean(codec, unpack_fields(fields, codec.bits, numel), out)  # noqa: E731
+        return PendingResult(InFlight(received), numel, decode)
+    p = transport.world_size
+    padded_numel = vote_padded_numel(numel, p)
+    field_sum = sum_fields_per_position(received.view(p, -1), codec.bits, padded_numel // p)
+    width = codec.sum_width
+    if width <= 8:
+        gathered = transport.start_all_gather(pack_fields(field_sum, width))
+        return PendingResult(
+            gathered, numel, lambda packed, out: _write_mean(codec, unpack_fields(packed, width, padded_numel), out)
+        )
+    wide = torch.int16 if width == 16 else torch.int32
+    gathered = transport.start_all_gather(field_sum.to(wide).view(torch.uint8))
+    return PendingResult(gathered, numel, lambda sums, out: _write_mean(codec, sums.view(wide), out))
+
+
+def _write_mean(codec: KbitCodec, fields: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The signed sum of the first ``out.numel()`` field sums over its largest magnitude, into ``out``."""
+    total = codec.signed_sum(fields[: out.numel()].to(torch.int32))
+    return out.copy_((total.float() / codec.mean_divisor).view(out.shape))
 
 
 def finish_kbit_mean(
     transport: Transport, codec: KbitCodec, pending: PendingAggregate, out: torch.Tensor
 ) -> torch.Tensor:
     """The signed sum divided by its largest magnitude (p for sign, pL for L1), in [-1, 1], into ``out``."""
-    numel = pending.numel
-    if codec.algorithm == "allreduce":
-        fields = unpack_fields(pending.received, codec.bits, numel)
-    else:
-        padded_numel = vote_padded_numel(numel, transport.world_size)
-        field_sum = sum_fields_per_position(pending.received, codec.bits, padded_numel // transport.world_size)
-        width = codec.sum_width
-        if width <= 8:
-            fields = unpack_fields(transport.all_gather(pack_fields(field_sum, width)), width, padded_numel)
-        else:
-            wide = torch.int16 if width == 16 else torch.int32
-            fields = transport.all_gather(field_sum.to(wide).view(torch.uint8)).view(wide)
-    total = codec.signed_sum(fields[:numel].to(torch.int32))
-    return out.copy_((total.float() / codec.mean_divisor).view(out.shape))
+    return finish_aggregate(transport, reduce_kbit_mean(transport, codec, pending), out)
 
 
 __all__ = [
     "PendingAggregate",
+    "PendingResult",
+    "finish_aggregate",
     "finish_kbit_mean",
     "finish_kbit_vote",
     "finish_sign_vote",
     "pack_kbit_message",
+    "reduce_kbit_mean",
+    "reduce_kbit_vote",
+    "reduce_sign_vote",
     "start_kbit_sum",
     "start_sign_vote",
 ]
