@@ -99,6 +99,8 @@ class LionCub(torch.optim.Optimizer):
         self.param_names: list[str] | None = None
         self._momentum_synced: set[int] = set()
         self._states_only = False
+        # The bucket schedule of compressed steps (see _compressed_step); False runs buckets one by one.
+        self._pipelined_buckets = True
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
         super().__init__(params, defaults)
         # Before anything that could issue collectives of option-dependent sizes: every rank the same set-up.
@@ -425,6 +427,17 @@ class LionCub(torch.optim.Optimizer):
                 update_momentum(exp_avg_slice, grad, beta2)
 
     def _compressed_step(self, entries: list[Entry], aggregator: Aggregator, positive_ties: bool) -> None:
+        """Every bucket through prepare, the aggregation's three stages, and apply, in the bucket schedule.
+
+        The schedule is the same on every rank, so every rank issues the same collectives in the same
+        order. Pipelined (the default), iteration k runs [prepare bucket k, issue its first collective]
+        [bucket k-1: wait, reduce, issue its second] [bucket k-2: wait, apply]: while one bucket's
+        messages travel, the next is prepared and an earlier one applied. Each bucket's result is a
+        function of the ranks' packed messages and the step's tie rule only, so the schedule changes
+        when work happens, never a bit of its result. Serial, each bucket runs to the end before the
+        next starts. Between stages only packed messages are kept: one bucket-sized fp32 buffer holds
+        the update being prepared, then the result being applied.
+        """
         capacity = self.options.bucket_size
         whole_mean_abs: dict[int, torch.Tensor] = {}
         if aggregator.needs_whole_tensor_mean_abs:
@@ -432,20 +445,33 @@ class LionCub(torch.optim.Optimizer):
             for index, entry in enumerate(entries):
                 if entry.param.numel() > capacity:
                     whole_mean_abs[index] = _mean_abs_direction(entry, capacity)
-        for bucket in plan_buckets([entry.param.numel() for entry in entries], capacity):
-            self._step_bucket(entries, bucket, aggregator, positive_ties, whole_mean_abs)
+        plan = plan_buckets([entry.param.numel() for entry in entries], capacity)
+        scratch = _BucketBuffers(max((sum(piece.length for piece in bucket) for bucket in plan), default=0))
+        lag = 1 if self._pipelined_buckets else 0  # how many iterations each stage trails the one before
+        issued: dict[int, object] = {}
+        reduced: dict[int, object] = {}
+        for k in range(len(plan) + 2 * lag):
+            if k < len(plan):
+                prepared = self._prepare_bucket(entries, plan[k], scratch, whole_mean_abs, aggregator)
+                issued[k] = aggregator.start(prepared, positive_ties)
+            if 0 <= k - lag < len(plan):
+                reduced[k - lag] = aggregator.reduce(issued.pop(k - lag))
+            if 0 <= k - 2 * lag < len(plan):
+                bucket = plan[k - 2 * lag]
+                delta = aggregator.complete(reduced.pop(k - 2 * lag), out=scratch.for_bucket(entries, bucket))
+                self._apply_bucket(entries, bucket, delta)
 
-    def _step_bucket(
+    def _prepare_bucket(
         self,
         entries: list[Entry],
         bucket: list[Piece],
-        aggregator: Aggregator,
-        positive_ties: bool,
+        scratch: _BucketBuffers,
         whole_mean_abs: dict[int, torch.Tensor],
-    ) -> None:
-        """One bucket of a compressed step; its buffers are freed on return, before the next bucket's."""
+        aggregator: Aggregator,
+    ) -> Bucket:
+        """The bucket's pre-sign updates ``c`` (in ``scratch``), its momenta updated: the local work before the vote."""
+        update = scratch.for_bucket(entries, bucket)
         sizes = [piece.length for piece in bucket]
-        update = torch.empty(sum(sizes), dtype=torch.float32, device=entries[bucket[0].tensor_index].param.device)
         for piece, direction in zip(bucket, update.split(sizes), strict=True):
             entry = entries[piece.tensor_index]
             beta1, beta2 = entry.group["betas"]
@@ -457,10 +483,11 @@ class LionCub(torch.optim.Optimizer):
             if aggregator.needs_whole_tensor_mean_abs
             else []
         )
-        # The result overwrites the directions it was packed from: one bucket-sized buffer, not two (and
-        # the received messages are released before the update is applied).
-        delta = aggregator.finish(aggregator.start(Bucket(update, sizes, mean_abs), positive_ties), out=update)
-        for piece, piece_delta in zip(bucket, delta.split(sizes), strict=True):
+        return Bucket(update, sizes, mean_abs)
+
+    def _apply_bucket(self, entries: list[Entry], bucket: list[Piece], delta: torch.Tensor) -> None:
+        """The agreed update ``delta`` applied to the bucket's parameters: the local work after the vote."""
+        for piece, piece_delta in zip(bucket, delta.split([piece.length for piece in bucket]), strict=True):
             entry = entries[piece.tensor_index]
             apply_update(_piece_of(entry.param, piece), piece_delta, entry.group["lr"], entry.group["weight_decay"])
 
@@ -480,6 +507,21 @@ class LionCub(torch.optim.Optimizer):
             averaged = mean.finish(mean.start(Bucket(torch.cat(slices), sizes, [])))
             for target, value in zip(slices, averaged.split(sizes), strict=True):
                 target.copy_(value)
+
+
+class _BucketBuffers:
+    """One fp32 buffer per device, as large as the largest bucket, that a step's buckets take turns in."""
+
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def for_bucket(self, entries: list[Entry], bucket: list[Piece]) -> torch.Tensor:
+        device = entries[bucket[0].tensor_index].param.device
+        buffer = self._by_device.get(device)
+        if buffer is None:
+            buffer = self._by_device[device] = torch.empty(self.numel, dtype=torch.float32, device=device)
+        return buffer[: sum(piece.length for piece in bucket)]
 
 
 def _piece_of(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:

@@ -25,6 +25,10 @@ def test_training_matches_brute_force_simulation(ranks: list[dict[str, Any]]) ->
     checks.training_matches_brute_force_simulation(ranks, exact_modes=checks.ORDER_FREE_MODES)
 
 
+def test_pipelined_buckets_give_the_serial_steps_bits_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    checks.pipelined_buckets_match_serial_buckets(ranks)
+
+
 def test_bf16_gradient_averaging_stays_close_to_fp32(ranks: list[dict[str, Any]]) -> None:
     for name in PARAM_NAMES:
         bf16 = ranks[0][f"train-param/none-bf16/{name}"]

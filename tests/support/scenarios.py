@@ -106,6 +106,7 @@ def training_modes(world_size: int) -> dict[str, dict[str, object]]:
         "1bit-positive": {"compression": "1bit", "tie_break": "positive"},
         "4bit-sign": {"compression": "kbit", "bits": 4},
         "4bit-sign-mean": {"compression": "kbit", "bits": 4, "aggregation": "mean"},
+        "4bit-sign-alltoall": {"compression": "kbit", "bits": 4, "kbit_algorithm": "alltoall"},
         "8bit-l1": {"compression": "kbit", "bits": 8, "quantizer": "l1"},
         "4bit-l1-alltoall": {"compression": "kbit", "bits": 4, "quantizer": "l1", "kbit_algorithm": "alltoall"},
         "2bit-l1-alltoall-mean": {

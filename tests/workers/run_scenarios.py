@@ -8,6 +8,7 @@ references (tests/support/checks.py); this worker only records results.
 from __future__ import annotations
 
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -67,30 +68,41 @@ def run_legacy(backend: CompressedBackend, rank: int) -> dict[str, object]:
     return results
 
 
+def train_mode(rank: int, mode: str, options: dict[str, object], pipelined: bool) -> dict[str, object]:
+    """TRAIN_STEPS steps of one mode, its buckets pipelined (the default) or run one by one ("serial" keys)."""
+    results: dict[str, object] = {}
+    prefix = "train" if pipelined else "train-serial"
+    params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
+    optimizer = LionCub(
+        list(params.items()),
+        lr=sc.TRAIN_LR,
+        betas=sc.TRAIN_BETAS,
+        weight_decay=sc.TRAIN_WEIGHT_DECAY,
+        bucket_size=sc.BUCKET_SIZE,
+        **options,
+    )
+    optimizer._pipelined_buckets = pipelined
+    for step in range(1, sc.TRAIN_STEPS + 1):
+        optimizer.zero_grad()
+        sc.loss_of(params, rank, step).backward()
+        before = optimizer.comm_stats()
+        optimizer.step()
+        results[f"{prefix}-stats/{mode}/{step}"] = optimizer.comm_stats() - before
+        if "momentum_sync" in options:
+            for name, param in params.items():
+                results[f"{prefix}-exp-avg/{mode}/{step}/{name}"] = optimizer.state[param]["exp_avg"].clone()
+    for name, param in params.items():
+        results[f"{prefix}-param/{mode}/{name}"] = param.detach().clone()
+        results[f"{prefix}-exp-avg/{mode}/final/{name}"] = optimizer.state[param]["exp_avg"].clone()
+    return results
+
+
 def run_training(rank: int, world_size: int) -> dict[str, object]:
     results: dict[str, object] = {}
     for mode, options in sc.training_modes(world_size).items():
-        params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
-        optimizer = LionCub(
-            list(params.items()),
-            lr=sc.TRAIN_LR,
-            betas=sc.TRAIN_BETAS,
-            weight_decay=sc.TRAIN_WEIGHT_DECAY,
-            bucket_size=sc.BUCKET_SIZE,
-            **options,
-        )
-        for step in range(1, sc.TRAIN_STEPS + 1):
-            optimizer.zero_grad()
-            sc.loss_of(params, rank, step).backward()
-            before = optimizer.comm_stats()
-            optimizer.step()
-            results[f"train-stats/{mode}/{step}"] = optimizer.comm_stats() - before
-            if "momentum_sync" in options:
-                for name, param in params.items():
-                    results[f"train-exp-avg/{mode}/{step}/{name}"] = optimizer.state[param]["exp_avg"].clone()
-        for name, param in params.items():
-            results[f"train-param/{mode}/{name}"] = param.detach().clone()
-            results[f"train-exp-avg/{mode}/final/{name}"] = optimizer.state[param]["exp_avg"].clone()
+        results.update(train_mode(rank, mode, options, pipelined=True))
+        if options["compression"] != "none":
+            results.update(train_mode(rank, mode, options, pipelined=False))
     params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
     optimizer = LionCub(list(params.items()), compression="1bit")
     sc.loss_of(params, rank, 1).backward()
@@ -115,7 +127,10 @@ def run_training(rank: int, world_size: int) -> dict[str, object]:
 
 def main() -> None:
     rank, world_size, store_file, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size)
+    # A short timeout: collectives issued in a different order on some rank fail here instead of hanging.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
     torch.set_num_threads(1)
     backend = CompressedBackend()
     results: dict[str, object] = {}
