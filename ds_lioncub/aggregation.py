@@ -33,7 +33,9 @@ from ds_lioncub.comm.votes import (
     PendingAggregate,
     PendingResult,
     finish_aggregate,
+    issue_sign_vote,
     pack_kbit_message,
+    pack_sign_message,
     reduce_kbit_mean,
     reduce_kbit_vote,
     reduce_sign_vote,
@@ -80,7 +82,11 @@ class Aggregator(Protocol):
 
 
 class _VoteStages:
-    """``reduce``'s result written out, and ``finish``, shared by the votes."""
+    """``reduce``'s result written out, and ``finish``, shared by the votes.
+
+    A vote's ``start`` is ``issue(pack(bucket))``: :meth:`pack` makes the bucket's message (bytes that
+    fix the vote's outcome together with the other ranks' and the tie rule), :meth:`issue` sends it.
+    """
 
     transport: Transport
 
@@ -94,6 +100,12 @@ class _VoteStages:
         return self.complete(self.reduce(pending), out)
 
     def reduce(self, pending: object) -> object:
+        raise NotImplementedError
+
+    def pack(self, bucket: Bucket, positive_ties: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def issue(self, message: torch.Tensor, numel: int, positive_ties: bool) -> PendingAggregate:
         raise NotImplementedError
 
 
@@ -148,6 +160,14 @@ class OneBitVote(_VoteStages):
     def start(self, bucket: Bucket, positive_ties: bool) -> PendingAggregate:
         return start_sign_vote(self.transport, bucket.values, positive_ties)
 
+    def pack(self, bucket: Bucket, positive_ties: bool) -> torch.Tensor:
+        """The message ``start`` would send for ``bucket``: its packed signs."""
+        return pack_sign_message(self.transport.world_size, bucket.values, positive_ties)
+
+    def issue(self, message: torch.Tensor, numel: int, positive_ties: bool) -> PendingAggregate:
+        """``start`` for a message already packed by :meth:`pack`."""
+        return issue_sign_vote(self.transport, message, numel, positive_ties)
+
     def reduce(self, pending: object) -> PendingResult:
         assert isinstance(pending, PendingAggregate)
         return reduce_sign_vote(self.transport, pending)
@@ -183,12 +203,19 @@ class KbitVote(_VoteStages):
         self.needs_whole_tensor_mean_abs = codec.quantizer == "l1"
 
     def start(self, bucket: Bucket, positive_ties: bool) -> PendingAggregate:
+        return self.issue(self.pack(bucket, positive_ties), bucket.values.numel(), positive_ties)
+
+    def pack(self, bucket: Bucket, positive_ties: bool) -> torch.Tensor:
+        """The message ``start`` would send for ``bucket``: its packed b-bit fields."""
         sizes, scales = None, None
         if self.codec.quantizer == "l1":
             means = _piece_means(bucket)
             sizes, scales = l1_segment_scales(bucket.values, self.codec.levels, self.l1_clip, bucket.piece_sizes, means)
-        message = pack_kbit_message(self.codec, bucket.values, positive_ties, scales, sizes)
-        return start_kbit_sum(self.transport, self.codec, message, bucket.values.numel(), positive_ties)
+        return pack_kbit_message(self.codec, bucket.values, positive_ties, scales, sizes)
+
+    def issue(self, message: torch.Tensor, numel: int, positive_ties: bool) -> PendingAggregate:
+        """``start`` for a message already packed by :meth:`pack`."""
+        return start_kbit_sum(self.transport, self.codec, message, numel, positive_ties)
 
     def reduce(self, pending: object) -> PendingResult:
         assert isinstance(pending, PendingAggregate)
@@ -222,4 +249,15 @@ def build_aggregation(options: LionCubConfig, transport: Transport, gradients_av
     return KbitVote(transport, codec, options.aggregation, options.l1_clip)
 
 
-__all__ = ["COMM_DTYPES", "Aggregator", "Bucket", "ExactMean", "KbitVote", "OneBitVote", "build_aggregation"]
+Vote = OneBitVote | KbitVote
+
+__all__ = [
+    "COMM_DTYPES",
+    "Aggregator",
+    "Bucket",
+    "ExactMean",
+    "KbitVote",
+    "OneBitVote",
+    "Vote",
+    "build_aggregation",
+]

@@ -10,7 +10,7 @@ per parameter, and every rank applies the same update, so parameters stay bitwis
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -20,7 +20,16 @@ from torch import nn
 
 from ds_lioncub._logging import get_logger
 from ds_lioncub._version import __version__
-from ds_lioncub.aggregation import COMM_DTYPES, Aggregator, Bucket, ExactMean, build_aggregation
+from ds_lioncub.aggregation import (
+    COMM_DTYPES,
+    Aggregator,
+    Bucket,
+    ExactMean,
+    KbitVote,
+    OneBitVote,
+    Vote,
+    build_aggregation,
+)
 from ds_lioncub.buckets import Piece, plan_buckets
 from ds_lioncub.comm.backend import CompressedBackend
 from ds_lioncub.comm.quantize import tie_sign
@@ -34,6 +43,7 @@ from ds_lioncub.errors import (
 )
 from ds_lioncub.fingerprint import check_same_on_every_rank, describe_parameters
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
+from ds_lioncub.overlap import ArmedBackward
 from ds_lioncub.param_selection import select_parameters
 from ds_lioncub.replica_check import check_replicas
 
@@ -61,7 +71,7 @@ class LionCub(torch.optim.Optimizer):
             embeddings and output head.
         **options: see :class:`ds_lioncub.config.LionCubConfig` (compression, bits, quantizer,
             aggregation, kbit_algorithm, tie_break, l1_clip, comm_dtype, bucket_size, check_finite,
-            momentum_sync, comm_backend_name, cuda_aware).
+            momentum_sync, comm_backend_name, cuda_aware, overlap).
 
     A parameter whose gradient is None on a rank counts as a zero gradient there when the world has
     more than one rank (so every rank runs the same collectives, as DDP does); alone, it is skipped.
@@ -101,11 +111,17 @@ class LionCub(torch.optim.Optimizer):
         self._states_only = False
         # The bucket schedule of compressed steps (see _compressed_step); False runs buckets one by one.
         self._pipelined_buckets = True
+        #: Buckets of armed backwards voted again at step() because some rank's final message differed.
+        self.revoted_buckets = 0
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
         super().__init__(params, defaults)
         # Before anything that could issue collectives of option-dependent sizes: every rank the same set-up.
         self._check_same_set_up_on_every_rank()
         self._aggregator: Aggregator | None = build_aggregation(self.options, self.transport, False)
+        # overlap=True: the vote over a second group that armed backwards launch on, and their state.
+        self._overlap_vote: Vote | None = None
+        self._armed: ArmedBackward | None = None
+        self._set_up_overlap()
         self._ready = True
         self._resolve_names()
         self._logged_setting: tuple[int, str] | None = None
@@ -162,6 +178,7 @@ class LionCub(torch.optim.Optimizer):
         if process_group is not self.process_group:
             self.process_group = process_group
             self.transport = self._make_transport(process_group)
+            self._set_up_overlap()
         self._agreement_transport = self.transport if agreement_group is None else TorchTransport(agreement_group)
         if module is not None:
             self.module = module
@@ -224,6 +241,34 @@ class LionCub(torch.optim.Optimizer):
     def _make_transport(self, process_group: dist.ProcessGroup | None) -> Transport:
         return make_transport(process_group, self.options.comm_backend_name, self.options.cuda_aware)
 
+    def _make_overlap_transport(self) -> Transport:
+        """A transport over a new process group of the voters: launches from gradient hooks may come
+        before or after other collectives of the voters' group (DeepSpeed's, the finite check), in an
+        order that differs between ranks, so they get a group of their own. Only the voters call this."""
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(group)
+        return TorchTransport(dist.new_group(ranks=ranks, use_local_synchronization=True))
+
+    def _set_up_overlap(self) -> None:
+        """With ``overlap``: the vote over the overlap transport, and a gradient hook on every parameter (once)."""
+        self._armed = None
+        if not self.options.overlap or self.transport.world_size == 1:
+            self._overlap_vote = None  # alone there is nothing to hide: steps run as without overlap
+            return
+        vote = build_aggregation(self.options, self._make_overlap_transport(), False)
+        assert isinstance(vote, (OneBitVote, KbitVote))  # the config admits overlap with compression only
+        self._overlap_vote = vote
+        if not getattr(self, "_gradient_hooks", None):
+            self._gradient_hooks = [
+                param.register_post_accumulate_grad_hook(self._gradient_ready)
+                for param in self._flat_params()
+                if param.requires_grad
+            ]
+
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        if self._armed is not None:
+            self._armed.gradient_ready(param)
+
     def _flat_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
@@ -276,7 +321,76 @@ class LionCub(torch.optim.Optimizer):
         stats = self.transport.stats + CommStats()  # a copy: the transport keeps counting
         if self._agreement_transport is not self.transport:  # the world-wide finite check under ZeRO hybrid
             stats = stats + self._agreement_transport.stats
+        if self._overlap_vote is not None:  # votes started during backward, and those voted again
+            stats = stats + self._overlap_vote.transport.stats
         return stats
+
+    # ------------------------------------------------------------------ overlap with backward
+
+    def overlap_next_backward(self) -> None:
+        """Start the bucket votes of the next backward from its gradient hooks (option ``overlap``).
+
+        Call it on every rank before ``loss.backward()`` of the last micro-step before ``step()``
+        (DeepSpeed's ``engine.backward`` does it on the accumulation boundary). Buckets leave, in
+        reverse parameter order, as soon as their gradients are accumulated; ``step()`` checks them
+        against the final gradients and votes again where needed (see :meth:`step`). Votes from an
+        earlier armed backward that ``step()`` never used are waited for and dropped first, so a
+        skipped step costs no exactness, only the wasted bytes. A world of one arms nothing.
+        """
+        if not self.options.overlap:
+            raise LionCubConfigError(
+                "LionCub: overlap_next_backward() starts votes during backward, which needs the option overlap=True; "
+                "construct LionCub with overlap=True or drop the call."
+            )
+        self.discard_overlapped_votes()
+        vote = self._overlap_vote
+        if vote is None:
+            return
+        groups_and_params = [
+            (group, param) for group in self.param_groups for param in group["params"] if _takes_part(param)
+        ]
+        params = [param for _, param in groups_and_params]
+        # Reverse parameter order: backward finishes the last layers' gradients first.
+        last = len(params) - 1
+        reverse_plan = plan_buckets([param.numel() for param in reversed(params)], self.options.bucket_size)
+        plan = [
+            [Piece(last - piece.tensor_index, piece.start, piece.length) for piece in bucket] for bucket in reverse_plan
+        ]
+        positive_ties = tie_sign(self.param_groups[0]["step"] + 1, self.options.tie_break) > 0
+        whole_mean_abs: dict[int, torch.Tensor] = {}
+
+        def bucket_now(k: int) -> Bucket:
+            # The gradients as they are now (None: zeros, as at step) and the momentum before this step's update.
+            entries = {piece.tensor_index: self._entry_now(*groups_and_params[piece.tensor_index]) for piece in plan[k]}
+            if vote.needs_whole_tensor_mean_abs:
+                for piece in plan[k]:
+                    entry = entries[piece.tensor_index]
+                    if entry.param.numel() > self.options.bucket_size and piece.tensor_index not in whole_mean_abs:
+                        whole_mean_abs[piece.tensor_index] = _mean_abs_direction(entry, self.options.bucket_size)
+            values = torch.empty(sum(piece.length for piece in plan[k]), dtype=torch.float32, device=params[0].device)
+            return self._bucket_directions(entries, plan[k], values, whole_mean_abs, vote)
+
+        self._armed = ArmedBackward(plan, params, vote, positive_ties, bucket_now)
+
+    def discard_overlapped_votes(self) -> None:
+        """Wait for and drop the votes of an armed backward whose step will not come (a skipped step).
+
+        Collective: every rank must call it, as every rank armed. ``overlap_next_backward`` calls it.
+        """
+        armed, self._armed = self._armed, None
+        if armed is not None:
+            armed.drain()
+
+    @property
+    def votes_in_flight(self) -> bool:
+        """Whether a backward was armed (``overlap_next_backward``) and its step has not run yet."""
+        return self._armed is not None
+
+    def _entry_now(self, group: dict[str, Any], param: torch.Tensor) -> Entry:
+        """``param`` with its current gradient and momentum, creating neither (zeros stand in for both)."""
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        exp_avg = self.state[param].get("exp_avg") if param in self.state else None
+        return Entry(group, param, grad, exp_avg if exp_avg is not None else torch.zeros_like(param))
 
     @property
     def momentum_synced_parameters(self) -> list[torch.Tensor]:
@@ -330,6 +444,8 @@ class LionCub(torch.optim.Optimizer):
         aggregator = self._aggregator
         if aggregator is None or aggregator.reduces_gradients:
             self._exact_lion_step(entries, aggregator)
+        elif self._armed is not None:
+            self._overlapped_step(entries, step, positive_ties=tie_sign(step, self.options.tie_break) > 0)
         else:
             if self.options.check_finite:
                 self._require_finite_gradients(entries, step)
@@ -381,19 +497,14 @@ class LionCub(torch.optim.Optimizer):
         A vote would silently turn a NaN into a -1 (or an L1 scale into garbage); exact Lion at least
         propagates it. One 4-byte all-reduce per step makes every rank reach the same verdict.
         """
-        # A sum is NaN/inf exactly when some element is (short of an fp32 overflow of the sum, itself a
-        # broken gradient): one read pass per tensor, no per-element temporary, one host sync.
-        sums = [entry.grad.sum(dtype=torch.float32) for entry in entries]
-        locally_finite = bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
-        bad = (
-            []
-            if locally_finite
-            else [entry.param for entry, total in zip(entries, sums, strict=True) if not torch.isfinite(total)]
-        )
+        bad = _non_finite_parameters(entries)
         device = entries[0].grad.device if entries else torch.device("cpu")
-        ranks_with_bad = torch.tensor([0 if locally_finite else 1], dtype=torch.int32, device=device)
+        ranks_with_bad = torch.tensor([1 if bad else 0], dtype=torch.int32, device=device)
         self._agreement_transport.all_reduce_sum(ranks_with_bad)
-        count = int(ranks_with_bad.item())
+        self._raise_if_non_finite(int(ranks_with_bad.item()), bad, step)
+
+    def _raise_if_non_finite(self, count: int, bad: list[torch.Tensor], step: int) -> None:
+        """Raise the same error on every rank when ``count`` ranks (agreed) have non-finite gradients."""
         if count == 0:
             return
         here = ", ".join(self._label(param) for param in bad[:5]) or "none"
@@ -446,14 +557,31 @@ class LionCub(torch.optim.Optimizer):
                 if entry.param.numel() > capacity:
                     whole_mean_abs[index] = _mean_abs_direction(entry, capacity)
         plan = plan_buckets([entry.param.numel() for entry in entries], capacity)
-        scratch = _BucketBuffers(max((sum(piece.length for piece in bucket) for bucket in plan), default=0))
+        scratch = _BucketBuffers(plan)
+
+        def start(k: int) -> object:
+            return aggregator.start(
+                self._prepare_bucket(entries, plan[k], scratch, whole_mean_abs, aggregator), positive_ties
+            )
+
+        self._run_bucket_schedule(entries, plan, aggregator, start, scratch)
+
+    def _run_bucket_schedule(
+        self,
+        entries: list[Entry],
+        plan: list[list[Piece]],
+        aggregator: Aggregator,
+        start: Callable[[int], object],
+        scratch: _BucketBuffers,
+    ) -> None:
+        """``start(k)`` (bucket k's first collective, issued), then reduce, complete and apply, per bucket,
+        pipelined or serially (see :meth:`_compressed_step`)."""
         lag = 1 if self._pipelined_buckets else 0  # how many iterations each stage trails the one before
         issued: dict[int, object] = {}
         reduced: dict[int, object] = {}
         for k in range(len(plan) + 2 * lag):
             if k < len(plan):
-                prepared = self._prepare_bucket(entries, plan[k], scratch, whole_mean_abs, aggregator)
-                issued[k] = aggregator.start(prepared, positive_ties)
+                issued[k] = start(k)
             if 0 <= k - lag < len(plan):
                 reduced[k - lag] = aggregator.reduce(issued.pop(k - lag))
             if 0 <= k - 2 * lag < len(plan):
@@ -470,20 +598,96 @@ class LionCub(torch.optim.Optimizer):
         aggregator: Aggregator,
     ) -> Bucket:
         """The bucket's pre-sign updates ``c`` (in ``scratch``), its momenta updated: the local work before the vote."""
-        update = scratch.for_bucket(entries, bucket)
+        prepared = self._bucket_directions(
+            entries, bucket, scratch.for_bucket(entries, bucket), whole_mean_abs, aggregator
+        )
+        self._update_bucket_momenta(entries, bucket)
+        return prepared
+
+    def _bucket_directions(
+        self,
+        entries: Sequence[Entry] | Mapping[int, Entry],
+        bucket: list[Piece],
+        out: torch.Tensor,
+        whole_mean_abs: dict[int, torch.Tensor],
+        aggregator: Aggregator,
+    ) -> Bucket:
+        """The bucket's pre-sign updates ``c`` into ``out``, as a :class:`Bucket`; nothing else is written."""
         sizes = [piece.length for piece in bucket]
-        for piece, direction in zip(bucket, update.split(sizes), strict=True):
+        for piece, direction in zip(bucket, out.split(sizes), strict=True):
             entry = entries[piece.tensor_index]
-            beta1, beta2 = entry.group["betas"]
-            exp_avg_slice, grad_slice = _piece_of(entry.exp_avg, piece), _grad_piece(entry.grad, piece)
-            lion_direction(exp_avg_slice, grad_slice, beta1, out=direction)
-            update_momentum(exp_avg_slice, grad_slice, beta2)
+            lion_direction(
+                _piece_of(entry.exp_avg, piece), _grad_piece(entry.grad, piece), entry.group["betas"][0], out=direction
+            )
         mean_abs = (
             [whole_mean_abs.get(piece.tensor_index) for piece in bucket]
             if aggregator.needs_whole_tensor_mean_abs
             else []
         )
-        return Bucket(update, sizes, mean_abs)
+        return Bucket(out, sizes, mean_abs)
+
+    def _update_bucket_momenta(self, entries: list[Entry], bucket: list[Piece]) -> None:
+        """The momentum EMA of the bucket's pieces (piece by piece: the same slices, hence bits, in every schedule)."""
+        for piece in bucket:
+            entry = entries[piece.tensor_index]
+            update_momentum(_piece_of(entry.exp_avg, piece), _grad_piece(entry.grad, piece), entry.group["betas"][1])
+
+    def _overlapped_step(self, entries: list[Entry], step: int, positive_ties: bool) -> None:
+        """The step of an armed backward: check its votes against the final gradients, vote again where needed.
+
+        Every bucket is packed again from the final gradients (after whatever clipping, unscaling or
+        user code changed them since the hooks ran) and compared with what this rank sent. One int32
+        all-reduce of [ranks with non-finite gradients, per bucket: ranks whose message changed]
+        makes the verdict collective. A bucket no rank changed keeps its vote: its result is a
+        function of the messages and the tie rule only, which are then the serial step's. A bucket
+        some rank changed is voted again from every rank's final message (the guess is waited for
+        and dropped). So the result is bit-identical to the step without overlap, whatever happened
+        to the gradients. The momentum is updated after the verdict, so a refused step changes nothing.
+        """
+        armed, self._armed = self._armed, None
+        assert armed is not None and self._overlap_vote is not None
+        vote = self._overlap_vote
+        armed.flush()
+        same_setting = (
+            armed.positive_ties == positive_ties
+            and len(entries) == len(armed.params)
+            and all(entry.param is param for entry, param in zip(entries, armed.params, strict=False))
+        )
+        capacity = self.options.bucket_size
+        whole_mean_abs: dict[int, torch.Tensor] = {}
+        if vote.needs_whole_tensor_mean_abs:
+            for index, entry in enumerate(entries):
+                if entry.param.numel() > capacity:
+                    whole_mean_abs[index] = _mean_abs_direction(entry, capacity)
+        scratch = _BucketBuffers(armed.plan)
+        changed = []
+        for bucket, launched in zip(armed.plan, armed.launched, strict=True):
+            values = self._bucket_directions(entries, bucket, scratch.for_bucket(entries, bucket), whole_mean_abs, vote)
+            final = vote.pack(values, positive_ties)
+            same = same_setting and torch.equal(final, launched.message)
+            if not same:
+                launched.message = final  # what a vote again sends
+            changed.append(0 if same else 1)
+        bad = _non_finite_parameters(entries) if self.options.check_finite else []
+        device = entries[0].grad.device if entries else torch.device("cpu")
+        verdict = torch.tensor([1 if bad else 0, *changed], dtype=torch.int32, device=device)
+        self._agreement_transport.all_reduce_sum(verdict)
+        counts = verdict.tolist()
+        if counts[0]:
+            armed.drain()
+        self._raise_if_non_finite(counts[0], bad, step)
+        self.revoted_buckets += sum(1 for count in counts[1:] if count)
+        for bucket in armed.plan:
+            self._update_bucket_momenta(entries, bucket)
+
+        def start(k: int) -> object:
+            launched = armed.launched[k]
+            if not counts[1 + k]:
+                return launched.pending
+            vote.transport.wait(launched.pending.received)
+            return vote.issue(launched.message, sum(piece.length for piece in armed.plan[k]), positive_ties)
+
+        self._run_bucket_schedule(entries, armed.plan, vote, start, scratch)
 
     def _apply_bucket(self, entries: list[Entry], bucket: list[Piece], delta: torch.Tensor) -> None:
         """The agreed update ``delta`` applied to the bucket's parameters: the local work after the vote."""
@@ -510,10 +714,10 @@ class LionCub(torch.optim.Optimizer):
 
 
 class _BucketBuffers:
-    """One fp32 buffer per device, as large as the largest bucket, that a step's buckets take turns in."""
+    """One fp32 buffer per device, as large as the largest bucket of ``plan``, that a step's buckets take turns in."""
 
-    def __init__(self, numel: int) -> None:
-        self.numel = numel
+    def __init__(self, plan: list[list[Piece]]) -> None:
+        self.numel = max((sum(piece.length for piece in bucket) for bucket in plan), default=0)
         self._by_device: dict[torch.device, torch.Tensor] = {}
 
     def for_bucket(self, entries: list[Entry], bucket: list[Piece]) -> torch.Tensor:
@@ -522,6 +726,21 @@ class _BucketBuffers:
         if buffer is None:
             buffer = self._by_device[device] = torch.empty(self.numel, dtype=torch.float32, device=device)
         return buffer[: sum(piece.length for piece in bucket)]
+
+
+def _takes_part(param: torch.Tensor) -> bool:
+    """Whether ``param`` takes part in steps (with a gradient, or as zeros on a rank without one)."""
+    return param.requires_grad and param.numel() > 0
+
+
+def _non_finite_parameters(entries: list[Entry]) -> list[torch.Tensor]:
+    """The parameters whose gradient holds a NaN or inf on this rank."""
+    # A sum is NaN/inf exactly when some element is (short of an fp32 overflow of the sum, itself a
+    # broken gradient): one read pass per tensor, no per-element temporary, one host sync.
+    sums = [entry.grad.sum(dtype=torch.float32) for entry in entries]
+    if not sums or bool(torch.isfinite(torch.stack(sums)).all()):
+        return []
+    return [entry.param for entry, total in zip(entries, sums, strict=True) if not torch.isfinite(total)]
 
 
 def _piece_of(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:

@@ -80,14 +80,24 @@ def finish_aggregate(transport: Transport, result: PendingResult, out: torch.Ten
 # ---------------------------------------------------------------------------------------------------- 1-bit vote
 
 
+def pack_sign_message(world_size: int, update: torch.Tensor, positive_ties: bool) -> torch.Tensor:
+    """The packed signs of ``update`` (flat), padded to whole bytes per rank's chunk with 0 (= -1) bits."""
+    padded_numel = vote_padded_numel(update.numel(), world_size)
+    return pack_signs(update, positive_ties, nbytes=padded_numel // 8)
+
+
 def start_sign_vote(transport: Transport, update: torch.Tensor, positive_ties: bool) -> PendingAggregate:
     """Pack the signs of ``update`` (flat, non-empty) and issue their all-to-all.
 
     ``update`` is free for other use on return: only the packed signs travel.
     """
-    padded_numel = vote_padded_numel(update.numel(), transport.world_size)
-    received = transport.start_all_to_all(pack_signs(update, positive_ties, nbytes=padded_numel // 8))
-    return PendingAggregate(received, update.numel(), positive_ties)
+    message = pack_sign_message(transport.world_size, update, positive_ties)
+    return issue_sign_vote(transport, message, update.numel(), positive_ties)
+
+
+def issue_sign_vote(transport: Transport, message: torch.Tensor, numel: int, positive_ties: bool) -> PendingAggregate:
+    """Issue the all-to-all of a packed sign message (:func:`pack_sign_message`) of ``numel`` elements."""
+    return PendingAggregate(transport.start_all_to_all(message), numel, positive_ties)
 
 
 def reduce_sign_vote(transport: Transport, pending: PendingAggregate) -> PendingResult:
@@ -210,7 +220,9 @@ __all__ = [
     "finish_kbit_mean",
     "finish_kbit_vote",
     "finish_sign_vote",
+    "issue_sign_vote",
     "pack_kbit_message",
+    "pack_sign_message",
     "reduce_kbit_mean",
     "reduce_kbit_vote",
     "reduce_sign_vote",

@@ -1,4 +1,4 @@
-"""Registration with DeepSpeed: the optimizer name, ZeRO's list of optimizers, five engine-method wrappers.
+"""Registration with DeepSpeed: the optimizer name, ZeRO's list of optimizers, the engine-method wrappers.
 
 - ``_configure_distributed_model`` (runs before DeepSpeed broadcasts rank 0's parameters): with
   ``"type": "LionCub"`` every rank first checks that all ranks built the same model and optimizer
@@ -13,7 +13,10 @@
 - ``_configure_zero_optimizer``: under ZeRO stage 1/2 with compression, builds ZeRO inside the node
   (:mod:`ds_lioncub.integration.hybrid_zero`);
 - ``save_checkpoint`` / ``load_checkpoint``: the per-rank momentum files
-  (:mod:`ds_lioncub.integration.checkpoint`).
+  (:mod:`ds_lioncub.integration.checkpoint`); a save between an armed backward and its step is refused;
+- ``backward`` / ``_take_model_step`` (``overlap=True``): the backward of the accumulation boundary is
+  armed (``LionCub.overlap_next_backward``), and votes a model step did not use (a step the wrapper
+  skipped) are waited for and dropped on every rank.
 
 Wrapping is idempotent (a wrapped method carries its original), so :func:`register` may run twice.
 """
@@ -27,6 +30,7 @@ from typing import Any
 from ds_lioncub._version import __version__
 from ds_lioncub.comm.transport import TorchTransport
 from ds_lioncub.config import parse_config
+from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.fingerprint import check_same_on_every_rank, describe_parameters
 from ds_lioncub.integration import checkpoint
 from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE, configure_hybrid_zero
@@ -86,6 +90,8 @@ def register() -> None:
     _wrap(DeepSpeedEngine, "_configure_zero_optimizer", _wrap_configure_zero_optimizer)
     _wrap(DeepSpeedEngine, "save_checkpoint", _wrap_save_checkpoint)
     _wrap(DeepSpeedEngine, "load_checkpoint", _wrap_load_checkpoint)
+    _wrap(DeepSpeedEngine, "backward", _wrap_backward)
+    _wrap(DeepSpeedEngine, "_take_model_step", _wrap_take_model_step)
 
 
 def _wrap_configure_distributed_model(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -153,6 +159,11 @@ def _wrap_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
         lioncub = _compressed_lioncub(engine)
         if tag is None:
             tag = f"global_step{engine.global_steps}"  # DeepSpeed's own default, fixed before saving
+        if lioncub is not None and lioncub.votes_in_flight:
+            raise LionCubConfigError(
+                "LionCub: save_checkpoint was called between an armed backward (overlap=True) and its step(): "
+                "votes are in flight and the momentum is not yet updated. Save after engine.step()."
+            )
         if lioncub is not None:
             # First, so that DeepSpeed's latest (written at the end of its save) never names an incomplete set.
             checkpoint.save_local_momentum(lioncub, save_dir, str(tag), getattr(engine, ENGINE_ATTRIBUTE, None))
@@ -177,3 +188,34 @@ def _wrap_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return load_checkpoint
+
+
+def _overlapping_lioncub(engine: Any) -> LionCub | None:
+    """The engine's LionCub when it starts votes during backward (``overlap=True``), else None."""
+    lioncub = _compressed_lioncub(engine)
+    return lioncub if lioncub is not None and lioncub.options.overlap else None
+
+
+def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
+    def backward(engine: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
+        lioncub = _overlapping_lioncub(engine)
+        # True during the last micro-step's backward: the engine counts the micro-step in step().
+        if lioncub is not None and engine.is_gradient_accumulation_boundary():
+            lioncub.overlap_next_backward()
+        return original(engine, loss, *args, **kwargs)
+
+    return backward
+
+
+def _wrap_take_model_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    def take_model_step(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(engine, *args, **kwargs)
+        finally:
+            lioncub = _overlapping_lioncub(engine)
+            if lioncub is not None:
+                # A wrapper that skipped the step (overflow) returned before LionCub.step: every rank skips
+                # together (the wrapper agrees on overflow), so every rank drains here.
+                lioncub.discard_overlapped_votes()
+
+    return take_model_step

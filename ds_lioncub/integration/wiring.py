@@ -70,6 +70,7 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
             f"each node, Lion Cub's vote across nodes), or compression='none' (exact Lion, sharded by ZeRO-3)."
         )
     if stage == 0:
+        _refuse_what_overlap_cannot_do(engine, optimizer)
         optimizer.bind(engine.seq_data_parallel_group, engine.module, gradients_averaged=False)
         engine.enable_backward_allreduce = False
         return
@@ -85,6 +86,22 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
     # group, and its finite check agrees over the whole world.
     optimizer.bind(setup.groups.vote_group, engine.module, gradients_averaged=False, agreement_group=world)
     setattr(engine, ENGINE_ATTRIBUTE, setup)
+
+
+def _refuse_what_overlap_cannot_do(engine: Any, optimizer: LionCub) -> None:
+    """overlap=True at ZeRO stage 0: fp32 and managed gradient accumulation only, for now."""
+    if not optimizer.options.overlap:
+        return
+    if engine.fp16_enabled() or engine.bfloat16_enabled() or engine.torch_autocast_enabled():
+        raise LionCubConfigError(
+            "LionCub: overlap=True runs with fp32 training only for now: under fp16/bf16 the engine's wrapper steps "
+            "fp32 copies of the parameters, which the gradient hooks do not see. Drop overlap, or train in fp32."
+        )
+    if not engine.managed_gradient_accumulation():
+        raise LionCubConfigError(
+            "LionCub: overlap=True arms the backward of the accumulation boundary, which unmanaged gradient "
+            "accumulation does not mark. Drop overlap, or let the engine manage gradient accumulation."
+        )
 
 
 def _node_size_option(optimizer: LionCub) -> int | None:
@@ -127,6 +144,7 @@ def _refuse_what_the_hybrid_cannot_do(engine: Any, optimizer: LionCub, stage: in
             "universal checkpoints (they hold node 0's momentum only)",
             "load a regular checkpoint",
         ),
+        (optimizer.options.overlap, "overlap (votes started during backward)", "drop overlap"),
         (
             optimizer.options.momentum_sync.interval > 0 and optimizer.options.momentum_sync.layers != "all",
             "momentum_sync by layer (LionCub steps flat ZeRO shards that mix layers)",

@@ -71,7 +71,7 @@ class ThreadTransport(TransportBase):
 
 
 class _Deferred:
-    """An issued collective that runs when waited for; results hold NaN / 0xEE bytes until then."""
+    """An issued collective that runs when waited for; its result buffer holds NaN / 0xEE bytes until then."""
 
     def __init__(self, run: Callable[[], None], result: torch.Tensor) -> None:
         self._run: Callable[[], None] | None = run
@@ -110,9 +110,15 @@ class DeferredThreadTransport(ThreadTransport):
         return self._defer("all_gather", lambda: self._raw_all_gather(send, received), received)
 
     def _raw_integer_all_reduce_sum_async(self, flat: torch.Tensor) -> Any:
-        # In place: the message is its own result, so it must stay as sent until the wait.
-        self.issued.append("integer_all_reduce")
-        return _Deferred(lambda: self._raw_integer_all_reduce_sum(flat), torch.empty(0))
+        # In place: the library owns the buffer until the wait and may write into it at any time; the
+        # caller finds garbage there (a copy of what was sent is what travels).
+        sent = flat.clone()
+
+        def run() -> None:
+            self._raw_integer_all_reduce_sum(sent)
+            flat.copy_(sent)
+
+        return self._defer("integer_all_reduce", run, flat)
 
 
 def on_every_rank(

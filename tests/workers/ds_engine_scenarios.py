@@ -146,6 +146,11 @@ def run_configs(args: argparse.Namespace, data: torch.Tensor) -> dict[str, Any]:
     head_sync_bf16 = json.loads((REPO / "configs" / "lioncub_1bit_head_sync.json").read_text())
     head_sync_bf16["bf16"] = {"enabled": True}
     variants.append(("lioncub_1bit_head_sync_bf16", head_sync_bf16))
+    # overlap=True beside its config: 1-bit with clipping at 1.0 (votes redone), 8-bit L1 with accumulation 2
+    for base in ("lioncub_1bit", "lioncub_8bit_l1"):
+        overlapped = json.loads((REPO / "configs" / f"{base}.json").read_text())
+        overlapped["optimizer"]["params"]["overlap"] = True
+        variants.append((f"{base}_overlap", overlapped))
     for name, config in variants:
         counter = AllReduceCounter()
         if args.deepspeed_config and Path(args.deepspeed_config).stem == name:
@@ -161,7 +166,10 @@ def run_configs(args: argparse.Namespace, data: torch.Tensor) -> dict[str, Any]:
         record["engine_allreduces"] = counter.calls
         record["params"] = full_params(engine)
         record["enable_backward_allreduce"] = engine.enable_backward_allreduce
-        record["comm_stats"] = find_lioncub(engine.optimizer).comm_stats() if find_lioncub(engine.optimizer) else None
+        lioncub = find_lioncub(engine.optimizer)
+        record["comm_stats"] = lioncub.comm_stats() if lioncub else None
+        record["momenta"] = momenta(engine) if lioncub else None
+        record["revoted_buckets"] = lioncub.revoted_buckets if lioncub else None
         ds_comm.all_reduce = counter.original
         results[f"config/{name}"] = record
     return results
@@ -217,6 +225,16 @@ def run_bad_configs() -> dict[str, Any]:
     }
     results: dict[str, Any] = {}
     cases = [(name, {**base, "optimizer": optimizer}) for name, optimizer in bad.items()]
+    cases.append(
+        (
+            "overlap-bf16",
+            {
+                **base,
+                "bf16": {"enabled": True},
+                "optimizer": {"type": "LionCub", "params": {"compression": "1bit", "overlap": True}},
+            },
+        )
+    )
     cases.append(
         (
             "zero-compressed",

@@ -97,12 +97,54 @@ def train_mode(rank: int, mode: str, options: dict[str, object], pipelined: bool
     return results
 
 
+def train_overlap_case(rank: int, world_size: int, case: str, overlap: bool) -> dict[str, object]:
+    """One of scenarios.OVERLAP_CASES for TRAIN_STEPS steps, with or without overlap."""
+    options, accumulation, clip, unused_rank, inf_at = sc.OVERLAP_CASES[case]
+    params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
+    optimizer = LionCub(
+        list(params.items()),
+        lr=sc.TRAIN_LR,
+        betas=sc.TRAIN_BETAS,
+        weight_decay=sc.TRAIN_WEIGHT_DECAY,
+        bucket_size=sc.BUCKET_SIZE,
+        overlap=overlap,
+        **options,
+    )
+    loss_fn = sc.loss_without_b2 if unused_rank is not None and rank == unused_rank % world_size else sc.loss_of
+    inf_step = None if inf_at is None or rank != inf_at[0] % world_size else inf_at[1]
+    results: dict[str, object] = {}
+    prefix = f"overlap-{'on' if overlap else 'off'}/{case}"
+    for step in range(1, sc.TRAIN_STEPS + 1):
+        optimizer.zero_grad(set_to_none=True)
+        for micro in range(accumulation):
+            if overlap and micro == accumulation - 1:
+                optimizer.overlap_next_backward()
+            loss_fn(params, rank, 10 * step + micro).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
+        if step == inf_step:
+            params["b1"].grad[0] = float("inf")
+        try:
+            optimizer.step()
+        except FloatingPointError as error:
+            results[f"{prefix}/error/{step}"] = str(error)
+    for name, param in params.items():
+        results[f"{prefix}/param/{name}"] = param.detach().clone()
+        momentum = optimizer.state[param].get("exp_avg")  # none for b2 when a world of one leaves it out
+        results[f"{prefix}/exp-avg/{name}"] = None if momentum is None else momentum.clone()
+    results[f"{prefix}/revoted"] = optimizer.revoted_buckets
+    return results
+
+
 def run_training(rank: int, world_size: int) -> dict[str, object]:
     results: dict[str, object] = {}
     for mode, options in sc.training_modes(world_size).items():
         results.update(train_mode(rank, mode, options, pipelined=True))
         if options["compression"] != "none":
             results.update(train_mode(rank, mode, options, pipelined=False))
+    for case in sc.OVERLAP_CASES:
+        for overlap in (False, True):
+            results.update(train_overlap_case(rank, world_size, case, overlap))
     params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
     optimizer = LionCub(list(params.items()), compression="1bit")
     sc.loss_of(params, rank, 1).backward()
