@@ -153,8 +153,9 @@ class LionCubConfig(DeepSpeedConfigModel):
     buckets some rank sent differently; those are voted again, so every result is bit-identical to
     ``overlap=False``. Arm it on the last micro-step: ``optimizer.overlap_next_backward()`` before
     ``loss.backward()`` (DeepSpeed's ``engine.backward`` arms its accumulation-boundary backward itself).
-    Compressed modes with comm_backend_name "torch", in fp32 at ZeRO stage 0; it uses a second process
-    group over the same ranks."""
+    Compressed modes with comm_backend_name "torch" at ZeRO stage 0 (fp32, fp16 or bf16); it uses a
+    second process group over the same ranks. On CPU the hooks' packing lengthens backward and step()
+    packs again: it pays where the wire, not the processor, is the bottleneck (benchmarks/RESULTS.md)."""
 
     consistency_check: ConsistencyCheckConfig = ConsistencyCheckConfig()
     """Replica checksums every ``interval`` steps."""

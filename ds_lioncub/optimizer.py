@@ -111,7 +111,9 @@ class LionCub(torch.optim.Optimizer):
         self._states_only = False
         # The bucket schedule of compressed steps (see _compressed_step); False runs buckets one by one.
         self._pipelined_buckets = True
-        #: Buckets of armed backwards voted again at step() because some rank's final message differed.
+        #: Buckets of armed backwards launched before step() (from gradient hooks), and those voted again
+        #: at step() because some rank's final message differed (overlap=True; counts, for diagnosis).
+        self.buckets_launched_in_backward = 0
         self.revoted_buckets = 0
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
         super().__init__(params, defaults)
@@ -259,9 +261,12 @@ class LionCub(torch.optim.Optimizer):
         assert isinstance(vote, (OneBitVote, KbitVote))  # the config admits overlap with compression only
         self._overlap_vote = vote
         if not getattr(self, "_gradient_hooks", None):
+            # The parameters backward accumulates into, by flat position: a mixed-precision wrapper later
+            # puts fp32 copies in their place here, but backward keeps filling these.
+            self._hooked_params = self._flat_params()
             self._gradient_hooks = [
                 param.register_post_accumulate_grad_hook(self._gradient_ready)
-                for param in self._flat_params()
+                for param in self._hooked_params
                 if param.requires_grad
             ]
 
@@ -346,10 +351,15 @@ class LionCub(torch.optim.Optimizer):
         vote = self._overlap_vote
         if vote is None:
             return
-        groups_and_params = [
-            (group, param) for group in self.param_groups for param in group["params"] if _takes_part(param)
-        ]
-        params = [param for _, param in groups_and_params]
+        flat = [(group, param) for group in self.param_groups for param in group["params"]]
+        if len(flat) != len(self._hooked_params):
+            raise LionCubSetupError(
+                f"LionCub: overlap=True hooked {len(self._hooked_params)} parameters at construction, but the "
+                f"optimizer now holds {len(flat)}; parameter groups cannot change when overlap is on."
+            )
+        # (group, the parameter stepped, the parameter backward fills) of each taking part
+        taking_part = [(*flat[i], self._hooked_params[i]) for i in range(len(flat)) if _takes_part(flat[i][1])]
+        params = [param for _, param, _ in taking_part]
         # Reverse parameter order: backward finishes the last layers' gradients first.
         last = len(params) - 1
         reverse_plan = plan_buckets([param.numel() for param in reversed(params)], self.options.bucket_size)
@@ -361,7 +371,7 @@ class LionCub(torch.optim.Optimizer):
 
         def bucket_now(k: int) -> Bucket:
             # The gradients as they are now (None: zeros, as at step) and the momentum before this step's update.
-            entries = {piece.tensor_index: self._entry_now(*groups_and_params[piece.tensor_index]) for piece in plan[k]}
+            entries = {piece.tensor_index: self._entry_now(*taking_part[piece.tensor_index]) for piece in plan[k]}
             if vote.needs_whole_tensor_mean_abs:
                 for piece in plan[k]:
                     entry = entries[piece.tensor_index]
@@ -370,7 +380,8 @@ class LionCub(torch.optim.Optimizer):
             values = torch.empty(sum(piece.length for piece in plan[k]), dtype=torch.float32, device=params[0].device)
             return self._bucket_directions(entries, plan[k], values, whole_mean_abs, vote)
 
-        self._armed = ArmedBackward(plan, params, vote, positive_ties, bucket_now)
+        filled = [hooked for _, _, hooked in taking_part]
+        self._armed = ArmedBackward(plan, filled, params, vote, positive_ties, bucket_now)
 
     def discard_overlapped_votes(self) -> None:
         """Wait for and drop the votes of an armed backward whose step will not come (a skipped step).
@@ -386,9 +397,12 @@ class LionCub(torch.optim.Optimizer):
         """Whether a backward was armed (``overlap_next_backward``) and its step has not run yet."""
         return self._armed is not None
 
-    def _entry_now(self, group: dict[str, Any], param: torch.Tensor) -> Entry:
-        """``param`` with its current gradient and momentum, creating neither (zeros stand in for both)."""
-        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+    def _entry_now(self, group: dict[str, Any], param: torch.Tensor, filled: torch.Tensor) -> Entry:
+        """``param`` with the gradient backward accumulated into ``filled`` (``param`` itself, or the
+        low-precision parameter it is a copy of: converted exactly) and its momentum, creating neither
+        (zeros stand in for both)."""
+        grad = filled.grad
+        grad = torch.zeros_like(param) if grad is None else grad.to(param.dtype)
         exp_avg = self.state[param].get("exp_avg") if param in self.state else None
         return Entry(group, param, grad, exp_avg if exp_avg is not None else torch.zeros_like(param))
 
@@ -647,11 +661,13 @@ class LionCub(torch.optim.Optimizer):
         armed, self._armed = self._armed, None
         assert armed is not None and self._overlap_vote is not None
         vote = self._overlap_vote
+        self.buckets_launched_in_backward += len(armed.launched)
         armed.flush()
+        # The same tie rule and parameters as when armed (else no message is kept: every bucket is voted again).
         same_setting = (
             armed.positive_ties == positive_ties
-            and len(entries) == len(armed.params)
-            and all(entry.param is param for entry, param in zip(entries, armed.params, strict=False))
+            and len(entries) == len(armed.stepped)
+            and all(entry.param is param for entry, param in zip(entries, armed.stepped, strict=False))
         )
         capacity = self.options.bucket_size
         whole_mean_abs: dict[int, torch.Tensor] = {}

@@ -39,8 +39,11 @@ class ArmedBackward:
     """The buckets of one armed backward, launched in plan order as their gradients become ready.
 
     Args:
-        plan: buckets over ``params`` (pieces index into it), in the order they are launched.
-        params: the parameters taking part, in the optimizer's flat order.
+        plan: buckets over ``filled`` (pieces index into it), in the order they are launched.
+        filled: the parameters taking part, in the optimizer's flat order, as backward fills them
+            (their gradient hooks report these).
+        stepped: the same parameters as the optimizer steps them (fp32 copies under a mixed-precision
+            wrapper, else ``filled``).
         vote: the aggregation over the overlap transport.
         positive_ties: the tie rule of the step these votes are for.
         pack_bucket: ``pack_bucket(k)`` makes bucket k's values (c from the momentum and the current
@@ -50,17 +53,19 @@ class ArmedBackward:
     def __init__(
         self,
         plan: list[list[Piece]],
-        params: list[torch.Tensor],
+        filled: list[torch.Tensor],
+        stepped: list[torch.Tensor],
         vote: Vote,
         positive_ties: bool,
         pack_bucket: Callable[[int], Bucket],
     ) -> None:
         self.plan = plan
-        self.params = params
+        self.plan_params = filled
+        self.stepped = stepped
         self.vote = vote
         self.positive_ties = positive_ties
         self._pack_bucket = pack_bucket
-        self._position = {id(param): index for index, param in enumerate(params)}
+        self._position = {id(param): index for index, param in enumerate(filled)}
         self._waiting_for = [{piece.tensor_index for piece in bucket} for bucket in plan]
         self._ready: set[int] = set()
         self.launched: list[LaunchedBucket] = []
@@ -75,7 +80,7 @@ class ArmedBackward:
 
     def flush(self) -> None:
         """Launch the buckets still waiting (parameters that got no gradient in this backward)."""
-        self._ready.update(range(len(self.params)))
+        self._ready.update(range(len(self.plan_params)))
         self._launch_ready()
 
     def drain(self) -> None:

@@ -89,13 +89,13 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
 
 
 def _refuse_what_overlap_cannot_do(engine: Any, optimizer: LionCub) -> None:
-    """overlap=True at ZeRO stage 0: fp32 and managed gradient accumulation only, for now."""
+    """overlap=True at ZeRO stage 0: managed gradient accumulation, and not under torch autocast, for now."""
     if not optimizer.options.overlap:
         return
-    if engine.fp16_enabled() or engine.bfloat16_enabled() or engine.torch_autocast_enabled():
+    if engine.torch_autocast_enabled():
         raise LionCubConfigError(
-            "LionCub: overlap=True runs with fp32 training only for now: under fp16/bf16 the engine's wrapper steps "
-            "fp32 copies of the parameters, which the gradient hooks do not see. Drop overlap, or train in fp32."
+            "LionCub: overlap=True is not supported with torch_autocast yet (its gradient scaler may skip "
+            "LionCub.step in ways not handled). Drop overlap, or use DeepSpeed's bf16/fp16 or fp32 training."
         )
     if not engine.managed_gradient_accumulation():
         raise LionCubConfigError(

@@ -39,6 +39,11 @@ def test_overlap_with_backward_gives_the_same_bits_on_every_rank(ranks: list[dic
         for step in range(1, sc.TRAIN_STEPS + 1):  # the same refusals, with the same message
             assert results.get(f"overlap-on/{case}/error/{step}") == results.get(f"overlap-off/{case}/error/{step}")
         assert results[f"overlap-off/{case}/revoted"] == 0
+        # 4 buckets of <= 1024 elements per step, all launched from the hooks; the plan starts with the bucket
+        # of b2, so the rank whose loss leaves b2 out (rank 0) waits and launches everything at step()
+        launched = results[f"overlap-on/{case}/launched-in-backward"]
+        unused_here = sc.OVERLAP_CASES[case][3] == rank
+        assert launched == (0 if len(ranks) == 1 or unused_here else 4 * sc.TRAIN_STEPS), f"rank {rank}"
         if case == "1bit-clip" and len(ranks) > 1:
             assert results[f"overlap-on/{case}/revoted"] > 0, "clipping after backward must change some messages"
     if case == "1bit-inf":

@@ -227,3 +227,30 @@ def test_a_world_of_one_arms_nothing_and_steps_as_without_overlap() -> None:
             optimizer.step()
         results.append([param.detach().clone() for param in params.values()])
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_save_checkpoint_between_an_armed_backward_and_its_step_is_refused() -> None:
+    """DeepSpeed's save_checkpoint, as wrapped by ds_lioncub, on an engine whose LionCub has votes in flight."""
+    from types import SimpleNamespace
+
+    from ds_lioncub.integration.engine_hooks import _wrap_save_checkpoint
+
+    def never_called(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("DeepSpeed's save must not start")
+
+    save = _wrap_save_checkpoint(never_called)
+
+    def run(transport: ThreadTransport) -> str:
+        params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
+        optimizer = ThreadLionCub(transport, list(params.items()), overlap=True)
+        optimizer.overlap_next_backward()
+        sc.loss_of(params, transport.rank, 1).backward()
+        engine = SimpleNamespace(basic_optimizer=optimizer, global_steps=0)
+        with pytest.raises(LionCubConfigError) as error:
+            save(engine, "unused-dir")
+        optimizer.discard_overlapped_votes()
+        assert not optimizer.votes_in_flight
+        return str(error.value)
+
+    messages = on_every_rank(2, run, with_overlap_world(2))
+    assert all("votes are in flight" in message and "after engine.step()" in message for message in messages)

@@ -133,6 +133,7 @@ def train_overlap_case(rank: int, world_size: int, case: str, overlap: bool) -> 
         momentum = optimizer.state[param].get("exp_avg")  # none for b2 when a world of one leaves it out
         results[f"{prefix}/exp-avg/{name}"] = None if momentum is None else momentum.clone()
     results[f"{prefix}/revoted"] = optimizer.revoted_buckets
+    results[f"{prefix}/launched-in-backward"] = optimizer.buckets_launched_in_backward
     return results
 
 
