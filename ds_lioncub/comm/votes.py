@@ -114,7 +114,10 @@ def finish_sign_vote(transport: Transport, pending: PendingAggregate, out: torch
     return finish_aggregate(transport, reduce_sign_vote(transport, pending), out)
 
 
-def _unpacked_signs(numel: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+Decoder = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _unpacked_signs(numel: int) -> Decoder:
     return lambda gathered, out: unpack_signs(gathered, numel, out=out)
 
 
@@ -184,26 +187,30 @@ def reduce_kbit_mean(transport: Transport, codec: KbitCodec, pending: PendingAgg
     numel = pending.numel
     received = transport.wait(pending.received)
     if codec.algorithm == "allreduce":
-        decode = lambda fields, out: _write_mean(codec, unpack_fields(fields, codec.bits, numel), out)  # noqa: E731
-        return PendingResult(InFlight(received), numel, decode)
+        return PendingResult(InFlight(received), numel, _mean_of_field_sums(codec, codec.bits, numel))
     p = transport.world_size
     padded_numel = vote_padded_numel(numel, p)
     field_sum = sum_fields_per_position(received.view(p, -1), codec.bits, padded_numel // p)
     width = codec.sum_width
     if width <= 8:
         gathered = transport.start_all_gather(pack_fields(field_sum, width))
-        return PendingResult(
-            gathered, numel, lambda packed, out: _write_mean(codec, unpack_fields(packed, width, padded_numel), out)
-        )
-    wide = torch.int16 if width == 16 else torch.int32
-    gathered = transport.start_all_gather(field_sum.to(wide).view(torch.uint8))
-    return PendingResult(gathered, numel, lambda sums, out: _write_mean(codec, sums.view(wide), out))
+    else:
+        gathered = transport.start_all_gather(field_sum.to(_WIDE_SUMS[width]).view(torch.uint8))
+    return PendingResult(gathered, numel, _mean_of_field_sums(codec, width, padded_numel))
 
 
-def _write_mean(codec: KbitCodec, fields: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The signed sum of the first ``out.numel()`` field sums over its largest magnitude, into ``out``."""
-    total = codec.signed_sum(fields[: out.numel()].to(torch.int32))
-    return out.copy_((total.float() / codec.mean_divisor).view(out.shape))
+_WIDE_SUMS = {16: torch.int16, 32: torch.int32}
+
+
+def _mean_of_field_sums(codec: KbitCodec, width: int, count: int) -> Decoder:
+    """Decodes ``count`` field sums (packed ``width``-bit fields, or int16/int32 values) into their mean."""
+
+    def decode(sums: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        fields = unpack_fields(sums, width, count) if width <= 8 else sums.view(_WIDE_SUMS[width])
+        total = codec.signed_sum(fields[: out.numel()].to(torch.int32))
+        return out.copy_((total.float() / codec.mean_divisor).view(out.shape))
+
+    return decode
 
 
 def finish_kbit_mean(
