@@ -166,7 +166,7 @@ def machine_notes(result: dict[str, Any]) -> str:
 
 def run_all(args: argparse.Namespace) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    from examples.compare import free_port
+    from examples.compare import free_port, remove_deepspeed_shm_buffers
     from examples.corpus import DEFAULT_MAX_BYTES, build_corpus
 
     build_corpus(None, DEFAULT_MAX_BYTES, cache_dir=args.out_dir / "corpus_cache")  # once, before any rank
@@ -175,14 +175,16 @@ def run_all(args: argparse.Namespace) -> int:
     if args.loopback:
         for method in args.method_list:
             print(f"[bench_train] {method.name} on {args.ranks} local ranks", flush=True)
+            port = free_port()
             code = run_loopback(
                 worker_command(args, method),
                 args.ranks,
                 args.out_dir / "logs" / method.name,
                 args.timeout,
-                port=free_port(),
+                port=port,
                 node_size=args.node_size,
             )
+            remove_deepspeed_shm_buffers(port)
             if code != 0:
                 print(
                     f"[bench_train] {method.name} failed with exit code {code}; see "
@@ -220,6 +222,7 @@ def run_all(args: argparse.Namespace) -> int:
                 echo_ranks={0},
                 log_dir=args.out_dir / "logs" / method.name,
             )
+            remove_deepspeed_shm_buffers(29500 + index)
             (args.out_dir / "logs" / method.name / "netcluster.json").write_text(
                 json.dumps(result.to_dict(), indent=2) + "\n"
             )

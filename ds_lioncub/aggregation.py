@@ -67,6 +67,8 @@ class Bucket:
 class Aggregator(Protocol):
     """The stages every aggregation offers (see the module docstring)."""
 
+    #: The ranks it aggregates over.
+    transport: Transport
     #: True when the aggregation averages gradients (exact Lion), False when it votes on ``c``.
     reduces_gradients: bool
     #: True when :class:`Bucket` needs ``piece_mean_abs`` for pieces cut from larger tensors.

@@ -24,6 +24,7 @@ from ds_lioncub.comm.vocabulary import (
     TieBreak,
 )
 from ds_lioncub.errors import LionCubConfigError
+from ds_lioncub.units import parse_duration, parse_rate
 
 CommDtype = Literal["fp32", "bf16"]
 
@@ -71,6 +72,23 @@ class ConsistencyCheckConfig(DeepSpeedConfigModel):
     At 100 the cost is well under 1% of a step (benchmarks/RESULTS.md)."""
 
 
+class TelemetryConfig(DeepSpeedConfigModel):
+    """What the per-step telemetry measures beyond bytes, collectives and seconds (always recorded).
+
+    Every step's record is :attr:`ds_lioncub.LionCub.last_step_telemetry`; under DeepSpeed it is also
+    written through the engine's monitor (docs/design.md, section 19).
+    """
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    vote_stats: bool = False
+    """Also measure the vote's tie rate (the fraction of elements whose summed vote is 0) and this
+    rank's agreement rate (the fraction whose local sign equals the applied sign). Costs, per bucket,
+    a packed copy of the local signs (n/8 bytes), two 1-bit votes or a histogram of the summed fields,
+    and a packing of the result; per step one 8-byte integer all-reduce (left out of ``comm_stats()``).
+    About 30% of a world-of-one CPU step's time (benchmarks/RESULTS.md). Compressed modes only."""
+
+
 class HybridConfig(DeepSpeedConfigModel):
     """Compressed LionCub under DeepSpeed ZeRO-1/2: shard inside a node, vote across nodes.
 
@@ -86,10 +104,66 @@ class HybridConfig(DeepSpeedConfigModel):
     OMPI_COMM_WORLD_LOCAL_SIZE or MPI_LOCALNRANKS); set it to emulate nodes on one machine."""
 
 
+def _quantity(value: Any, parse: Any, unit: str) -> Any:
+    """A string through ``parse`` (its error without "LionCub: ", which parse_config adds); a number as it is."""
+    if isinstance(value, str):
+        try:
+            return parse(value)
+        except LionCubConfigError as error:
+            raise ValueError(str(error).removeprefix("LionCub: ").rstrip(".")) from None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError(f"must be a string such as {unit} or a number")
+
+
+class NetworkConfig(DeepSpeedConfigModel):
+    """The network that ``compression="auto"`` plans for (:mod:`ds_lioncub.planner`).
+
+    The numbers are the user's, not measured by a start-up probe. Every rank reads the same numbers
+    and so resolves the same mode, with no collective and no agreement step; a probe would measure a
+    different value on every rank (and need one rank's value broadcast to all), would measure the
+    links while the job is still starting (ranks loading, connections being set up), and would let
+    the mode, and with it the training run, change from one launch to the next. Measure the links
+    once (``iperf3``, or ``benchmarks/bench_comm.py``) and write the figures here.
+    """
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    bandwidth: float = Field(gt=0, allow_inf_nan=False)
+    """Each node's link to the network, per direction: a rate such as "1gbit", "100gbit" or "10GB/s" (bits
+    or bytes per second, tc's units), or a number of bytes per second. The node's ranks share it."""
+
+    latency: float = Field(50e-6, ge=0, allow_inf_nan=False)
+    """Seconds per round of a collective (the time for a small message to arrive): "5us", "50us", "1ms", or
+    a number of seconds."""
+
+    intra_node_bandwidth: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """Between two ranks of one node, per direction; unset: in-node links are no bottleneck (NVLink
+    next to Ethernet). Set it when the ranks of a node talk over something slow."""
+
+    @field_validator("bandwidth", "intra_node_bandwidth", mode="before")
+    @classmethod
+    def _rate(cls, value: Any) -> Any:
+        return None if value is None else _quantity(value, parse_rate, "'1gbit'")
+
+    @field_validator("latency", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> Any:
+        return _quantity(value, parse_duration, "'50us'")
+
+
 class LionCubConfig(DeepSpeedConfigModel):
     """LionCub's options: the ``"params"`` of ``"optimizer": {"type": "LionCub"}`` and ``LionCub(**options)``."""
 
     model_config = ConfigDict(use_attribute_docstrings=True)
+
+    def __init__(self, strict: bool = False, **data: Any) -> None:
+        # DeepSpeed's config models drop every "auto" value (a placeholder that HF's integration fills in);
+        # compression="auto" is an option of its own and must survive that.
+        if not strict and data.get("compression") == "auto":
+            data = {key: value for key, value in data.items() if value != "auto" or key == "compression"}
+            strict = True
+        super().__init__(strict=strict, **data)
 
     lr: float = Field(1e-4, ge=0, allow_inf_nan=False)
     """Learning rate, the default of every param group. Lion wants 3-10x less than AdamW."""
@@ -100,9 +174,15 @@ class LionCubConfig(DeepSpeedConfigModel):
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Decoupled weight decay; Lion wants 3-10x more than AdamW (lr * wd is what matters)."""
 
-    compression: Literal["none", "1bit", "kbit"] = "1bit"
+    compression: Literal["none", "1bit", "kbit", "auto"] = "1bit"
     """"none": exact Lion on averaged gradients; "1bit": majority vote of the ranks' signs;
-    "kbit": sums of b-bit fields (see ``bits``, ``quantizer``, ``aggregation``, ``kbit_algorithm``)."""
+    "kbit": sums of b-bit fields (see ``bits``, ``quantizer``, ``aggregation``, ``kbit_algorithm``);
+    "auto": the mode :mod:`ds_lioncub.planner` predicts fastest on ``network`` for this model and world,
+    chosen when the optimizer is built (logged on rank 0; exact Lion, with a warning, when no
+    compression pays)."""
+
+    network: NetworkConfig | None = None
+    """The links ``compression="auto"`` plans for (required with it, and only used by it)."""
 
     bits: KbitWidth = 4
     """Field width for "kbit": 2, 4 or 8 bits per element."""
@@ -163,6 +243,9 @@ class LionCubConfig(DeepSpeedConfigModel):
     hybrid: HybridConfig | None = None
     """Options of compressed LionCub under ZeRO stage 1 or 2 (used there even when not given)."""
 
+    telemetry: TelemetryConfig = TelemetryConfig()
+    """Opt-in parts of the per-step telemetry (``{"vote_stats": true}``)."""
+
     @field_validator("comm_backend_name", mode="before")
     @classmethod
     def _known_backend(cls, name: Any) -> Any:
@@ -183,6 +266,22 @@ class LionCubConfig(DeepSpeedConfigModel):
     @model_validator(mode="after")
     def _options_fit_compression(self) -> LionCubConfig:
         given = self.model_fields_set
+        if self.compression == "auto" and self.network is None:
+            raise ValueError(
+                "compression='auto' needs the network to plan for: add "
+                '"network": {"bandwidth": "1gbit", "latency": "50us"} with your links\' figures '
+                "(python -m ds_lioncub.planner shows what each mode would cost), or choose the compression yourself"
+            )
+        if self.compression != "auto" and self.network is not None:
+            raise ValueError(
+                f"network only applies to compression='auto' (compression is {self.compression!r}); "
+                f"set compression='auto' or drop network"
+            )
+        if self.compression == "auto" and "comm_dtype" in given:
+            raise ValueError(
+                "comm_dtype is chosen by compression='auto' (exact Lion in fp32 or bf16); drop comm_dtype, "
+                "or choose the compression yourself"
+            )
         kbit_only = ("bits", "quantizer", "aggregation", "kbit_algorithm", "l1_clip")
         if self.compression != "kbit":
             for name in kbit_only:
@@ -200,6 +299,11 @@ class LionCubConfig(DeepSpeedConfigModel):
             raise ValueError(
                 "momentum_sync only applies to compressed modes: with compression='none' every rank's momentum "
                 "is already identical; drop momentum_sync or choose compression='1bit' or 'kbit'"
+            )
+        if self.compression == "none" and self.telemetry.vote_stats:
+            raise ValueError(
+                "telemetry.vote_stats only applies to compressed modes (compression='none' takes no vote); drop "
+                "telemetry.vote_stats or choose compression='1bit' or 'kbit'"
             )
         if self.compression == "none" and self.hybrid is not None:
             raise ValueError(
@@ -243,6 +347,8 @@ class LionCubConfig(DeepSpeedConfigModel):
         if self.momentum_sync.interval:
             sync = self.momentum_sync
             pairs.append(f"momentum_sync=(interval={sync.interval}, layers={sync.layers!r}, dtype={sync.dtype!r})")
+        if self.telemetry.vote_stats:
+            pairs.append("telemetry.vote_stats=True")
         return ", ".join(pairs)
 
 
@@ -269,6 +375,7 @@ def parse_config(options: dict[str, Any]) -> LionCubConfig:
                 f" Valid options: {', '.join(LionCubConfig.model_fields)}; momentum_sync takes "
                 f"{', '.join(MomentumSyncConfig.model_fields)}; consistency_check takes "
                 f"{', '.join(ConsistencyCheckConfig.model_fields)}; hybrid takes "
-                f"{', '.join(HybridConfig.model_fields)}."
+                f"{', '.join(HybridConfig.model_fields)}; network takes {', '.join(NetworkConfig.model_fields)}; "
+                f"telemetry takes {', '.join(TelemetryConfig.model_fields)}."
             )
         raise LionCubConfigError(f"LionCub: invalid options: {problems}.{hint}") from None

@@ -9,10 +9,12 @@ per parameter, and every rank applies the same update, so parameters stay bitwis
 
 from __future__ import annotations
 
+import os
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,7 +47,9 @@ from ds_lioncub.fingerprint import check_same_on_every_rank, describe_parameters
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
 from ds_lioncub.overlap import ArmedBackward
 from ds_lioncub.param_selection import select_parameters
+from ds_lioncub.planner.auto import AutoResolution, auto_node_size, log_auto_resolution, resolve_auto
 from ds_lioncub.replica_check import check_replicas
+from ds_lioncub.telemetry import StepRecord, StepTelemetry, TelemetryTotals, pack_local_signs
 
 
 class Entry(NamedTuple):
@@ -115,8 +119,15 @@ class LionCub(torch.optim.Optimizer):
         #: at step() because some rank's final message differed (overlap=True; counts, for diagnosis).
         self.buckets_launched_in_backward = 0
         self.revoted_buckets = 0
+        # Per-step records (docs/design.md, section 19); a mode that re-votes a bucket calls
+        # telemetry.note_revoted_bucket().
+        self.telemetry = StepTelemetry(vote_stats=self.options.telemetry.vote_stats)
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
         super().__init__(params, defaults)
+        # compression="auto": the planner's mode for this world, the same on every rank (the inputs are).
+        self.auto_resolution: AutoResolution | None = None
+        if self.options.compression == "auto":
+            self._resolve_auto()
         # Before anything that could issue collectives of option-dependent sizes: every rank the same set-up.
         self._check_same_set_up_on_every_rank()
         self._aggregator: Aggregator | None = build_aggregation(self.options, self.transport, False)
@@ -221,6 +232,18 @@ class LionCub(torch.optim.Optimizer):
             f"LionCub: {self.transport.world_size} rank(s) over {self.transport.name}, aggregation {aggregation}; "
             f"{self.options.summary()}"
         )
+
+    def _resolve_auto(self) -> None:
+        """Replace ``options`` by the planner's choice at ZeRO stage 0 and say so on rank 0 (planner.auto).
+
+        Nodes of G ranks: G from ``hybrid.node_size`` or the launcher's variables, else one rank per node.
+        """
+        num_params = sum(p.numel() for p in self._flat_params() if p.requires_grad)
+        node_size = auto_node_size(self.options, os.environ)
+        resolution = resolve_auto(self.options, num_params, self.transport.world_size, node_size)
+        self.auto_resolution = resolution
+        self.options = resolution.options
+        log_auto_resolution(resolution, self.transport.rank)
 
     def _check_same_set_up_on_every_rank(self) -> None:
         """Raise the same error on every rank if the ranks were built with different options or models."""
@@ -407,6 +430,16 @@ class LionCub(torch.optim.Optimizer):
         return Entry(group, param, grad, exp_avg if exp_avg is not None else torch.zeros_like(param))
 
     @property
+    def last_step_telemetry(self) -> StepRecord | None:
+        """What the last step did (bytes, collectives, seconds, vote rates); None before the first step."""
+        return self.telemetry.last
+
+    @property
+    def telemetry_totals(self) -> TelemetryTotals:
+        """Sums over every step recorded so far (skipped DeepSpeed steps included)."""
+        return self.telemetry.totals
+
+    @property
     def momentum_synced_parameters(self) -> list[torch.Tensor]:
         """The parameters whose ``exp_avg`` momentum sync averages."""
         return [p for position, p in enumerate(self._flat_params()) if position in self._momentum_synced]
@@ -455,6 +488,10 @@ class LionCub(torch.optim.Optimizer):
         if self._states_only:
             return loss
         step = self.param_groups[0]["step"] + 1
+        baseline = self.comm_stats()
+        if self._armed is not None:  # the votes launched during backward are this step's traffic
+            baseline = baseline - self._armed.traffic_since_armed()
+        self.telemetry.begin_step(baseline)
         aggregator = self._aggregator
         if aggregator is None or aggregator.reduces_gradients:
             self._exact_lion_step(entries, aggregator)
@@ -475,7 +512,24 @@ class LionCub(torch.optim.Optimizer):
             names = self.param_names or [f"parameter #{i} of shape {tuple(p.shape)}" for i, p in enumerate(params)]
             labels = [repr(name) for name in names] if self.param_names else names
             check_replicas(self.transport, params, labels, step, agreement=self._agreement_transport)
+        self._end_telemetry_step(step)
         return loss
+
+    def _end_telemetry_step(self, step: int) -> None:
+        """Sum the chunk owners' tie counts over the group (vote_stats only) and close the step's record."""
+        owner_ties = self.telemetry.owner_tie_counts()
+        if owner_ties is not None:
+            # The telemetry's own 8-byte all-reduce is left out of comm_stats(), like the set-up check:
+            # the counters describe the training's traffic.
+            counted = self.transport.stats + CommStats()
+            self.transport.all_reduce_sum(owner_ties)
+            self.transport.stats = counted
+        self.telemetry.end_step(step, self.comm_stats())
+
+    def _add_aggregated_bucket(self, started: float, comm_seconds_before: float, voted_elements: int) -> None:
+        """Credit the telemetry with a bucket: the time since ``started`` less the collectives' time in it."""
+        in_collectives = self.transport.stats.seconds - comm_seconds_before
+        self.telemetry.add_bucket(time.perf_counter() - started - in_collectives, voted_elements)
 
     def _participants(self) -> list[Entry]:
         """The parameters that take part in this step.
@@ -541,7 +595,9 @@ class LionCub(torch.optim.Optimizer):
             grads = [_grad_piece(entries[piece.tensor_index].grad, piece) for piece in bucket]
             if mean is not None:
                 sizes = [piece.length for piece in bucket]
+                started, comm_seconds = time.perf_counter(), self.transport.stats.seconds
                 averaged = mean.finish(mean.start(Bucket(torch.cat(grads), sizes, []), True))
+                self._add_aggregated_bucket(started, comm_seconds, 0)
                 grads = list(averaged.split(sizes))
             for piece, grad in zip(bucket, grads, strict=True):
                 entry = entries[piece.tensor_index]
@@ -572,13 +628,16 @@ class LionCub(torch.optim.Optimizer):
                     whole_mean_abs[index] = _mean_abs_direction(entry, capacity)
         plan = plan_buckets([entry.param.numel() for entry in entries], capacity)
         scratch = _BucketBuffers(plan)
+        clock = _AggregationClock(aggregator.transport)
+        local_signs: dict[int, torch.Tensor] = {}
 
         def start(k: int) -> object:
-            return aggregator.start(
-                self._prepare_bucket(entries, plan[k], scratch, whole_mean_abs, aggregator), positive_ties
-            )
+            prepared = self._prepare_bucket(entries, plan[k], scratch, whole_mean_abs, aggregator)
+            if self.telemetry.vote_stats:  # taken before the buffer is reused
+                local_signs[k] = pack_local_signs(prepared.values, positive_ties)
+            return clock.run(k, aggregator.start, prepared, positive_ties)
 
-        self._run_bucket_schedule(entries, plan, aggregator, start, scratch)
+        self._run_bucket_schedule(entries, plan, aggregator, start, scratch, clock, local_signs)
 
     def _run_bucket_schedule(
         self,
@@ -587,21 +646,33 @@ class LionCub(torch.optim.Optimizer):
         aggregator: Aggregator,
         start: Callable[[int], object],
         scratch: _BucketBuffers,
+        clock: _AggregationClock,
+        local_signs: dict[int, torch.Tensor],
     ) -> None:
         """``start(k)`` (bucket k's first collective, issued), then reduce, complete and apply, per bucket,
-        pipelined or serially (see :meth:`_compressed_step`)."""
+        pipelined or serially (see :meth:`_compressed_step`).
+
+        Telemetry: each bucket's aggregation stages are timed by ``clock``; with ``vote_stats``,
+        ``local_signs[k]`` (filled by ``start``) is counted against the applied direction.
+        """
         lag = 1 if self._pipelined_buckets else 0  # how many iterations each stage trails the one before
-        issued: dict[int, object] = {}
+        issued: dict[int, object] = {}  # kept to the end of the bucket: vote_stats counts its received rows
         reduced: dict[int, object] = {}
         for k in range(len(plan) + 2 * lag):
             if k < len(plan):
                 issued[k] = start(k)
             if 0 <= k - lag < len(plan):
-                reduced[k - lag] = aggregator.reduce(issued.pop(k - lag))
+                reduced[k - lag] = clock.run(k - lag, aggregator.reduce, issued[k - lag])
             if 0 <= k - 2 * lag < len(plan):
-                bucket = plan[k - 2 * lag]
-                delta = aggregator.complete(reduced.pop(k - 2 * lag), out=scratch.for_bucket(entries, bucket))
-                self._apply_bucket(entries, bucket, delta)
+                done = k - 2 * lag
+                out = scratch.for_bucket(entries, plan[done])
+                delta = clock.run(done, aggregator.complete, reduced.pop(done), out)
+                self.telemetry.add_bucket(clock.take(done), delta.numel())
+                signs = local_signs.pop(done, None)
+                if signs is not None:
+                    self.telemetry.count_vote(aggregator, issued[done], signs, delta)
+                del issued[done]
+                self._apply_bucket(entries, plan[done], delta)
 
     def _prepare_bucket(
         self,
@@ -676,10 +747,14 @@ class LionCub(torch.optim.Optimizer):
                 if entry.param.numel() > capacity:
                     whole_mean_abs[index] = _mean_abs_direction(entry, capacity)
         scratch = _BucketBuffers(armed.plan)
+        clock = _AggregationClock(vote.transport)
+        local_signs: dict[int, torch.Tensor] = {}
         changed = []
-        for bucket, launched in zip(armed.plan, armed.launched, strict=True):
+        for k, (bucket, launched) in enumerate(zip(armed.plan, armed.launched, strict=True)):
             values = self._bucket_directions(entries, bucket, scratch.for_bucket(entries, bucket), whole_mean_abs, vote)
-            final = vote.pack(values, positive_ties)
+            if self.telemetry.vote_stats:
+                local_signs[k] = pack_local_signs(values.values, positive_ties)
+            final = clock.run(k, vote.pack, values, positive_ties)
             same = same_setting and torch.equal(final, launched.message)
             if not same:
                 launched.message = final  # what a vote again sends
@@ -692,7 +767,10 @@ class LionCub(torch.optim.Optimizer):
         if counts[0]:
             armed.drain()
         self._raise_if_non_finite(counts[0], bad, step)
-        self.revoted_buckets += sum(1 for count in counts[1:] if count)
+        for count in counts[1:]:
+            if count:
+                self.revoted_buckets += 1
+                self.telemetry.note_revoted_bucket()
         for bucket in armed.plan:
             self._update_bucket_momenta(entries, bucket)
 
@@ -701,9 +779,10 @@ class LionCub(torch.optim.Optimizer):
             if not counts[1 + k]:
                 return launched.pending
             vote.transport.wait(launched.pending.received)
-            return vote.issue(launched.message, sum(piece.length for piece in armed.plan[k]), positive_ties)
+            numel = sum(piece.length for piece in armed.plan[k])
+            return clock.run(k, vote.issue, launched.message, numel, positive_ties)
 
-        self._run_bucket_schedule(entries, armed.plan, vote, start, scratch)
+        self._run_bucket_schedule(entries, armed.plan, vote, start, scratch, clock, local_signs)
 
     def _apply_bucket(self, entries: list[Entry], bucket: list[Piece], delta: torch.Tensor) -> None:
         """The agreed update ``delta`` applied to the bucket's parameters: the local work after the vote."""
@@ -727,6 +806,30 @@ class LionCub(torch.optim.Optimizer):
             averaged = mean.finish(mean.start(Bucket(torch.cat(slices), sizes, [])))
             for target, value in zip(slices, averaged.split(sizes), strict=True):
                 target.copy_(value)
+
+
+class _AggregationClock:
+    """Seconds in each bucket's aggregation stages with the transport's collectives taken out (telemetry)."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self._seconds: dict[int, float] = {}
+
+    def run(self, k: int, stage: Callable[..., _Result], *args: Any) -> _Result:
+        """``stage(*args)``, its local seconds added to bucket ``k``'s."""
+        started, in_collectives = time.perf_counter(), self.transport.stats.seconds
+        try:
+            return stage(*args)
+        finally:
+            elapsed = time.perf_counter() - started - (self.transport.stats.seconds - in_collectives)
+            self._seconds[k] = self._seconds.get(k, 0.0) + elapsed
+
+    def take(self, k: int) -> float:
+        """Bucket ``k``'s local seconds, forgotten here."""
+        return self._seconds.pop(k, 0.0)
+
+
+_Result = TypeVar("_Result")
 
 
 class _BucketBuffers:

@@ -24,6 +24,7 @@ import torch
 
 from ds_lioncub.aggregation import Bucket, Vote
 from ds_lioncub.buckets import Piece
+from ds_lioncub.comm.transport import CommStats
 from ds_lioncub.comm.votes import PendingAggregate
 
 
@@ -69,6 +70,7 @@ class ArmedBackward:
         self._waiting_for = [{piece.tensor_index for piece in bucket} for bucket in plan]
         self._ready: set[int] = set()
         self.launched: list[LaunchedBucket] = []
+        self._traffic_at_arming = vote.transport.stats + CommStats()  # a copy: the transport keeps counting
 
     def gradient_ready(self, param: torch.Tensor) -> None:
         """A gradient hook fired for ``param``: launch every bucket that is now complete, in plan order."""
@@ -77,6 +79,10 @@ class ArmedBackward:
             return
         self._ready.add(position)
         self._launch_ready()
+
+    def traffic_since_armed(self) -> CommStats:
+        """What the overlap transport sent since this backward was armed (its launches so far)."""
+        return self.vote.transport.stats - self._traffic_at_arming
 
     def flush(self) -> None:
         """Launch the buckets still waiting (parameters that got no gradient in this backward)."""

@@ -14,6 +14,11 @@ micro-batch 8 x accumulation 2, lion_fp32 has a constant lr. Comparing them as w
 those effects into the losses and step times. So by default each run gets a temporary copy of its
 config in which everything but the optimizer's communication is common (see COMMON below);
 --as-is runs the files unchanged instead and says what each of them does.
+
+After the measured table it prints the planner's predictions for the same configurations on real
+networks (clearly labelled: on one machine communication is a loopback copy, so the measured step
+times cannot show what compression saves) and writes the loss curves to a PNG; both come from
+examples/compare_report.py.
 """
 
 from __future__ import annotations
@@ -31,11 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from examples.compare_report import RunConfig, communication_params, prediction_report, write_loss_plot
 from examples.corpus import DEFAULT_MAX_BYTES, build_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_SCRIPT = REPO / "examples" / "train_gpt.py"
 CONFIG_DIR = REPO / "configs"
+PLOT_DEFAULT = REPO / "runs" / "compare_loss_curves.png"  # runs/ is git-ignored
 # The deepspeed launcher sometimes aborts at exit after the work is done ("terminate called without
 # an active exception"); a run that wrote its summary and then exited with this code succeeded.
 LAUNCHER_EXIT_AFTER_WORK = 250
@@ -78,6 +85,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--corpus-bytes", type=int, default=DEFAULT_MAX_BYTES)
     p.add_argument("--out-dir", type=Path, default=None, help="keep per-run JSON summaries and configs here")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run before it is killed")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="loss-curve PNG (default: loss_curves.png in --out-dir, else runs/compare_loss_curves.png)",
+    )
     return p.parse_args()
 
 
@@ -119,6 +132,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def remove_deepspeed_shm_buffers(port: int) -> None:
+    """Delete the shared-memory buffers a finished DeepSpeed CPU job that rendezvoused on ``port`` left behind.
+
+    DeepSpeed's CPU communication (its ``shm`` op) creates one buffer of about 67 MB per rank in
+    /dev/shm, named ``deepspeed_allreduce_buffer_<uid>_<address>_<port>_<rank>``, and never unlinks it,
+    so every job leaves its ranks' buffers in memory until the machine restarts (a test suite's worth
+    fills /dev/shm). Call this once the job's processes have exited.
+    """
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
+        path.unlink(missing_ok=True)
+
+
 def run_method(
     method: Method, config_path: Path, common: list[str], args: argparse.Namespace, out_dir: Path
 ) -> dict[str, Any]:
@@ -131,7 +156,7 @@ def run_method(
         "--num_gpus",
         str(args.nproc),
         "--master_port",
-        str(free_port()),
+        str(port := free_port()),
         "--log_level",
         "warning",
         str(TRAIN_SCRIPT),
@@ -154,7 +179,10 @@ def run_method(
         "PATH": os.pathsep.join(filter(None, [str(Path(sys.executable).parent), os.environ.get("PATH")])),
     }
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, timeout=args.timeout, env=env)
+    try:
+        proc = subprocess.run(cmd, timeout=args.timeout, env=env)
+    finally:
+        remove_deepspeed_shm_buffers(port)
     wall = time.perf_counter() - t0
     done = json_out.exists()
     if proc.returncode == LAUNCHER_EXIT_AFTER_WORK and done:
@@ -298,6 +326,18 @@ def main() -> None:
             "      ranks' signs (same tie rule), sent as packed bits vs summed 4-bit fields; only bytes and "
             "time differ"
         )
+
+    runs = [RunConfig(m.config, m.label, communication_params(r)) for m, r in results]
+    print("\n" + prediction_report(runs, first["n_params"], args.nproc))
+
+    plot = args.plot or (args.out_dir / "loss_curves.png" if args.out_dir is not None else PLOT_DEFAULT)
+    write_loss_plot(
+        [(f"{m.config}: {m.label}", r["train_loss_rank0"]) for m, r in results],
+        plot,
+        f"{first['n_params']:,}-param GPT, {args.nproc} CPU ranks, seed {args.seed}",
+    )
+    print(f"\nloss curves (train loss per step, rank 0): {plot}")
+
     walls = ", ".join(f"{m.config} {r['job_wall_s']:.1f}s" for m, r in results)
     print(f"\njob wall times (launcher start to exit): {walls}; total {time.perf_counter() - t_start:.1f}s")
     if args.out_dir is not None:

@@ -126,9 +126,9 @@ class CompressedBackend:
         return self.transport.rank
 
     def comm_stats(self) -> CommStats:
-        """Collectives issued and bytes sent / received by this rank since construction."""
+        """Collectives issued, bytes sent / received and seconds inside them, by this rank since construction."""
         stats = self.transport.stats
-        return CommStats(stats.collectives, stats.bytes_sent, stats.bytes_received)
+        return CommStats(stats.collectives, stats.bytes_sent, stats.bytes_received, stats.seconds)
 
     def vote_1bit(
         self, update: torch.Tensor, step: int, tie_break: TieBreak = "alternate", *, out: torch.Tensor | None = None

@@ -12,11 +12,13 @@
   the parameters;
 - ``_configure_zero_optimizer``: under ZeRO stage 1/2 with compression, builds ZeRO inside the node
   (:mod:`ds_lioncub.integration.hybrid_zero`);
+- ``_take_model_step``: closes the step's telemetry record (a step DeepSpeed skipped on overflow,
+  where LionCub's ``step`` never ran, as skipped) and writes it through the engine's monitor
+  (docs/design.md, section 19); with ``overlap=True`` drops the votes of a skipped step;
 - ``save_checkpoint`` / ``load_checkpoint``: the per-rank momentum files
   (:mod:`ds_lioncub.integration.checkpoint`); a save between an armed backward and its step is refused;
-- ``backward`` / ``_take_model_step`` (``overlap=True``): the backward of the accumulation boundary is
-  armed (``LionCub.overlap_next_backward``), and votes a model step did not use (a step the wrapper
-  skipped) are waited for and dropped on every rank.
+- ``backward`` (``overlap=True``): the backward of the accumulation boundary is armed
+  (``LionCub.overlap_next_backward``).
 
 Wrapping is idempotent (a wrapped method carries its original), so :func:`register` may run twice.
 """
@@ -34,8 +36,9 @@ from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.fingerprint import check_same_on_every_rank, describe_parameters
 from ds_lioncub.integration import checkpoint
 from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE, configure_hybrid_zero
-from ds_lioncub.integration.wiring import refuse_before_construction, wire_engine
+from ds_lioncub.integration.wiring import refuse_before_construction, resolve_auto_for_engine, wire_engine
 from ds_lioncub.optimizer import LionCub
+from ds_lioncub.telemetry import StepRecord
 
 OPTIMIZER_NAME = "lioncub"
 _WRAPPED_MARK = "_lioncub_original"
@@ -88,10 +91,10 @@ def register() -> None:
     _wrap(DeepSpeedEngine, "_do_optimizer_sanity_check", _wrap_optimizer_sanity_check)
     _wrap(DeepSpeedEngine, "_configure_fp16_optimizer", _wrap_configure_fp16_optimizer)
     _wrap(DeepSpeedEngine, "_configure_zero_optimizer", _wrap_configure_zero_optimizer)
+    _wrap(DeepSpeedEngine, "_take_model_step", _wrap_take_model_step)
     _wrap(DeepSpeedEngine, "save_checkpoint", _wrap_save_checkpoint)
     _wrap(DeepSpeedEngine, "load_checkpoint", _wrap_load_checkpoint)
     _wrap(DeepSpeedEngine, "backward", _wrap_backward)
-    _wrap(DeepSpeedEngine, "_take_model_step", _wrap_take_model_step)
 
 
 def _wrap_configure_distributed_model(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -108,10 +111,15 @@ def _wrap_configure_basic_optimizer(original: Callable[..., Any]) -> Callable[..
         if engine.optimizer_name() != OPTIMIZER_NAME:
             return original(engine, model_parameters)
         params = dict(engine.optimizer_params() or {})
-        # The same message on every rank, before anything is allocated (an MPI transport would be).
-        refuse_before_construction(engine, parse_config(params))
+        options = parse_config(params)
         if model_parameters is None:
             model_parameters = engine.module.parameters()
+        if options.compression == "auto":  # resolved here, where the engine's ZeRO stage and gradient path are known
+            model_parameters = list(model_parameters)
+            options = resolve_auto_for_engine(engine, options, model_parameters)
+            params = options.model_dump(include=options.model_fields_set)
+        # The same message on every rank, before anything is allocated (an MPI transport would be).
+        refuse_before_construction(engine, options)
         return LionCub(model_parameters, process_group=engine.seq_data_parallel_group, module=engine.module, **params)
 
     return configure_basic_optimizer
@@ -144,6 +152,41 @@ def _wrap_configure_zero_optimizer(original: Callable[..., Any]) -> Callable[...
         return configure_hybrid_zero(engine, original, optimizer)
 
     return configure_zero_optimizer
+
+
+def write_step_telemetry(engine: Any, record: StepRecord) -> None:
+    """Write ``record`` through the engine's monitor, as DeepSpeed writes its own ``Train/Samples/`` events.
+
+    Only where the monitor writes: it is enabled and this is global rank 0 (MonitorMaster's writers
+    exist there only). The x-axis is ``engine.global_samples``, the engine's own events' step.
+    """
+    monitor = getattr(engine, "monitor", None)
+    if monitor is None or not monitor.enabled or engine.global_rank != 0:
+        return
+    monitor.write_events([(name, value, engine.global_samples) for name, value in record.monitor_events()])
+
+
+def _wrap_take_model_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    def take_model_step(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        lioncub = find_lioncub(getattr(engine, "basic_optimizer", None) or engine.optimizer)
+        if lioncub is None:
+            return original(engine, *args, **kwargs)
+        # One record per engine step: ZeRO calls LionCub.step once per param group, and not at all when
+        # it, or the fp16/bf16 wrapper, skips the step on overflow (then the record says skipped).
+        lioncub.telemetry.hold()
+        try:
+            result = original(engine, *args, **kwargs)
+        except BaseException:
+            lioncub.telemetry.drop_held()
+            raise
+        finally:
+            # overlap=True: a wrapper that skipped the step (overflow) returned before LionCub.step. Every
+            # rank skips together (the wrapper agrees on overflow), so every rank drains the votes here.
+            lioncub.discard_overlapped_votes()
+        write_step_telemetry(engine, lioncub.telemetry.release(lioncub.param_groups[0]["step"]))
+        return result
+
+    return take_model_step
 
 
 def _compressed_lioncub(engine: Any) -> LionCub | None:
@@ -205,17 +248,3 @@ def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(engine, loss, *args, **kwargs)
 
     return backward
-
-
-def _wrap_take_model_step(original: Callable[..., Any]) -> Callable[..., Any]:
-    def take_model_step(engine: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return original(engine, *args, **kwargs)
-        finally:
-            lioncub = _overlapping_lioncub(engine)
-            if lioncub is not None:
-                # A wrapper that skipped the step (overflow) returned before LionCub.step: every rank skips
-                # together (the wrapper agrees on overflow), so every rank drains here.
-                lioncub.discard_overlapped_votes()
-
-    return take_model_step

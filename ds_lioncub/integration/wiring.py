@@ -14,15 +14,19 @@ raises the same message.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import deepspeed
+import torch
 
 from ds_lioncub.comm.topology import create_groups, plan_hybrid, resolve_node_size
 from ds_lioncub.config import LionCubConfig
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE, HybridSetup, check_node_blocks_on_one_host
 from ds_lioncub.optimizer import LionCub
+from ds_lioncub.planner.auto import auto_node_size, log_auto_resolution, resolve_auto
+from ds_lioncub.planner.model import DEEPSPEED_BUCKET_SIZE
 
 # The hybrid relies on private parts of DeepSpeed's engine and ZeRO-1/2 optimizer, checked against these releases.
 TESTED_DEEPSPEED_MINOR = (0, 19)
@@ -46,6 +50,40 @@ def refuse_before_construction(engine: Any, options: LionCubConfig) -> None:
             "comm_backend_name='mpi' (the MPI world would have to be the vote group)",
             "use comm_backend_name='torch'",
         )
+
+
+def resolve_auto_for_engine(engine: Any, options: LionCubConfig, model_parameters: Iterable[Any]) -> LionCubConfig:
+    """``compression="auto"`` resolved for this engine (logged on rank 0): its world, ZeRO stage and gradient path.
+
+    Exact Lion would be the engine's own gradient reduction: in its communication dtype, in
+    DeepSpeed's buckets (stage 0: the engine's all-reduce buckets; ZeRO: ``reduce_bucket_size``).
+    """
+    stage = int(engine.zero_optimization_stage())
+    exact_dtype = "fp32" if engine.communication_data_type == torch.float32 else "bf16"  # bf16 or fp16: 2 bytes
+    bucket = DEEPSPEED_BUCKET_SIZE if stage == 0 else int(engine.zero_reduce_bucket_size())
+    resolution = resolve_auto(
+        options,
+        _count_trained(model_parameters),
+        int(engine.seq_dp_world_size),
+        auto_node_size(options, os.environ),
+        stage,
+        exact_comm_dtypes=(exact_dtype,),
+        exact_bucket_size=bucket,
+    )
+    log_auto_resolution(resolution, int(engine.global_rank))
+    return resolution.options
+
+
+def _count_trained(model_parameters: Iterable[Any]) -> int:
+    """Elements that require grad in tensors, (name, tensor) pairs or param-group dicts."""
+    total = 0
+    for item in model_parameters:
+        if isinstance(item, dict):
+            total += _count_trained(item["params"])
+            continue
+        tensor = item[1] if isinstance(item, tuple) else item
+        total += tensor.numel() if tensor.requires_grad else 0
+    return total
 
 
 def wire_engine(engine: Any, optimizer: LionCub) -> None:

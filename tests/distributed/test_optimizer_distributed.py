@@ -98,6 +98,14 @@ def test_collectives_per_step_are_bounded_by_buckets(ranks: list[dict[str, Any]]
             assert 2 * -(-total // sc.BUCKET_SIZE) + 1 <= one_bit <= 2 * bucket_bound + 1
 
 
+def test_telemetry_records_each_steps_traffic(ranks: list[dict[str, Any]]) -> None:
+    checks.telemetry_counts_the_traffic(ranks)
+
+
+def test_telemetry_vote_rates_equal_brute_force(ranks: list[dict[str, Any]]) -> None:
+    checks.telemetry_vote_rates_equal_brute_force(ranks)
+
+
 def test_kbit_too_narrow_for_the_world_fails_at_construction(ranks: list[dict[str, Any]]) -> None:
     messages = {results["construct-error"] for results in ranks}
     assert len(messages) == 1

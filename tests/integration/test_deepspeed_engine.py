@@ -9,14 +9,23 @@ files for a resume at another world size.
 
 from __future__ import annotations
 
+import csv
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from ds_lioncub import parse_config
+from ds_lioncub.comm import wire
+from ds_lioncub.planner.auto import resolve_auto
+from ds_lioncub.planner.model import DEEPSPEED_BUCKET_SIZE
 from tests.support.checks import same_message_on_every_rank
 from tests.support.launch import REPO, run_deepspeed
+from tests.support.planned_cases import AUTO_NETWORK, LAUNCHED_NODE_SIZE, LAUNCHED_WORLD, recommended
+from tests.support.reference import reference_bucket_sizes
+from tests.workers.ds_engine_scenarios import STEPS, TELEMETRY_BUCKET_SIZE, TELEMETRY_JOB
 
 pytestmark = pytest.mark.deepspeed
 
@@ -51,6 +60,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory, packing_op_build: tuple[A
         "main": [torch.load(path, weights_only=False) for path in main_files],
         "resume": [torch.load(path, weights_only=False) for path in resume_files],
         "checkpoint": checkpoint,
+        "out": out,
     }
 
 
@@ -219,6 +229,66 @@ def test_side_files_record_their_run(launched: dict[str, Any]) -> None:
     assert not list((launched["checkpoint"] / tag).glob("*.tmp"))  # written to a temporary name, then renamed
 
 
+def test_every_lioncub_step_record_is_the_steps_traffic(launched: dict[str, Any]) -> None:
+    """Under every config (ZeRO hybrid, bf16, accumulation, exact Lion) each engine step's record equals the
+    comm_stats() difference across that step, on every rank."""
+    checked = 0
+    for name, ranks in _configs(launched).items():
+        for rank, record in enumerate(ranks):
+            if "telemetry" not in record:
+                continue
+            assert len(record["telemetry"]) == STEPS, name
+            for step, (telemetry, traffic) in enumerate(zip(record["telemetry"], record["comm_per_step"], strict=True)):
+                where = f"{name} rank {rank} step {step + 1}"
+                assert not telemetry.skipped, where
+                assert (telemetry.collectives, telemetry.bytes_sent, telemetry.bytes_received) == (
+                    traffic.collectives,
+                    traffic.bytes_sent,
+                    traffic.bytes_received,
+                ), where
+                assert (telemetry.bytes_sent > 0) == _compressed(name), where
+            checked += 1
+    assert checked >= 2 * len(CONFIG_NAMES)
+
+
+def _csv_rows(directory: Path, event: str) -> list[tuple[int, str]]:
+    """DeepSpeed's CSV monitor file of ``event`` (``LionCub/x`` is written to ``LionCub_x.csv``), header checked."""
+    with (directory / f"{event.replace('/', '_')}.csv").open() as handle:
+        rows = list(csv.reader(handle))
+    assert rows[0] == ["step", event.rsplit("/", 1)[-1]], rows[0]
+    return [(int(step), value) for step, value in rows[1:]]
+
+
+def test_telemetry_is_written_through_deepspeeds_csv_monitor(launched: dict[str, Any]) -> None:
+    """The CSV monitor's LionCub/ rows: rank 0's records, at the engine's sample count, with bytes equal to
+    comm_stats() and to the wire formulas for the 1-bit vote's buckets plus the 4-byte non-finite check."""
+    ranks = _configs(launched)["lioncub_1bit_telemetry"]
+    directory = launched["out"] / "csv" / TELEMETRY_JOB
+    records = ranks[0]["telemetry"]
+    samples_per_step = 16 * 2  # configs/lioncub_1bit.json: 16 per micro-batch, 2 ranks, no accumulation
+    steps = [samples_per_step * step for step in range(1, STEPS + 1)]
+    buckets = reference_bucket_sizes(ranks[0]["parameter_numels"], TELEMETRY_BUCKET_SIZE)
+    assert len(buckets) > 1
+    expected_bytes = wire.all_reduce_bytes(4, 2) + sum(wire.vote_1bit_bytes(n, 2) for n in buckets)
+    for event in ("bytes_sent", "bytes_received"):
+        rows = _csv_rows(directory, f"LionCub/{event}")
+        assert [step for step, _ in rows] == steps, event
+        assert [int(value) for _, value in rows] == [expected_bytes] * STEPS, event
+        assert [int(value) for _, value in rows] == [getattr(t, event) for t in ranks[0]["comm_per_step"]], event
+    collectives = _csv_rows(directory, "LionCub/collectives")
+    assert [int(value) for _, value in collectives] == [1 + 2 * len(buckets)] * STEPS
+    for event in ("skipped", "revoted_buckets"):
+        assert [int(value) for _, value in _csv_rows(directory, f"LionCub/{event}")] == [0] * STEPS, event
+    for event in ("tie_rate", "agreement_rate", "comm_seconds", "local_seconds"):
+        rows = _csv_rows(directory, f"LionCub/{event}")
+        assert [float(value) for _, value in rows] == [getattr(record, event) for record in records], event
+    assert all(0 < record.tie_rate < 1 and 0 < record.agreement_rate < 1 for record in records)
+    # Telemetry and the bucket size change nothing: the same run as lioncub_1bit, bit for bit.
+    plain = _configs(launched)["lioncub_1bit"][0]["params"]
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(value, plain[name]), name
+
+
 @pytest.mark.parametrize("kind", ["object", "callable"])
 def test_client_lioncub_gets_the_same_wiring(launched: dict[str, Any], kind: str) -> None:
     records = [results[f"client/{kind}"] for results in launched["main"]]
@@ -259,8 +329,46 @@ def test_fp16_on_cuda(tmp_path: Path) -> None:
     )
     records = [torch.load(path, weights_only=False)["fp16"] for path in files]
     assert records[0]["moved_at_init"] == 0.0
+    for record in records:  # a step skipped on overflow never reaches LionCub and is recorded as skipped
+        assert record["telemetry_totals"].skipped_steps == record["skipped_steps"]
+        assert record["telemetry_totals"].steps == len(record["losses"])
     losses = records[0]["losses"]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.05
     for name, value in records[0]["params"].items():
         for record in records[1:]:
             assert torch.equal(record["params"][name], value)
+
+
+def _trained_elements(record: dict[str, Any]) -> int:
+    return sum(value.numel() for value in record["params"].values())
+
+
+def test_the_planners_recommended_block_trains_and_sends_the_predicted_bytes(launched: dict[str, Any]) -> None:
+    """Loss and bitwise identity: the test over every config above; here: the block is the recommendation,
+    and every rank's LionCub sent what the planner predicted per step (collectives as the optimizer issues them)."""
+    ranks = _configs(launched)["lioncub_planner"]
+    best = recommended(_trained_elements(ranks[0]))
+    assert best.compression != "none"  # at 1 Gbit/s: the run exercises a compressed mode's collectives
+    for record in ranks:
+        assert {key: record["options"][key] for key in best.params} == best.params
+        steps = len(record["losses"])
+        assert record["comm_stats"].bytes_sent == steps * best.bytes_per_step_per_rank
+
+
+def test_auto_resolves_to_the_planners_choice_alike_on_every_rank(launched: dict[str, Any]) -> None:
+    ranks = _configs(launched)["lioncub_auto"]
+    assert all(record["options"] == ranks[0]["options"] for record in ranks)
+    config = json.loads((REPO / "configs" / "lioncub_1bit.json").read_text())["optimizer"]["params"]
+    hyper = {key: config[key] for key in ("lr", "betas", "weight_decay")}
+    options = parse_config({**hyper, "compression": "auto", "network": AUTO_NETWORK})
+    expected = resolve_auto(
+        options,
+        _trained_elements(ranks[0]),
+        LAUNCHED_WORLD,
+        LAUNCHED_NODE_SIZE,
+        0,
+        exact_comm_dtypes=("fp32",),  # the engine's gradient all-reduce in an fp32 job
+        exact_bucket_size=DEEPSPEED_BUCKET_SIZE,
+    )
+    assert expected.options.compression != "none" and not expected.fell_back
+    assert ranks[0]["options"] == expected.options.model_dump()

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from examples.compare import free_port
+from examples.compare import free_port, remove_deepspeed_shm_buffers
 from tests.support.launch import REPO, run_deepspeed, worker_environment
 
 pytestmark = pytest.mark.deepspeed
@@ -33,14 +33,17 @@ def interrupted(tmp_path_factory: pytest.TempPathFactory, packing_op_build: tupl
         "--num_gpus",
         "2",
         "--master_port",
-        str(free_port()),
+        str(port := free_port()),
         str(WORKER),
         "--out",
         str(out),
         "--phase",
         "crash",
     ]
-    done = subprocess.run(command, env=worker_environment(), capture_output=True, text=True, timeout=600, cwd=REPO)
+    try:
+        done = subprocess.run(command, env=worker_environment(), capture_output=True, text=True, timeout=600, cwd=REPO)
+    finally:
+        remove_deepspeed_shm_buffers(port)
     assert done.returncode != 0, "the job whose rank died reported success"
     assert (out / "good-momenta-rank1.pt").exists(), (done.stdout + done.stderr)[-4000:]
     return out

@@ -29,7 +29,7 @@ import torch
 from tests.support import checks
 from tests.support import mpi_cases as mc
 from tests.support import scenarios as sc
-from tests.support.launch import REPO, free_port, worker_environment
+from tests.support.launch import REPO, free_port, remove_deepspeed_shm_buffers, worker_environment
 
 WORKER = REPO / "tests" / "workers" / "mpi_scenarios.py"
 INSTALL = 'pip install -e ".[mpi]" (`make test` installs the extra)'
@@ -286,14 +286,17 @@ def launcher_ranks(tmp_path_factory: pytest.TempPathFactory, packing_op_build: t
         "--master_addr",
         "127.0.0.1",
         "--master_port",
-        str(free_port()),
+        str(port := free_port()),
         str(WORKER),
         str(out),
         "engine",
     ]
     # The launcher may abort with 250 at exit after the work is done ("terminate called without an active
     # exception", see tests/support/launch.run_deepspeed); the results decide.
-    _run(command, files, timeout_s=600, ok_codes=(0, 250))
+    try:
+        _run(command, files, timeout_s=600, ok_codes=(0, 250))
+    finally:
+        remove_deepspeed_shm_buffers(port)
     return [torch.load(path, weights_only=False) for path in files]
 
 

@@ -566,6 +566,35 @@ def test_lioncub_traffic_is_the_shards_vote_across_nodes_only(launched: dict[str
         assert per_step == [expected] * case.steps, f"{name}: rank {rank}"
 
 
+@pytest.mark.parametrize("name", BITWISE)
+def test_each_steps_telemetry_is_its_traffic_and_marks_the_skipped_step(launched: dict[str, Any], name: str) -> None:
+    """Per step: the record's traffic is the comm_stats() difference, a step ZeRO skipped (the NaN) is marked
+    skipped with no traffic, and with vote_stats the ranks voting on the same shard (one per node) report
+    one tie rate."""
+    case = TRAINED_BY_NAME[name]
+    records = _trained(launched, name)
+    node_size = _node_size(case)
+    for rank, record in enumerate(records):
+        telemetry = record["telemetry"]
+        traffic = [(0, 0, 0), *record["comm"]]
+        per_step = [
+            tuple(b - a for a, b in zip(before, after, strict=True))
+            for before, after in zip(traffic[:-1], traffic[1:], strict=True)
+        ]
+        assert [(t.collectives, t.bytes_sent, t.bytes_received) for t in telemetry] == per_step, f"{name}: rank {rank}"
+        skipped = record["skipped_steps"]  # DeepSpeed's count after each step
+        newly_skipped = [b - a for a, b in zip([0, *skipped[:-1]], skipped, strict=True)]
+        assert [int(t.skipped) for t in telemetry] == newly_skipped, f"{name}: rank {rank}"
+        assert [t.step for t in telemetry] == record["lioncub_step"], f"{name}: rank {rank}"
+        measured = "telemetry" in case.options
+        assert all((t.tie_rate is not None) == (measured and not t.skipped) for t in telemetry), f"{name}: rank {rank}"
+    if "telemetry" in case.options:
+        for rank, record in enumerate(records):
+            peer = records[_local(rank, node_size)]  # node 0's rank with the same shard
+            assert [t.tie_rate for t in record["telemetry"]] == [t.tie_rate for t in peer["telemetry"]], rank
+        assert any(0 < (t.tie_rate or 0) < 1 for t in records[0]["telemetry"]), name
+
+
 def test_node_size_one_sends_the_same_bytes_as_stage0(launched: dict[str, Any]) -> None:
     hybrid = _trained(launched, "zero2_1bit_node_size1")
     stage0 = _trained(launched, "stage0_1bit")

@@ -13,11 +13,15 @@ from typing import Any
 
 import torch
 
+from ds_lioncub.comm import wire
+from ds_lioncub.comm.kbit import KbitCodec
 from tests.support import scenarios as sc
 from tests.support.reference import (
     brute_force_vote_1bit,
     brute_force_vote_kbit,
+    brute_force_vote_stats,
     max_world_size_allreduce,
+    reference_bucket_sizes,
     reference_compressed_allreduce,
 )
 
@@ -236,3 +240,99 @@ def training_matches_brute_force_simulation(ranks: Ranks, exact_modes: Collectio
                     assert torch.equal(momentum, expected_momenta[rank][index]), f"{mode}: rank {rank} {name}"
                 else:
                     torch.testing.assert_close(momentum, expected_momenta[rank][index], rtol=1e-5, atol=1e-7)
+
+
+def expected_training_traffic(options: dict[str, Any], world_size: int, step: int) -> tuple[int, int]:
+    """(collectives, bytes sent) per rank in one standalone training step of a :func:`scenarios.training_modes`
+    mode: docs/design.md section 12's list of collectives, each priced by the wire formulas of
+    ds_lioncub/comm/wire.py for the bucket sizes of section 9 (reference_bucket_sizes)."""
+    p = world_size
+    if p == 1:
+        return 0, 0
+    numels = [torch.Size(shape).numel() for shape in sc.PARAM_SHAPES.values()]
+    buckets = reference_bucket_sizes(numels, sc.BUCKET_SIZE)
+    compression = options["compression"]
+    if compression == "none":
+        element_size = 2 if options.get("comm_dtype") == "bf16" else 4
+        return len(buckets), sum(wire.dense_all_reduce_bytes(n, p, element_size) for n in buckets)
+    collectives, sent = 1, wire.all_reduce_bytes(4, p)  # the non-finite check's int32 count
+    if compression == "1bit":
+        collectives += 2 * len(buckets)
+        sent += sum(wire.vote_1bit_bytes(n, p) for n in buckets)
+    else:
+        algorithm = str(options.get("kbit_algorithm", "allreduce"))
+        codec = KbitCodec.build(p, int(options["bits"]), options.get("quantizer", "sign"), algorithm)  # type: ignore[arg-type]
+        collectives += (1 if algorithm == "allreduce" else 2) * len(buckets)
+        sent += sum(wire.kbit_bytes(n, codec, options.get("aggregation", "vote")) for n in buckets)  # type: ignore[arg-type]
+    sync = options.get("momentum_sync")
+    if isinstance(sync, dict) and step % sync["interval"] == 0:
+        synced = [numel for name, numel in zip(sc.PARAM_SHAPES, numels, strict=True) if name == "w2"]
+        sync_buckets = reference_bucket_sizes(synced, sc.BUCKET_SIZE)
+        collectives += len(sync_buckets)
+        sent += sum(wire.dense_all_reduce_bytes(n, p, 4) for n in sync_buckets)
+    return collectives, sent
+
+
+def telemetry_counts_the_traffic(ranks: Ranks) -> None:
+    """Every step's record: the comm_stats() difference across the step, and the wire formulas' count."""
+    p = len(ranks)
+    numels = [torch.Size(shape).numel() for shape in sc.PARAM_SHAPES.values()]
+    for mode, options in sc.training_modes(p).items():
+        for rank, results in enumerate(ranks):
+            for step in range(1, sc.TRAIN_STEPS + 1):
+                record = results[f"train-telemetry/{mode}/{step}"]
+                delta = results[f"train-stats/{mode}/{step}"]
+                where = f"{mode} rank {rank} step {step}"
+                collectives, sent = expected_training_traffic(options, p, step)
+                assert (record.step, record.skipped, record.revoted_buckets) == (step, False, 0), where
+                assert (record.collectives, record.bytes_sent, record.bytes_received) == (
+                    delta.collectives,
+                    delta.bytes_sent,
+                    delta.bytes_received,
+                ), where
+                assert (record.collectives, record.bytes_sent, record.bytes_received) == (collectives, sent, sent), (
+                    where
+                )
+                assert (record.comm_seconds > 0) == (collectives > 0) and record.comm_seconds >= 0, where
+                aggregates = p > 1 or options["compression"] != "none"
+                assert (record.buckets > 0) == aggregates and (record.local_seconds > 0) == aggregates, where
+                voted = sum(numels) if options["compression"] != "none" else 0
+                assert record.voted_elements == voted, where
+            totals = results[f"train-telemetry-totals/{mode}"]
+            steps = [results[f"train-telemetry/{mode}/{step}"] for step in range(1, sc.TRAIN_STEPS + 1)]
+            assert (totals.steps, totals.skipped_steps) == (sc.TRAIN_STEPS, 0), mode
+            assert totals.bytes_sent == sum(record.bytes_sent for record in steps), mode
+            assert totals.collectives == sum(record.collectives for record in steps), mode
+
+
+def telemetry_vote_rates_equal_brute_force(ranks: Ranks) -> None:
+    """tie_rate and agreement_rate of every step against brute_force_vote_stats on every rank's c."""
+    p = len(ranks)
+    numels = [torch.Size(shape).numel() for shape in sc.PARAM_SHAPES.values()]
+    measured = 0
+    for mode, options in sc.training_modes(p).items():
+        vote_stats = options.get("telemetry") == {"vote_stats": True}
+        updates: list[list[torch.Tensor]] = []
+        if vote_stats:
+            sc.simulate_mode(p, options, pre_sign_updates=updates)
+        for step in range(1, sc.TRAIN_STEPS + 1):
+            records = [results[f"train-telemetry/{mode}/{step}"] for results in ranks]
+            if not vote_stats:
+                assert all(r.tie_rate is None and r.agreement_rate is None for r in records), mode
+                continue
+            expected = brute_force_vote_stats(
+                updates[step - 1],
+                step,
+                compression=str(options["compression"]),
+                bits=int(options.get("bits", 4)),  # type: ignore[call-overload]
+                quantizer=str(options.get("quantizer", "sign")),
+                algorithm=str(options.get("kbit_algorithm", "allreduce")),
+                tie_break=str(options.get("tie_break", "alternate")),
+                segment_sizes=numels,
+            )
+            for rank, record in enumerate(records):
+                where = f"{mode} rank {rank} step {step}"
+                assert record.tie_rate == expected.tie_rate, where
+                assert record.agreement_rate == expected.agreement_rates[rank], where
+            measured += 1
+    assert measured >= 5 * sc.TRAIN_STEPS

@@ -126,6 +126,9 @@ def _sync_all(interval: int) -> dict[str, Any]:
     return {"compression": "1bit", "momentum_sync": {"interval": interval, "layers": "all"}}
 
 
+# Telemetry's vote statistics, on in two trained scenarios: they must not change a bit of the result.
+VOTE_STATS: dict[str, Any] = {"telemetry": {"vote_stats": True}}
+
 # Trained in the main launch and compared with the simulation, each with a fresh engine.
 TRAINED = [
     HybridCase("zero1_1bit", stage=1),
@@ -133,7 +136,7 @@ TRAINED = [
     HybridCase("zero2_kbit_sign_4bit_allreduce", options={"compression": "kbit", "bits": 4, "quantizer": "sign"}),
     HybridCase(
         "zero2_kbit_l1_8bit_alltoall",
-        options={"compression": "kbit", "bits": 8, "quantizer": "l1", "kbit_algorithm": "alltoall"},
+        options={"compression": "kbit", "bits": 8, "quantizer": "l1", "kbit_algorithm": "alltoall", **VOTE_STATS},
     ),
     HybridCase(
         "zero1_kbit_l1_4bit_allreduce_mean",
@@ -142,7 +145,9 @@ TRAINED = [
     ),
     HybridCase("zero2_1bit_positive_ties", options={"compression": "1bit", "tie_break": "positive"}),
     HybridCase("zero2_1bit_binding_clip", clipping=BINDING_CLIP),
-    HybridCase("zero2_1bit_nan_on_one_rank", nan_at=(NAN_RANK, NAN_STEP)),
+    HybridCase(
+        "zero2_1bit_nan_on_one_rank", nan_at=(NAN_RANK, NAN_STEP), options={"compression": "1bit", **VOTE_STATS}
+    ),
     HybridCase("zero2_1bit_warmup_lr", scheduler={"type": "WarmupLR", "params": WARMUP}),
     HybridCase("zero1_1bit_accumulation2", stage=1, accumulation=2),
     HybridCase("zero2_1bit_accumulation2", stage=2, accumulation=2),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from examples.compare import free_port
+from examples.compare import free_port, remove_deepspeed_shm_buffers
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,7 +72,7 @@ def run_deepspeed(
         "--num_gpus",
         str(num_ranks),
         "--master_port",
-        str(free_port()),
+        str(port := free_port()),
         str(script),
         *script_args,
     ]
@@ -81,6 +81,8 @@ def run_deepspeed(
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
     except subprocess.TimeoutExpired as error:
         raise AssertionError(f"deepspeed launch of {script.name} did not finish in {timeout_s} s (hang?)") from error
+    finally:
+        remove_deepspeed_shm_buffers(port)
     output = done.stdout + done.stderr
     missing = [path for path in result_files if not path.exists()]
     if done.returncode not in (0, 250) or missing:

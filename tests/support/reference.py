@@ -185,6 +185,67 @@ def brute_force_vote_kbit(
     return out.to(dtype).reshape(shape)
 
 
+@dataclass
+class VoteStats:
+    """What a vote's telemetry must report: the tied fraction, and each rank's agreement fraction."""
+
+    tie_rate: float
+    agreement_rates: list[float]
+
+
+def brute_force_vote_stats(
+    updates: list[Tensor],
+    step: int,
+    compression: str = "1bit",
+    bits: int = 4,
+    quantizer: str = "sign",
+    algorithm: str = "allreduce",
+    tie_break: str = "alternate",
+    l1_clip: float = 2.0,
+    segment_sizes: list[int] | None = None,
+) -> VoteStats:
+    """From every rank's update c: the fraction of elements whose summed vote (the ranks' ±1, or
+    their L1 levels q) is 0, and per rank the fraction whose own sign (zeros by the tie rule) equals
+    the sign of that sum (0 by the tie rule): the applied sign of a vote, and of a mean."""
+    _check_ranks(updates)
+    tie = tie_value(step, tie_break)
+    flat = [u.flatten() for u in updates]
+    total = torch.zeros(flat[0].numel(), dtype=torch.int64)
+    for u in flat:
+        if compression == "1bit" or quantizer == "sign":
+            total += _resolve_sign(u, tie)
+        else:
+            levels = l1_levels(len(flat), bits, algorithm)
+            total += _l1_quantize_segments(u, levels, l1_clip, segment_sizes).to(torch.int64)
+    applied = _resolve_sign(total, tie)
+    numel = total.numel()
+    tied = sum(1 for value in total.tolist() if value == 0)
+    agreements = [
+        sum(1 for a, b in zip(_resolve_sign(u, tie).tolist(), applied.tolist(), strict=True) if a == b) for u in flat
+    ]
+    return VoteStats(tied / numel, [count / numel for count in agreements])
+
+
+def reference_bucket_sizes(numels: list[int], capacity: int) -> list[int]:
+    """Elements per bucket (docs/design.md, section 9): tensors in order, a tensor that fits a bucket
+    is never cut (it opens a new bucket when it does not fit the current one), a larger one is cut
+    into capacity-sized pieces that fill buckets the same way; empty tensors are skipped."""
+    pieces = []
+    for numel in numels:
+        if numel <= capacity:
+            pieces += [numel] if numel else []
+        else:
+            whole, rest = divmod(numel, capacity)
+            pieces += [capacity] * whole + ([rest] if rest else [])
+    sizes: list[int] = []
+    for piece in pieces:
+        if sizes and sizes[-1] + piece <= capacity:
+            sizes[-1] += piece
+        else:
+            sizes.append(piece)
+    return sizes
+
+
 # ----------------------------------------------------------------------------------------------
 # legacy error-compensated 1-bit allreduce (DeepSpeed <= 0.19.7 compressed_allreduce semantics)
 # ----------------------------------------------------------------------------------------------
@@ -310,13 +371,15 @@ def simulate_lioncub(
     l1_clip: float = 2.0,
     momentum_sync_interval: int = 0,
     momentum_sync_params: Sequence[int] | None = None,
+    pre_sign_updates: list[list[Tensor]] | None = None,
 ) -> tuple[list[Tensor], list[list[Tensor]]]:
     """Simulate LionCub on `world_size` ranks for `steps` steps.
 
     grads_fn(rank, step, params) returns that rank's gradients at 1-based `step` for the current
     (shared) params, which it receives as clones. lr may be a callable of the step (a schedule).
     momentum_sync_params: indices of the params whose exp_avg is averaged every
-    momentum_sync_interval steps (None = all). Returns (final params, exp_avgs[rank][param]).
+    momentum_sync_interval steps (None = all). pre_sign_updates: if given, each compressed step
+    appends every rank's flat c (params in order) to it. Returns (final params, exp_avgs[rank][param]).
     """
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
@@ -354,6 +417,8 @@ def simulate_lioncub(
                 else torch.zeros(0)
                 for rank in range(p)
             ]
+            if pre_sign_updates is not None:
+                pre_sign_updates.append([c.clone() for c in flat_c])
             for rank in range(p):
                 for m, g in zip(exp_avgs[rank], grads[rank], strict=True):
                     _update_momentum(m, g, beta2)

@@ -25,6 +25,7 @@ TRAIN_WEIGHT_DECAY = 0.1
 BUCKET_SIZE = 1024  # smaller than w1, so steps cut a tensor across buckets and use several buckets
 SYNC_INTERVAL = 2
 SYNC_LAYERS = ["^w2$"]
+VOTE_STATS = {"telemetry": {"vote_stats": True}}
 
 
 # overlap=True against overlap=False on real ranks: (options, accumulation steps, clip norm or None, the rank
@@ -115,23 +116,34 @@ def model_grads(params: list[Tensor], rank: int, step: int) -> list[Tensor]:
 
 
 def training_modes(world_size: int) -> dict[str, dict[str, object]]:
-    """LionCub options per mode name; k-bit allreduce modes only where the world fits the bits."""
+    """LionCub options per mode name; k-bit allreduce modes only where the world fits the bits.
+
+    One mode of each way a vote is counted (1-bit, k-bit all-reduce and all-to-all, vote and mean)
+    measures the vote statistics (:data:`VOTE_STATS`); the others leave them off.
+    """
     modes: dict[str, dict[str, object]] = {
         "none-fp32": {"compression": "none"},
         "none-bf16": {"compression": "none", "comm_dtype": "bf16"},
-        "1bit": {"compression": "1bit"},
+        "1bit": {"compression": "1bit", **VOTE_STATS},
         "1bit-positive": {"compression": "1bit", "tie_break": "positive"},
         "4bit-sign": {"compression": "kbit", "bits": 4},
-        "4bit-sign-mean": {"compression": "kbit", "bits": 4, "aggregation": "mean"},
+        "4bit-sign-mean": {"compression": "kbit", "bits": 4, "aggregation": "mean", **VOTE_STATS},
         "4bit-sign-alltoall": {"compression": "kbit", "bits": 4, "kbit_algorithm": "alltoall"},
-        "8bit-l1": {"compression": "kbit", "bits": 8, "quantizer": "l1"},
-        "4bit-l1-alltoall": {"compression": "kbit", "bits": 4, "quantizer": "l1", "kbit_algorithm": "alltoall"},
+        "8bit-l1": {"compression": "kbit", "bits": 8, "quantizer": "l1", **VOTE_STATS},
+        "4bit-l1-alltoall": {
+            "compression": "kbit",
+            "bits": 4,
+            "quantizer": "l1",
+            "kbit_algorithm": "alltoall",
+            **VOTE_STATS,
+        },
         "2bit-l1-alltoall-mean": {
             "compression": "kbit",
             "bits": 2,
             "quantizer": "l1",
             "kbit_algorithm": "alltoall",
             "aggregation": "mean",
+            **VOTE_STATS,
         },
         "1bit-sync": {"compression": "1bit", "momentum_sync": {"interval": SYNC_INTERVAL, "layers": SYNC_LAYERS}},
     }
@@ -142,7 +154,8 @@ def training_modes(world_size: int) -> dict[str, dict[str, object]]:
 
 def simulate_training(world_size: int, steps: int, **options: object) -> tuple[list[Tensor], list[list[Tensor]]]:
     """The brute-force reference (reference.simulate_lioncub) on this module's model, gradients and
-    training hyper-parameters: what every rank's LionCub must end with after ``steps`` steps."""
+    training hyper-parameters: what every rank's LionCub must end with after ``steps`` steps.
+    ``options`` may include ``pre_sign_updates`` (a list the simulation appends each step's c to)."""
     from tests.support.reference import simulate_lioncub  # tests only; the workers never need it
 
     return simulate_lioncub(
@@ -157,18 +170,23 @@ def simulate_training(world_size: int, steps: int, **options: object) -> tuple[l
     )
 
 
-def simulate_mode(world_size: int, options: dict[str, object]) -> tuple[list[Tensor], list[list[Tensor]]]:
+def simulate_mode(
+    world_size: int, options: dict[str, object], pre_sign_updates: list[list[Tensor]] | None = None
+) -> tuple[list[Tensor], list[list[Tensor]]]:
     """:func:`simulate_training` for :data:`TRAIN_STEPS` steps of one of :func:`training_modes`' option sets
-    (its LionCub options translated into the reference's arguments)."""
+    (its LionCub options translated into the reference's arguments; telemetry changes nothing).
+    ``pre_sign_updates``: a list that receives every step's per-rank c (compressed modes)."""
     options = dict(options)
     sync = options.pop("momentum_sync", None)
     algorithm = options.pop("kbit_algorithm", "allreduce")
     options.pop("comm_dtype", None)
+    options.pop("telemetry", None)
     return simulate_training(
         world_size,
         TRAIN_STEPS,
         kbit_algorithm=algorithm,
         momentum_sync_interval=sync["interval"] if sync else 0,
         momentum_sync_params=[list(PARAM_SHAPES).index("w2")] if sync else None,
+        pre_sign_updates=pre_sign_updates,
         **options,
     )

@@ -10,6 +10,7 @@ textbook descriptions.
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 import pytest
@@ -18,12 +19,14 @@ import torch.distributed as dist
 
 from ds_lioncub.comm.transport import (
     COMMUNICATING_METHODS,
+    CommStats,
     TorchTransport,
     TransportBase,
     cuda_aware_conflict,
     import_mpi,
     make_transport,
 )
+from ds_lioncub.comm.transport import base as base_module
 from ds_lioncub.errors import LionCubConfigError, MissingDependencyError
 from tests.support.thread_world import DeferredThreadTransport, ThreadTransport, on_every_rank
 
@@ -184,6 +187,40 @@ def test_each_call_counts_one_collective_and_the_bandwidth_optimal_bytes(p: int)
         (1, 14 * (p - 1) // p, 14 * (p - 1) // p),
     ]
     assert on_every_rank(p, run) == [expected] * p
+
+
+class TickingClock:
+    """A stand-in for time.perf_counter: each thread's own clock, one second further at every reading."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def __call__(self) -> float:
+        self._local.now = getattr(self._local, "now", 0.0) + 1.0
+        return float(self._local.now)
+
+
+@pytest.mark.parametrize("p", (2, 3))
+def test_each_collective_adds_the_clock_time_around_its_data_movement(p: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two clock readings per collective, around the raw hooks (both of a float sum's under one pair)."""
+    monkeypatch.setattr(base_module.time, "perf_counter", TickingClock())
+
+    def run(transport: ThreadTransport) -> tuple[int, float, float]:
+        transport.all_to_all(rank_input(transport.rank, 6 * p, torch.float32))
+        transport.all_gather(rank_input(transport.rank, 5, torch.uint8))
+        transport.all_reduce_sum(rank_input(transport.rank, 7, torch.float32))  # all-to-all + all-gather inside
+        before = transport.stats + CommStats()
+        transport.all_reduce_sum(rank_input(transport.rank, 7, torch.int32))
+        return transport.stats.collectives, transport.stats.seconds, (transport.stats - before).seconds
+
+    assert on_every_rank(p, run) == [(4, 4.0, 1.0)] * p
+
+
+def test_traffic_counts_compare_equal_whatever_the_seconds() -> None:
+    assert CommStats(2, 10, 10, seconds=0.5) == CommStats(2, 10, 10, seconds=3.0)
+    assert CommStats(2, 10, 10) != CommStats(2, 11, 10)
+    total = CommStats(1, 4, 4, 0.25) + CommStats(2, 6, 6, 0.5)
+    assert (total.collectives, total.bytes_sent, total.seconds) == (3, 10, 0.75)
 
 
 @pytest.mark.parametrize("numel", (12, 13))

@@ -2,8 +2,9 @@
 
 Usage, from the repository root with it on PYTHONPATH (tests.support.launch.run_deepspeed starts it so):
   deepspeed --num_gpus N tests/workers/ds_engine_scenarios.py --out DIR --phase main|resume [--deepspeed_config F]
-Each rank saves what it saw (losses, parameters, momenta, learning rates, collective counts,
-error messages) to DIR/<phase>-rank<R>.pt; tests/integration/test_deepspeed_engine.py checks them.
+Each rank saves what it saw (losses, parameters, momenta, learning rates, collective counts, per-step
+telemetry, error messages) to DIR/<phase>-rank<R>.pt; tests/integration/test_deepspeed_engine.py checks
+them. The "lioncub_1bit_telemetry" variant writes DeepSpeed's CSV monitor files under DIR/csv/.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import ds_lioncub
 from ds_lioncub import LionCub
 from ds_lioncub.deepspeed_integration import find_lioncub
 from examples.gpt import GPT, GPTConfig
+from tests.support.planned_cases import planned_configs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,6 +34,8 @@ SEQ_LEN = 32
 STEPS = 12
 CHECKPOINT_STEPS = 4
 SYNC_STEP = 10
+TELEMETRY_JOB = "telemetry"
+TELEMETRY_BUCKET_SIZE = 4096
 
 
 class AllReduceCounter:
@@ -110,7 +114,9 @@ def train(
     accumulation = engine.gradient_accumulation_steps()
     micro_size = engine.train_micro_batch_size_per_gpu()
     losses = []
+    lioncub = find_lioncub(engine.optimizer)
     for step in range(first_step, first_step + steps):
+        traffic_before = lioncub.comm_stats() if lioncub is not None else None
         lr = engine.get_lr()[0]
         watched = master_params(engine)[:1]
         before = [p.detach().float().clone() for p in watched]
@@ -130,6 +136,10 @@ def train(
             record.setdefault("moved_max", []).append(moved.max().item())
             record.setdefault("moved_min", []).append(moved.min().item())
             record.setdefault("lioncub_step", []).append(group["step"])
+        if record is not None and lioncub is not None and traffic_before is not None:
+            record.setdefault("comm_per_step", []).append(lioncub.comm_stats() - traffic_before)
+            record.setdefault("telemetry", []).append(lioncub.last_step_telemetry)
+            record["global_samples"] = engine.global_samples
         if record is not None and step in (SYNC_STEP - 1, SYNC_STEP):
             record[f"momenta@{step}"] = momenta(engine)
     return losses
@@ -156,6 +166,14 @@ def run_configs(args: argparse.Namespace, data: torch.Tensor) -> dict[str, Any]:
         overlapped = copy.deepcopy(config)
         overlapped["optimizer"]["params"]["overlap"] = True
         variants.append((f"{base}_overlap", overlapped))
+    base = json.loads((REPO / "configs" / "lioncub_1bit.json").read_text())
+    variants += planned_configs(base, sum(p.numel() for p in GPT(MODEL).parameters()))
+    # Telemetry with vote statistics, written by DeepSpeed's CSV monitor (rank 0 writes).
+    telemetry = json.loads((REPO / "configs" / "lioncub_1bit.json").read_text())
+    telemetry["optimizer"]["params"]["telemetry"] = {"vote_stats": True}
+    telemetry["optimizer"]["params"]["bucket_size"] = TELEMETRY_BUCKET_SIZE  # several buckets, tensors cut
+    telemetry["csv_monitor"] = {"enabled": True, "output_path": str(args.out / "csv"), "job_name": TELEMETRY_JOB}
+    variants.append(("lioncub_1bit_telemetry", telemetry))
     for name, config in variants:
         counter = AllReduceCounter()
         if args.deepspeed_config and Path(args.deepspeed_config).stem == name:
@@ -176,6 +194,8 @@ def run_configs(args: argparse.Namespace, data: torch.Tensor) -> dict[str, Any]:
         record["momenta"] = momenta(engine) if lioncub else None
         record["revoted_buckets"] = lioncub.revoted_buckets if lioncub else None
         record["buckets_launched_in_backward"] = lioncub.buckets_launched_in_backward if lioncub else None
+        record["options"] = lioncub.options.model_dump() if lioncub else None
+        record["parameter_numels"] = [p.numel() for p in master_params(engine)]
         ds_comm.all_reduce = counter.original
         results[f"config/{name}"] = record
     return results
@@ -282,6 +302,8 @@ def run_fp16(data: torch.Tensor) -> dict[str, Any]:
     record: dict[str, Any] = {"moved_at_init": moved_at_init(engine)}
     record["losses"] = train(engine, data, 1, STEPS, record)
     record["params"] = {name: p.cpu() for name, p in full_params(engine).items()}
+    record["skipped_steps"] = engine.skipped_steps
+    record["telemetry_totals"] = find_lioncub(engine.optimizer).telemetry_totals
     return {"fp16": record}
 
 

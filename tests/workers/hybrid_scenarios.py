@@ -8,7 +8,8 @@ checkpoint of CHECKPOINTED after CHECKPOINT_AT steps, and builds every REFUSED c
 ``resume`` (a new job) loads that checkpoint, trains the remaining steps, and tries to load it at other
 node sizes. A scenario that raises records its error and the job goes on with the next one. Each rank
 saves what it saw (parameters after every step, its shards of the master weights and of the momentum,
-the partition geometry ZeRO chose, step counts, learning rates, LionCub's traffic, error messages) to
+the partition geometry ZeRO chose, step counts, learning rates, LionCub's traffic and per-step telemetry,
+error messages) to
 DIR/<phase>-rank<R>.pt; tests/integration/test_zero_hybrid.py compares them with the simulation.
 """
 
@@ -120,6 +121,7 @@ def train(engine: Any, case: HybridCase, first_step: int, steps: int, record: di
         record.setdefault("grad_norm", []).append(grad_norm(engine))
         stats = lioncub.comm_stats()
         record.setdefault("comm", []).append((stats.collectives, stats.bytes_sent, stats.bytes_received))
+        record.setdefault("telemetry", []).append(lioncub.last_step_telemetry)
 
 
 def final_state(engine: Any, record: dict[str, Any]) -> None:

@@ -88,9 +88,13 @@ def train_mode(rank: int, mode: str, options: dict[str, object], pipelined: bool
         before = optimizer.comm_stats()
         optimizer.step()
         results[f"{prefix}-stats/{mode}/{step}"] = optimizer.comm_stats() - before
+        if pipelined:
+            results[f"train-telemetry/{mode}/{step}"] = optimizer.last_step_telemetry
         if "momentum_sync" in options:
             for name, param in params.items():
                 results[f"{prefix}-exp-avg/{mode}/{step}/{name}"] = optimizer.state[param]["exp_avg"].clone()
+    if pipelined:
+        results[f"train-telemetry-totals/{mode}"] = optimizer.telemetry_totals
     for name, param in params.items():
         results[f"{prefix}-param/{mode}/{name}"] = param.detach().clone()
         results[f"{prefix}-exp-avg/{mode}/final/{name}"] = optimizer.state[param]["exp_avg"].clone()

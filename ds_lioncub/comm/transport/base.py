@@ -20,7 +20,8 @@ replacing its public methods on the instance; a float sum that went through the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -32,17 +33,24 @@ from ds_lioncub.errors import LionCubConfigError
 
 @dataclass
 class CommStats:
-    """Cumulative traffic of one rank: collectives issued and payload bytes sent / received."""
+    """Cumulative traffic of one rank: collectives issued, payload bytes sent / received, seconds inside them.
+
+    ``seconds`` is host wall-clock time (``time.perf_counter``) from entering a collective's data
+    movement to its return, the rank-order float sum's additions included. It is left out of ``==``:
+    two runs move the same bytes but never take the same time.
+    """
 
     collectives: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    seconds: float = field(default=0.0, compare=False)
 
     def __sub__(self, other: CommStats) -> CommStats:
         return CommStats(
             self.collectives - other.collectives,
             self.bytes_sent - other.bytes_sent,
             self.bytes_received - other.bytes_received,
+            self.seconds - other.seconds,
         )
 
     def __add__(self, other: CommStats) -> CommStats:
@@ -50,6 +58,7 @@ class CommStats:
             self.collectives + other.collectives,
             self.bytes_sent + other.bytes_sent,
             self.bytes_received + other.bytes_received,
+            self.seconds + other.seconds,
         )
 
 
@@ -197,8 +206,9 @@ class TransportBase:
         if self.world_size == 1:
             return send.clone()
         flat, received = self._all_to_all_buffers(send)
+        started = time.perf_counter()
         self._raw_all_to_all(flat, received)
-        self._count(wire.all_to_all_bytes(_nbytes(send), self.world_size))
+        self._count(wire.all_to_all_bytes(_nbytes(send), self.world_size), time.perf_counter() - started)
         return received.view(send.shape)
 
     def all_gather(self, send: torch.Tensor) -> torch.Tensor:
@@ -207,8 +217,9 @@ class TransportBase:
             return send.clone()
         flat = send.contiguous().view(-1)
         received = flat.new_empty(flat.numel() * self.world_size)
+        started = time.perf_counter()
         self._raw_all_gather(flat, received)
-        self._count(wire.all_gather_bytes(_nbytes(send), self.world_size))
+        self._count(wire.all_gather_bytes(_nbytes(send), self.world_size), time.perf_counter() - started)
         return received
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -221,13 +232,15 @@ class TransportBase:
         self._check_sum_dtype(tensor.dtype)
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         flat = work.view(-1)
+        started = time.perf_counter()
         if tensor.is_floating_point():
             self._ordered_float_sum(flat)
         else:
             self._raw_integer_all_reduce_sum(flat)
+        seconds = time.perf_counter() - started
         if work is not tensor:
             tensor.copy_(work)
-        self._count(wire.all_reduce_bytes(_nbytes(tensor), self.world_size))
+        self._count(wire.all_reduce_bytes(_nbytes(tensor), self.world_size), seconds)
         return tensor
 
     # ------------------------------------------------------------------ issued collectives
@@ -237,8 +250,9 @@ class TransportBase:
         if self.world_size == 1:
             return InFlight(send.clone())
         flat, received = self._all_to_all_buffers(send)
+        started = time.perf_counter()
         work = self._raw_all_to_all_async(flat, received)
-        self._count(wire.all_to_all_bytes(_nbytes(send), self.world_size))
+        self._count(wire.all_to_all_bytes(_nbytes(send), self.world_size), time.perf_counter() - started)
         return InFlight(received.view(send.shape), work, sent=flat)
 
     def start_all_gather(self, send: torch.Tensor) -> InFlight:
@@ -247,8 +261,9 @@ class TransportBase:
             return InFlight(send.clone())
         flat = send.contiguous().view(-1)
         received = flat.new_empty(flat.numel() * self.world_size)
+        started = time.perf_counter()
         work = self._raw_all_gather_async(flat, received)
-        self._count(wire.all_gather_bytes(_nbytes(send), self.world_size))
+        self._count(wire.all_gather_bytes(_nbytes(send), self.world_size), time.perf_counter() - started)
         return InFlight(received, work, sent=flat)
 
     def start_all_reduce_sum(self, tensor: torch.Tensor) -> InFlight:
@@ -261,13 +276,23 @@ class TransportBase:
             return InFlight(self._all_reduce_sum(tensor))
         self._check_sum_dtype(tensor.dtype)
         work_tensor = tensor if tensor.is_contiguous() else tensor.contiguous()
+        started = time.perf_counter()
         work = self._raw_integer_all_reduce_sum_async(work_tensor.view(-1))
-        self._count(wire.all_reduce_bytes(_nbytes(tensor), self.world_size))
+        self._count(wire.all_reduce_bytes(_nbytes(tensor), self.world_size), time.perf_counter() - started)
         return InFlight(work_tensor, work, copy_back=None if work_tensor is tensor else tensor)
 
     def wait(self, pending: InFlight) -> torch.Tensor:
-        """The result of an issued collective, once it is done on this rank (at once if it already is)."""
-        return pending._complete()
+        """The result of an issued collective, once it is done on this rank (at once if it already is).
+
+        The seconds spent waiting count as seconds inside collectives (``stats.seconds``), as the
+        issue's own did: together, the part of the collective this rank did not overlap with other work.
+        """
+        if pending._work is None:  # finished when issued (a world of one, a blocking library): nothing to wait for
+            return pending._complete()
+        started = time.perf_counter()
+        result = pending._complete()
+        self.stats.seconds += time.perf_counter() - started
+        return result
 
     # ------------------------------------------------------------------ shared internals
 
@@ -300,10 +325,11 @@ class TransportBase:
         if send is not flat:
             flat.copy_(send[:numel])
 
-    def _count(self, moved: int) -> None:
+    def _count(self, moved: int, seconds: float) -> None:
         self.stats.collectives += 1
         self.stats.bytes_sent += moved
         self.stats.bytes_received += moved
+        self.stats.seconds += seconds
 
     # ------------------------------------------------------------------ hooks
 

@@ -1,0 +1,158 @@
+"""``compression="auto"``: the planner's choice for this model, world and network, as concrete options.
+
+:func:`resolve_auto` is a pure function of values every rank shares (the options, the number of
+parameters, the world and node sizes, the ZeRO stage, the built-in local cost table), so every rank
+resolves the same mode without communicating; the set-up fingerprint (docs/design.md, section 17)
+then compares the resolved options across ranks. It is called where the world is known: by
+:class:`~ds_lioncub.optimizer.LionCub` at construction (ZeRO stage 0), and by the DeepSpeed wiring
+before it builds LionCub from a ds_config (the engine's ZeRO stage, bucket size and gradient
+communication dtype).
+
+The result is the fastest candidate of :func:`~ds_lioncub.planner.plan` at that ZeRO stage. The
+options the user gave are kept, except that ``network`` is dropped (it served its purpose), and
+when exact Lion wins ``momentum_sync`` and ``hybrid`` too (they apply to compressed modes only);
+at stage 0 ``hybrid`` only gives the node size. One sentence says what was chosen and why; the
+caller logs it on rank 0, at warning level when compression was found not to pay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ds_lioncub._logging import get_logger
+from ds_lioncub.comm.topology import NODE_SIZE_VARIABLES, plan_hybrid, resolve_node_size
+from ds_lioncub.config import LionCubConfig, parse_config
+from ds_lioncub.planner.local_costs import LocalCosts
+from ds_lioncub.planner.model import (
+    Candidate,
+    Cluster,
+    Network,
+    describe_network,
+    plan,
+)
+from ds_lioncub.units import format_seconds
+
+COMPRESSED_ONLY = ("momentum_sync", "hybrid")
+
+
+@dataclass(frozen=True)
+class AutoResolution:
+    """What ``compression="auto"`` became.
+
+    Attributes:
+        options: the concrete options (compression "none", "1bit" or "kbit").
+        sentence: what was chosen and why, for the log.
+        fell_back: True when exact Lion was chosen because compression does not pay (log it as a warning).
+        candidates: the planner's candidates, fastest first (empty when there was nothing to plan).
+    """
+
+    options: LionCubConfig
+    sentence: str
+    fell_back: bool
+    candidates: tuple[Candidate, ...] = ()
+
+
+def _concrete(options: LionCubConfig, chosen: dict[str, Any], zero_stage: int) -> LionCubConfig:
+    """The user's options with the chosen mode in place of "auto"."""
+    given = options.model_dump(include=options.model_fields_set)
+    given.pop("network", None)
+    if chosen["compression"] == "none" or zero_stage == 0:
+        given.pop("hybrid", None)
+    if chosen["compression"] == "none":
+        given.pop("momentum_sync", None)
+    mode = dict(chosen)
+    if "hybrid" in given:
+        mode.pop("hybrid", None)  # the user's own block (it gave the node size)
+    return parse_config({**given, **mode})
+
+
+def _exact(options: LionCubConfig, sentence: str) -> AutoResolution:
+    return AutoResolution(_concrete(options, {"compression": "none"}, 0), sentence, fell_back=True)
+
+
+def resolve_auto(
+    options: LionCubConfig,
+    num_params: int,
+    world_size: int,
+    node_size: int,
+    zero_stage: int = 0,
+    *,
+    exact_comm_dtypes: Sequence[str] = ("fp32", "bf16"),
+    exact_bucket_size: int | None = None,
+    local_costs: LocalCosts | None = None,
+) -> AutoResolution:
+    """The concrete options for ``options`` with ``compression="auto"`` (others are returned as they are).
+
+    ``world_size`` ranks in nodes of ``node_size`` (which must divide it) train ``num_params``
+    parameters at ZeRO ``zero_stage``. ``exact_comm_dtypes`` and ``exact_bucket_size``: how exact Lion's
+    gradients would travel (LionCub's own all-reduce by default: either dtype, in ``bucket_size``
+    buckets; under DeepSpeed the engine's dtype and buckets).
+    """
+    if options.compression != "auto":
+        return AutoResolution(options, "", fell_back=False)
+    assert options.network is not None  # the config's validation requires it with "auto"
+    network = Network(options.network.bandwidth, options.network.intra_node_bandwidth, options.network.latency)
+    if world_size == 1:
+        return _exact(options, "LionCub auto: exact Lion (compression 'none'): a world of one rank sends nothing.")
+    if zero_stage >= 3:
+        return _exact(
+            options,
+            f"LionCub auto: exact Lion (compression 'none'): ZeRO stage {zero_stage} runs exact Lion only.",
+        )
+    layout = plan_hybrid(world_size, node_size)
+    where = f"{num_params:,} parameters on {layout.nodes} x {layout.node_size} ranks at {describe_network(network)}"
+    if zero_stage in (1, 2) and layout.nodes == 1:
+        return _exact(
+            options,
+            f"LionCub auto: exact Lion (compression 'none'): under ZeRO stage {zero_stage} LionCub votes across "
+            f"nodes, and all {world_size} ranks are on one node.",
+        )
+    candidates = plan(
+        num_params,
+        Cluster(layout.nodes, layout.node_size),
+        network,
+        local_costs,
+        zero_stages=(0,) if zero_stage == 0 else (2,),
+        exact_comm_dtypes=exact_comm_dtypes,
+        bucket_size=options.bucket_size,
+        exact_bucket_size=options.bucket_size if exact_bucket_size is None else exact_bucket_size,
+        hybrid_with_one_rank_per_node=zero_stage != 0,
+    )
+    best = candidates[0]
+    exact = next(c for c in candidates if c.compression == "none")
+    compressed = next(c for c in candidates if c.compression != "none")
+    if best.compression == "none":
+        sentence = (
+            f"LionCub auto: compression does not pay for {where}: the best compressed mode ({compressed.label}) is "
+            f"predicted at {format_seconds(compressed.seconds_per_step)}/step, exact Lion at "
+            f"{format_seconds(exact.seconds_per_step)}; using exact Lion (compression 'none', {exact.label})."
+        )
+        return AutoResolution(_concrete(options, best.params, zero_stage), sentence, True, tuple(candidates))
+    sentence = (
+        f"LionCub auto: {best.label}, predicted {format_seconds(best.seconds_per_step)}/step vs "
+        f"{format_seconds(exact.seconds_per_step)} for exact Lion, for {where}."
+    )
+    return AutoResolution(_concrete(options, best.params, zero_stage), sentence, False, tuple(candidates))
+
+
+def auto_node_size(options: LionCubConfig, environ: Mapping[str, str]) -> int:
+    """G for planning: ``hybrid.node_size``, else the launcher's ranks per machine, else 1 (one rank per node)."""
+    option = options.hybrid.node_size if options.hybrid is not None else None
+    if option is None and not any(environ.get(name, "").strip() for name in NODE_SIZE_VARIABLES):
+        return 1
+    return resolve_node_size(option, environ)[0]
+
+
+def log_auto_resolution(resolution: AutoResolution, rank: int) -> None:
+    """The resolution's sentence on rank 0: a warning when compression was found not to pay, else info."""
+    if rank != 0 or not resolution.sentence:
+        return
+    if resolution.fell_back:
+        get_logger().warning(resolution.sentence)
+    else:
+        get_logger().info(resolution.sentence)
+
+
+__all__ = ["AutoResolution", "auto_node_size", "log_auto_resolution", "resolve_auto"]

@@ -1,0 +1,198 @@
+"""The planner's command line.
+
+::
+
+    python -m ds_lioncub.planner --params N --nodes M --gpus-per-node G --inter-node-bandwidth RATE
+           [--intra-node-bandwidth RATE] [--latency T] [--json] [--local-costs FILE]
+    python -m ds_lioncub.planner --calibrate [--save FILE]
+
+The default output is a table of every feasible candidate, fastest predicted step first, and the
+ds_config blocks of the best one. ``--json`` prints ``{"recommended": {"params", "zero_stage"},
+"candidates": [{"params", "zero_stage", "seconds_per_step", "bytes_per_step_per_rank"}, ...]}``.
+Bad arguments exit with status 2 and argparse's message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ds_lioncub.errors import LionCubConfigError
+from ds_lioncub.planner.local_costs import DEFAULT_LOCAL_COSTS, LocalCosts
+from ds_lioncub.planner.model import DEFAULT_LATENCY, Candidate, Cluster, Network, describe_network, plan
+from ds_lioncub.units import format_seconds, parse_duration, parse_rate
+
+
+def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type from a parser that raises LionCubConfigError (argparse then prints the message)."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except LionCubConfigError as error:
+            raise argparse.ArgumentTypeError(str(error).removeprefix("LionCub: ")) from None
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def _positive_count(text: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        raise LionCubConfigError(f"LionCub: {text!r} is not a number (write 1500000000 or 1.5e9)") from None
+    if value < 1 or value != int(value):
+        raise LionCubConfigError(f"LionCub: {text!r} must be a whole number >= 1")
+    return int(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m ds_lioncub.planner",
+        description="Predict which LionCub mode gives the fastest step on a cluster (an alpha-beta model of every "
+        "mode's collectives plus measured local costs), and print the ds_config to use.",
+    )
+    parser.add_argument(
+        "--params", type=_argument(_positive_count), metavar="N", help="parameters in the model (e.g. 1.5e9)"
+    )
+    parser.add_argument("--nodes", type=_argument(_positive_count), metavar="M", help="machines, M")
+    parser.add_argument("--gpus-per-node", type=_argument(_positive_count), metavar="G", help="ranks per machine, G")
+    parser.add_argument(
+        "--inter-node-bandwidth",
+        type=_argument(parse_rate),
+        metavar="RATE",
+        help="each machine's link to the network, e.g. 1gbit, 100gbit, 10GB/s",
+    )
+    parser.add_argument(
+        "--intra-node-bandwidth",
+        type=_argument(parse_rate),
+        metavar="RATE",
+        help="between two ranks of one machine (default: no bottleneck, e.g. NVLink beside Ethernet)",
+    )
+    parser.add_argument(
+        "--latency",
+        type=_argument(parse_duration),
+        default=DEFAULT_LATENCY,
+        metavar="T",
+        help=f"per message round, e.g. 5us, 50us, 1ms (default {DEFAULT_LATENCY * 1e6:g}us)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the recommendation and candidates as JSON")
+    parser.add_argument(
+        "--local-costs", metavar="FILE", help="a local cost table saved by --calibrate --save (default: the built-in)"
+    )
+    parser.add_argument("--calibrate", action="store_true", help="measure this machine's local cost table and print it")
+    parser.add_argument("--save", metavar="FILE", help="with --calibrate: write the table there as JSON")
+    parser.add_argument(
+        "--threads",
+        type=_argument(_positive_count),
+        metavar="N",
+        help="with --calibrate: torch threads per rank (default: torch's)",
+    )
+    return parser
+
+
+def ds_config_blocks(candidate: Candidate) -> dict[str, Any]:
+    """The parts of a ds_config that select ``candidate``."""
+    blocks: dict[str, Any] = {
+        "optimizer": {"type": "LionCub", "params": candidate.params},
+        "zero_optimization": {"stage": candidate.zero_stage},
+    }
+    if candidate.params.get("compression") == "none" and candidate.params.get("comm_dtype") == "bf16":
+        # Under DeepSpeed the engine runs exact Lion's all-reduce, in its communication dtype.
+        blocks["communication_data_type"] = "bf16"
+    return blocks
+
+
+def as_json(candidates: Sequence[Candidate]) -> dict[str, Any]:
+    best = candidates[0]
+    return {
+        "recommended": {"params": best.params, "zero_stage": best.zero_stage},
+        "candidates": [
+            {
+                "params": c.params,
+                "zero_stage": c.zero_stage,
+                "seconds_per_step": c.seconds_per_step,
+                "bytes_per_step_per_rank": c.bytes_per_step_per_rank,
+            }
+            for c in candidates
+        ],
+    }
+
+
+def as_table(candidates: Sequence[Candidate], num_params: int, cluster: Cluster, network: Network) -> str:
+    best = candidates[0]
+    lines = [
+        f"{num_params:,} parameters on {cluster.nodes} x {cluster.gpus_per_node} ranks, {describe_network(network)}",
+        "",
+        f"{'mode':<44} {'ZeRO':>4} {'step':>9} {'comm':>9} {'local':>9} {'bytes/step/rank':>16} "
+        f"{'out of a node':>15} {'vs best':>8}",
+    ]
+    for c in candidates:
+        lines.append(
+            f"{c.label:<44} {c.zero_stage:>4} {format_seconds(c.seconds_per_step):>9} "
+            f"{format_seconds(c.comm_seconds):>9} {format_seconds(c.local_seconds):>9} "
+            f"{c.bytes_per_step_per_rank:>16,} {c.node_link_bytes_per_step:>15,} "
+            f"{c.seconds_per_step / best.seconds_per_step:>7.2f}x"
+        )
+    exact = [c for c in candidates if c.compression == "none"]
+    lines += ["", f"Recommended: {best.label}, predicted {format_seconds(best.seconds_per_step)} per step"]
+    if exact and best.compression != "none":
+        lines[-1] += (
+            f" vs {format_seconds(exact[0].seconds_per_step)} for the best exact Lion "
+            f"({exact[0].seconds_per_step / best.seconds_per_step:.1f}x slower)."
+        )
+    else:
+        lines[-1] += ": compression does not pay here."
+    lines += [
+        "(Communication and optimizer only: the forward and backward passes are the same in every mode.",
+        " bytes/step/rank: all a rank sends; out of a node: what crosses one node's link to the network.)",
+        "",
+        "ds_config:",
+        json.dumps(ds_config_blocks(best), indent=2),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.calibrate:
+        from ds_lioncub.planner.calibrate import as_python_table, measure_local_costs
+
+        costs = measure_local_costs(threads=args.threads)
+        if args.save:
+            with open(args.save, "w") as file:
+                file.write(costs.to_json() + "\n")
+        print(as_python_table(costs, "python -m ds_lioncub.planner --calibrate"))
+        return 0
+    missing = [
+        flag
+        for flag, value in (
+            ("--params", args.params),
+            ("--nodes", args.nodes),
+            ("--gpus-per-node", args.gpus_per_node),
+            ("--inter-node-bandwidth", args.inter_node_bandwidth),
+        )
+        if value is None
+    ]
+    if missing:
+        parser.error(f"the following arguments are required: {', '.join(missing)}")
+    try:
+        costs = DEFAULT_LOCAL_COSTS if args.local_costs is None else LocalCosts.load(args.local_costs)
+    except (OSError, ValueError) as error:
+        parser.error(f"--local-costs: {error}")
+    cluster = Cluster(args.nodes, args.gpus_per_node)
+    network = Network(args.inter_node_bandwidth, args.intra_node_bandwidth, args.latency)
+    candidates = plan(args.params, cluster, network, costs)
+    if args.json:
+        print(json.dumps(as_json(candidates), indent=2))
+    else:
+        print(as_table(candidates, args.params, cluster, network))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""The α-β model: predicted seconds and bytes per step of every LionCub mode on a cluster.
+
+Each collective costs ``rounds * α + max(node link bytes / β_inter, in-node bytes / β_intra)``:
+
+- ``α`` (``Network.latency``) is paid once per round, a step in which every rank sends one message
+  and waits for one: a ring all-reduce has ``2 (p - 1)`` rounds (reduce-scatter, then all-gather),
+  a ring all-gather or reduce-scatter ``p - 1``, a pairwise all-to-all ``p - 1``;
+- the bytes come from :mod:`ds_lioncub.comm.wire` (the only place they are written): how many
+  cross one node's link to the network, shared by the node's ranks, and how many a rank sends to
+  ranks of its own node (:func:`~ds_lioncub.comm.wire.link_bytes`); the two kinds of link run at
+  once, so the slower sets the time.
+
+A step adds its collectives (no overlap with each other or with compute) and the local work of
+:mod:`ds_lioncub.planner.local_costs`: Lion's arithmetic on the elements the rank steps, and what
+LionCub computes around its collectives (packing, votes, unpacking). The sums inside an all-reduce
+or reduce-scatter are the collective's own work, pipelined with its transfers, and are in its time.
+The forward and backward passes are the same in every mode and are left out: the figures rank the
+modes, and say what communication and the optimizer cost.
+
+Buckets: LionCub's compressed modes aggregate ``bucket_size`` elements at a time (its default,
+8388608) and each bucket pays its own rounds; exact Lion under DeepSpeed is the engine's own gradient
+all-reduce (ZeRO: reduce-scatter and all-gather), in DeepSpeed's buckets of 5e8 elements. Gradients
+and ZeRO's parameters travel in fp32 (training in fp32), except where a candidate sends bf16.
+
+Candidates (:func:`plan`): at ZeRO stage 0 exact Lion (fp32 or bf16 all-reduce), the 1-bit vote and
+every k-bit vote (2/4/8 bits, sign or L1 fields, all-reduce or all-to-all) that
+:class:`~ds_lioncub.comm.kbit.KbitCodec` admits for the world; with more than one node, ZeRO-2 too:
+exact Lion sharded over the world, and the hybrid (docs/design.md, section 16) with every
+compressed mode over the nodes' vote groups.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ds_lioncub.comm import wire
+from ds_lioncub.comm.kbit import KbitCodec
+from ds_lioncub.config import LionCubConfig, NetworkConfig, parse_config
+from ds_lioncub.errors import LionCubConfigError
+from ds_lioncub.planner.local_costs import DEFAULT_LOCAL_COSTS, LION_UPDATE, LocalCosts, aggregation_key
+from ds_lioncub.units import format_rate
+
+LIONCUB_BUCKET_SIZE: int = LionCubConfig.model_fields["bucket_size"].default
+# DeepSpeed's gradient all-reduce bucket at stage 0 (engine.allreduce_gradients) and ZeRO's
+# reduce_bucket_size / allgather_bucket_size defaults, in elements.
+DEEPSPEED_BUCKET_SIZE = 500_000_000
+DEFAULT_LATENCY: float = NetworkConfig.model_fields["latency"].default
+ELEMENT_SIZE = {"fp32": 4, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class Network:
+    """The links between the ranks.
+
+    Attributes:
+        inter_node_bandwidth: bytes per second, each direction, of one node's link to the network; the
+            node's ranks share it (with one rank per node: each rank's own link).
+        intra_node_bandwidth: bytes per second, each direction, between two ranks of one node; ``None``:
+            in-node links are no bottleneck (NVLink next to Ethernet): in-node bytes cost only their rounds.
+        latency: seconds per round of a collective (α): the time for the smallest message to arrive.
+    """
+
+    inter_node_bandwidth: float
+    intra_node_bandwidth: float | None = None
+    latency: float = DEFAULT_LATENCY
+
+    def __post_init__(self) -> None:
+        rates = [self.inter_node_bandwidth] + ([] if self.intra_node_bandwidth is None else [self.intra_node_bandwidth])
+        if not all(math.isfinite(rate) and rate > 0 for rate in rates):
+            raise LionCubConfigError(f"LionCub: bandwidths must be positive and finite, got {rates}.")
+        if not (math.isfinite(self.latency) and self.latency >= 0):
+            raise LionCubConfigError(f"LionCub: the latency must be >= 0 seconds, got {self.latency!r}.")
+
+    @property
+    def in_node_bandwidth(self) -> float:
+        return math.inf if self.intra_node_bandwidth is None else self.intra_node_bandwidth
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` machines (M) of ``gpus_per_node`` ranks (G) each, ranks numbered node-major."""
+
+    nodes: int
+    gpus_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise LionCubConfigError(
+                f"LionCub: a cluster needs at least 1 node of at least 1 GPU, got {self.nodes} x {self.gpus_per_node}."
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run a step, with its predicted cost.
+
+    Attributes:
+        params: the LionCub params of the ds_config's optimizer block.
+        zero_stage: the ds_config's ``zero_optimization.stage``.
+        seconds_per_step: ``comm_seconds + local_seconds``.
+        bytes_per_step_per_rank: bytes one rank sends per step, over every link.
+        comm_seconds: the collectives' α-β time.
+        local_seconds: Lion's arithmetic and the aggregation's local work.
+        label: what it is, in words.
+        node_link_bytes_per_step: bytes out of one node through its link to the network per step (what
+            a slow inter-node network has to carry; the rest stays inside the nodes).
+    """
+
+    params: dict[str, Any]
+    zero_stage: int
+    seconds_per_step: float
+    bytes_per_step_per_rank: int
+    comm_seconds: float
+    local_seconds: float
+    label: str
+    node_link_bytes_per_step: int = 0
+
+    @property
+    def compression(self) -> str:
+        return str(self.params["compression"])
+
+
+# ---------------------------------------------------------------------------------------------- collectives
+
+
+def rounds(collective: wire.Collective) -> int:
+    """Rounds (α terms) of ``collective``: 2(p-1) for a ring all-reduce, p-1 for the others, 0 alone."""
+    p = collective.world_size
+    if p <= 1:
+        return 0
+    return 2 * (p - 1) if collective.kind == "all_reduce" else p - 1
+
+
+def collective_seconds(
+    collective: wire.Collective, placement: wire.Placement, node_size: int, network: Network
+) -> float:
+    """``rounds * α + max(node link bytes / β_inter, in-node bytes / β_intra)`` (see the module docstring)."""
+    if collective.world_size <= 1:
+        return 0.0
+    on_links = wire.link_bytes(collective, placement, node_size)
+    transfer = max(on_links.node_link / network.inter_node_bandwidth, on_links.within_node / network.in_node_bandwidth)
+    return rounds(collective) * network.latency + transfer
+
+
+def aggregation_collectives(options: LionCubConfig, numel: int, world_size: int) -> list[wire.Collective]:
+    """What one aggregation of ``numel`` elements over ``world_size`` ranks issues (LionCub's own collectives)."""
+    if options.compression == "none":
+        return wire.dense_all_reduce_collectives(numel, world_size, ELEMENT_SIZE[options.comm_dtype])
+    if options.compression == "1bit":
+        return wire.vote_1bit_collectives(numel, world_size)
+    codec = KbitCodec.build(world_size, options.bits, options.quantizer, options.kbit_algorithm)
+    return wire.kbit_collectives(numel, codec, options.aggregation)
+
+
+def bucket_sizes(numel: int, bucket_size: int) -> list[int]:
+    """``numel`` elements cut into buckets of ``bucket_size`` (the last one shorter)."""
+    full, rest = divmod(numel, bucket_size)
+    return [bucket_size] * full + ([rest] if rest else [])
+
+
+@dataclass
+class _Tally:
+    """Seconds and bytes of one rank's collectives in a step."""
+
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    node_link_bytes: int = 0
+
+    def add(
+        self, collectives: Sequence[wire.Collective], placement: wire.Placement, node_size: int, network: Network
+    ) -> None:
+        for collective in collectives:
+            self.seconds += collective_seconds(collective, placement, node_size, network)
+            self.bytes_sent += collective.bytes_sent
+            if collective.world_size > 1:
+                self.node_link_bytes += wire.link_bytes(collective, placement, node_size).node_link
+
+
+# ---------------------------------------------------------------------------------------------- one aggregation
+
+
+def predict_aggregation_seconds(
+    params: dict[str, Any],
+    numel: int,
+    world_size: int,
+    network: Network,
+    local_costs: LocalCosts | None = None,
+) -> float:
+    """Seconds of one aggregation of ``numel`` elements over ``world_size`` ranks, one rank per node.
+
+    What ``benchmarks/bench_comm.py`` times for one op: the collectives of the mode (exact modes: one
+    all-reduce in ``comm_dtype``; no buckets, no finite check) plus the aggregation's local work.
+    """
+    options = parse_config(params)
+    costs = DEFAULT_LOCAL_COSTS if local_costs is None else local_costs
+    tally = _Tally()
+    tally.add(aggregation_collectives(options, numel, world_size), "spanning", 1, network)
+    local = costs.cost(aggregation_key(options)) * numel if world_size > 1 else 0.0
+    return tally.seconds + local
+
+
+# ---------------------------------------------------------------------------------------------- one step
+
+
+def _compressed_modes(world_size: int) -> list[tuple[str, dict[str, Any]]]:
+    """(label, params) of the 1-bit vote and every k-bit vote ``KbitCodec`` admits for ``world_size`` voters."""
+    modes: list[tuple[str, dict[str, Any]]] = [("1-bit vote", {"compression": "1bit"})]
+    for bits in (2, 4, 8):
+        for quantizer in ("sign", "l1"):
+            for algorithm in ("allreduce", "alltoall"):
+                try:
+                    KbitCodec.build(world_size, bits, quantizer, algorithm)
+                except LionCubConfigError:
+                    continue
+                params = {"compression": "kbit", "bits": bits, "quantizer": quantizer, "kbit_algorithm": algorithm}
+                short = "all-reduce" if algorithm == "allreduce" else "all-to-all"
+                modes.append((f"{bits}-bit {quantizer} vote, {short}", params))
+    return modes
+
+
+def _candidate(label: str, params: dict[str, Any], zero_stage: int, tally: _Tally, local_seconds: float) -> Candidate:
+    return Candidate(
+        params=params,
+        zero_stage=zero_stage,
+        seconds_per_step=tally.seconds + local_seconds,
+        bytes_per_step_per_rank=tally.bytes_sent,
+        comm_seconds=tally.seconds,
+        local_seconds=local_seconds,
+        label=label,
+        node_link_bytes_per_step=tally.node_link_bytes,
+    )
+
+
+def exact_candidate(
+    num_params: int,
+    cluster: Cluster,
+    network: Network,
+    costs: LocalCosts,
+    comm_dtype: str,
+    zero_stage: int,
+    bucket_size: int,
+) -> Candidate:
+    """Exact Lion: the gradient all-reduce (stage 0) or ZeRO-2's reduce-scatter and all-gather over the world."""
+    p, node_size = cluster.world_size, cluster.gpus_per_node
+    params: dict[str, Any] = {"compression": "none"} | ({} if comm_dtype == "fp32" else {"comm_dtype": comm_dtype})
+    tally = _Tally()
+    for bucket in bucket_sizes(num_params, bucket_size):
+        if zero_stage == 0:
+            collectives = wire.dense_all_reduce_collectives(bucket, p, ELEMENT_SIZE[comm_dtype])
+        else:
+            collectives = wire.zero2_collectives(bucket, p, ELEMENT_SIZE[comm_dtype])
+        tally.add(collectives, "spanning", node_size, network)
+    stepped = num_params if zero_stage == 0 else wire.zero_partition_numel(num_params, p)
+    conversion = costs.cost(f"none/{comm_dtype}") * num_params if p > 1 else 0.0
+    local = costs.cost(LION_UPDATE) * stepped + conversion
+    where = "all-reduce" if zero_stage == 0 else "ZeRO-2 over the world"
+    return _candidate(f"exact Lion, {comm_dtype} {where}", params, zero_stage, tally, local)
+
+
+def flat_candidate(
+    label: str,
+    params: dict[str, Any],
+    num_params: int,
+    cluster: Cluster,
+    network: Network,
+    costs: LocalCosts,
+    bucket_size: int,
+) -> Candidate:
+    """A compressed mode at ZeRO stage 0: every rank a voter, the vote spanning the cluster."""
+    options = parse_config(params)
+    p, node_size = cluster.world_size, cluster.gpus_per_node
+    tally = _Tally()
+    for bucket in bucket_sizes(num_params, bucket_size):
+        tally.add(aggregation_collectives(options, bucket, p), "spanning", node_size, network)
+    if p > 1 and options.check_finite:
+        tally.add(wire.finite_check_collectives(p), "spanning", node_size, network)
+    aggregation = costs.cost(aggregation_key(options)) * num_params if p > 1 else 0.0
+    local = costs.cost(LION_UPDATE) * num_params + aggregation
+    return _candidate(label, params, 0, tally, local)
+
+
+def hybrid_candidate(
+    label: str,
+    params: dict[str, Any],
+    num_params: int,
+    cluster: Cluster,
+    network: Network,
+    costs: LocalCosts,
+    bucket_size: int,
+    zero_bucket_size: int,
+) -> Candidate:
+    """A compressed mode under the ZeRO-2 hybrid: ZeRO inside each node, the vote over the nodes (section 16)."""
+    node_size, nodes = cluster.gpus_per_node, cluster.nodes
+    hybrid_params = {**params, "hybrid": {"node_size": node_size}}
+    options = parse_config(hybrid_params)
+    tally = _Tally()
+    for bucket in bucket_sizes(num_params, zero_bucket_size):
+        tally.add(wire.zero2_collectives(bucket, node_size, ELEMENT_SIZE["fp32"]), "within_node", node_size, network)
+    shard = wire.zero_partition_numel(num_params, node_size)
+    for bucket in bucket_sizes(shard, bucket_size):
+        tally.add(aggregation_collectives(options, bucket, nodes), "one_per_node", node_size, network)
+    if options.check_finite:  # agreed over the whole world (section 16)
+        tally.add(wire.finite_check_collectives(cluster.world_size), "spanning", node_size, network)
+    local = (costs.cost(LION_UPDATE) + costs.cost(aggregation_key(options))) * shard
+    return _candidate(f"{label}, ZeRO-2 hybrid", hybrid_params, 2, tally, local)
+
+
+def plan(
+    num_params: int,
+    cluster: Cluster,
+    network: Network,
+    local_costs: LocalCosts | None = None,
+    *,
+    zero_stages: Sequence[int] = (0, 2),
+    exact_comm_dtypes: Sequence[str] = ("fp32", "bf16"),
+    bucket_size: int = LIONCUB_BUCKET_SIZE,
+    exact_bucket_size: int = DEEPSPEED_BUCKET_SIZE,
+    hybrid_with_one_rank_per_node: bool = False,
+) -> list[Candidate]:
+    """Every feasible candidate for ``num_params`` parameters on ``cluster``, fastest predicted step first.
+
+    ``zero_stages``: which of stage 0 (flat) and stage 2 (the hybrid and exact ZeRO-2; only with more
+    than one node) to consider. ``exact_comm_dtypes``: the precisions exact Lion's all-reduce may use.
+    ``bucket_size``: LionCub's; ``exact_bucket_size``: the elements per bucket of exact Lion's
+    gradient reduction (DeepSpeed's by default; LionCub's own when it runs without DeepSpeed).
+    ``hybrid_with_one_rank_per_node``: list the hybrid also when G = 1, where it is stage 0 under
+    another name (for a job whose ZeRO stage is fixed at 2).
+    """
+    if num_params < 1:
+        raise LionCubConfigError(f"LionCub: the model needs at least 1 parameter, got {num_params}.")
+    costs = DEFAULT_LOCAL_COSTS if local_costs is None else local_costs
+    candidates = []
+    if 0 in zero_stages:
+        for dtype in exact_comm_dtypes:
+            candidates.append(exact_candidate(num_params, cluster, network, costs, dtype, 0, exact_bucket_size))
+        for label, params in _compressed_modes(cluster.world_size):
+            candidates.append(flat_candidate(label, params, num_params, cluster, network, costs, bucket_size))
+    if 2 in zero_stages and cluster.nodes > 1:
+        candidates.append(
+            exact_candidate(num_params, cluster, network, costs, exact_comm_dtypes[0], 2, exact_bucket_size)
+        )
+    if 2 in zero_stages and cluster.nodes > 1 and (cluster.gpus_per_node > 1 or hybrid_with_one_rank_per_node):
+        for label, params in _compressed_modes(cluster.nodes):
+            candidates.append(
+                hybrid_candidate(label, params, num_params, cluster, network, costs, bucket_size, exact_bucket_size)
+            )
+    return sorted(candidates, key=lambda candidate: candidate.seconds_per_step)
+
+
+def describe_network(network: Network) -> str:
+    """``"1 Gbit/s, 50 us"`` (with the in-node rate when it differs)."""
+    text = format_rate(network.inter_node_bandwidth)
+    if network.intra_node_bandwidth is not None:
+        text += f" between nodes, {format_rate(network.intra_node_bandwidth)} inside"
+    return f"{text}, latency {network.latency * 1e6:.3g} us"
+
+
+__all__ = [
+    "DEEPSPEED_BUCKET_SIZE",
+    "DEFAULT_LATENCY",
+    "LIONCUB_BUCKET_SIZE",
+    "Candidate",
+    "Cluster",
+    "Network",
+    "aggregation_collectives",
+    "bucket_sizes",
+    "collective_seconds",
+    "describe_network",
+    "plan",
+    "predict_aggregation_seconds",
+    "rounds",
+]

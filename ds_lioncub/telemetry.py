@@ -1,0 +1,363 @@
+"""What LionCub did in each optimizer step: bytes, collectives, seconds, and (opt-in) how the vote went.
+
+:class:`StepTelemetry` is owned by the optimizer. Every step it takes the difference of
+``LionCub.comm_stats()`` across the step (collectives, bytes and seconds inside the transports'
+collectives, section 12 of docs/design.md for the bytes), adds the seconds spent in the
+aggregations' local work, and closes a :class:`StepRecord`. Under DeepSpeed the integration brackets
+each engine step with :meth:`StepTelemetry.hold` and :meth:`StepTelemetry.release`: one record for
+however many ``step`` calls the engine made (one per param group under ZeRO; none when it skipped the
+step on a mixed-precision overflow, which the record then says). With ``telemetry.vote_stats`` it also
+counts, per step, the tied votes and the elements where this rank's own sign agreed with the applied
+one (docs/design.md, section 19).
+
+The monitor names (:meth:`StepRecord.monitor_events`) are defined here, so the DeepSpeed
+integration and the documentation have one list to follow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ds_lioncub.aggregation import Aggregator, KbitVote, OneBitVote
+from ds_lioncub.comm.packing import pack_signs, sum_fields_per_position, unpack_fields, vote_packed_signs
+from ds_lioncub.comm.transport import CommStats
+from ds_lioncub.comm.votes import PendingAggregate
+from ds_lioncub.comm.wire import vote_padded_numel
+
+#: The prefix of every monitor event LionCub writes.
+MONITOR_PREFIX = "LionCub"
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step of one rank (under DeepSpeed: one engine step, whatever the ``step`` calls).
+
+    Attributes:
+        step: the optimizer step t (1-based) the record describes; for a skipped step, the step
+            count that stayed (the last step taken).
+        skipped: True when DeepSpeed skipped the step (fp16/bf16 overflow) and LionCub did not run;
+            every count below is then 0 and the rates are None.
+        collectives: collectives this rank issued in the step (count).
+        bytes_sent: payload bytes this rank sent in the step (bytes; the counts of
+            :mod:`ds_lioncub.comm.wire`, equal to the difference of ``comm_stats()`` across the step).
+        bytes_received: payload bytes this rank received in the step (bytes).
+        comm_seconds: host wall-clock seconds inside the transports' collectives (s).
+        local_seconds: host wall-clock seconds in the aggregations' own work, i.e. packing,
+            counting, voting and unpacking of every bucket, collectives excluded (s).
+        buckets: buckets aggregated in the step (count; 0 when nothing is aggregated, e.g. compression
+            "none" under DeepSpeed).
+        revoted_buckets: buckets whose vote was taken a second time in the step (count).
+        voted_elements: elements whose direction was voted on (count; this rank's shard under the ZeRO
+            hybrid).
+        tied_elements: with ``telemetry.vote_stats``: voted elements whose summed vote (the sum of the
+            ranks' ±1 or L1 levels q) is exactly 0, over the group that votes (count); None otherwise.
+        agreeing_elements: with ``telemetry.vote_stats``: voted elements where this rank's sign of its
+            pre-sign update c (zeros by the tie rule) equals the sign of the applied direction (0 by
+            the tie rule) (count); None otherwise.
+    """
+
+    step: int
+    skipped: bool
+    collectives: int
+    bytes_sent: int
+    bytes_received: int
+    comm_seconds: float
+    local_seconds: float
+    buckets: int
+    revoted_buckets: int
+    voted_elements: int
+    tied_elements: int | None
+    agreeing_elements: int | None
+
+    @property
+    def tie_rate(self) -> float | None:
+        """``tied_elements / voted_elements`` (a fraction in [0, 1]); None when not measured."""
+        if self.tied_elements is None or self.voted_elements == 0:
+            return None
+        return self.tied_elements / self.voted_elements
+
+    @property
+    def agreement_rate(self) -> float | None:
+        """``agreeing_elements / voted_elements`` (a fraction in [0, 1]); None when not measured."""
+        if self.agreeing_elements is None or self.voted_elements == 0:
+            return None
+        return self.agreeing_elements / self.voted_elements
+
+    def monitor_events(self) -> list[tuple[str, float]]:
+        """``(name, value)`` pairs under ``LionCub/``, for ``engine.monitor.write_events``.
+
+        The rates appear only when measured: a monitor has no "missing" value.
+        """
+        events: list[tuple[str, float]] = [
+            ("bytes_sent", self.bytes_sent),
+            ("bytes_received", self.bytes_received),
+            ("collectives", self.collectives),
+            ("comm_seconds", self.comm_seconds),
+            ("local_seconds", self.local_seconds),
+            ("skipped", int(self.skipped)),
+            ("revoted_buckets", self.revoted_buckets),
+        ]
+        if self.tie_rate is not None:
+            events.append(("tie_rate", self.tie_rate))
+        if self.agreement_rate is not None:
+            events.append(("agreement_rate", self.agreement_rate))
+        return [(f"{MONITOR_PREFIX}/{name}", value) for name, value in events]
+
+    @classmethod
+    def skipped_step(cls, step: int) -> StepRecord:
+        """A step DeepSpeed skipped: LionCub did not run; ``step`` is the step count that stayed."""
+        return cls(step, True, 0, 0, 0, 0.0, 0.0, 0, 0, 0, None, None)
+
+    @classmethod
+    def combined(cls, records: list[StepRecord]) -> StepRecord:
+        """One record for several ``step`` calls of one optimizer step (ZeRO steps each param group
+        apart): counts and seconds added, the last call's step number."""
+        tied = [r.tied_elements for r in records]
+        agreeing = [r.agreeing_elements for r in records]
+        return cls(
+            step=records[-1].step,
+            skipped=False,
+            collectives=sum(r.collectives for r in records),
+            bytes_sent=sum(r.bytes_sent for r in records),
+            bytes_received=sum(r.bytes_received for r in records),
+            comm_seconds=sum(r.comm_seconds for r in records),
+            local_seconds=sum(r.local_seconds for r in records),
+            buckets=sum(r.buckets for r in records),
+            revoted_buckets=sum(r.revoted_buckets for r in records),
+            voted_elements=sum(r.voted_elements for r in records),
+            tied_elements=None if None in tied else sum(t for t in tied if t is not None),
+            agreeing_elements=None if None in agreeing else sum(a for a in agreeing if a is not None),
+        )
+
+
+@dataclass
+class TelemetryTotals:
+    """Sums over every step recorded since the optimizer was built (units as in :class:`StepRecord`).
+
+    Attributes:
+        steps: steps recorded, skipped ones included (count).
+        skipped_steps: steps DeepSpeed skipped (count).
+        collectives, bytes_sent, bytes_received: summed over the steps (count, bytes, bytes).
+        comm_seconds, local_seconds: summed over the steps (s).
+        revoted_buckets: summed over the steps (count).
+    """
+
+    steps: int = 0
+    skipped_steps: int = 0
+    collectives: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    comm_seconds: float = 0.0
+    local_seconds: float = 0.0
+    revoted_buckets: int = 0
+
+    def add(self, record: StepRecord) -> None:
+        self.steps += 1
+        self.skipped_steps += int(record.skipped)
+        self.collectives += record.collectives
+        self.bytes_sent += record.bytes_sent
+        self.bytes_received += record.bytes_received
+        self.comm_seconds += record.comm_seconds
+        self.local_seconds += record.local_seconds
+        self.revoted_buckets += record.revoted_buckets
+
+
+@dataclass
+class VoteCounts:
+    """One step's vote statistics, kept as device tensors until the step ends (one host sync then).
+
+    Attributes:
+        tied_on_owners: tied positions this rank counted as the owner of a chunk; they add up over
+            the group (the 1-bit vote, the k-bit all-to-all).
+        tied_everywhere: tied positions of sums every rank holds whole (the k-bit all-reduce); not
+            summed over the group.
+        agreeing: elements where this rank's sign equals the applied sign.
+        elements: elements voted on (counted with or without ``vote_stats``).
+    """
+
+    tied_on_owners: torch.Tensor | None = None
+    tied_everywhere: torch.Tensor | None = None
+    agreeing: torch.Tensor | None = None
+    elements: int = 0
+
+
+def _add_count(total: torch.Tensor | None, count: torch.Tensor) -> torch.Tensor:
+    """``total + count`` as a one-element int64 tensor (one element: the step's all-reduce sums it in place)."""
+    count = count.to(torch.int64).reshape(1)
+    return count if total is None else total + count
+
+
+# Set bits of each byte value: a popcount as one histogram of the bytes (bincount, on any device).
+_SET_BITS_PER_BYTE = torch.tensor([bin(value).count("1") for value in range(256)], dtype=torch.int64)
+
+
+def count_set_bits(packed: torch.Tensor) -> torch.Tensor:
+    """The number of 1 bits in a uint8 tensor (int64, one element), in one pass over its bytes."""
+    histogram = torch.bincount(packed.reshape(-1), minlength=256)
+    return (histogram * _SET_BITS_PER_BYTE.to(histogram.device)).sum()
+
+
+def pack_local_signs(values: torch.Tensor, positive_ties: bool) -> torch.Tensor:
+    """This rank's resolved signs of a bucket, packed (docs/design.md, section 5: 1 means +1)."""
+    return pack_signs(values, positive_ties)
+
+
+def count_tied_votes(aggregator: Aggregator, pending: PendingAggregate) -> tuple[torch.Tensor, bool]:
+    """The positions of ``pending`` whose summed vote is 0, and whether the count is an owner's share.
+
+    A sum of 0 is exactly a position whose vote the tie rule decides, so it is counted as such: the
+    1-bit vote where the votes with positive and with negative ties differ, the k-bit sums where
+    ``f`` lies in ``[T(+), T(-))`` (section 4.6's thresholds; empty for sign fields at odd p).
+    The 1-bit vote and the k-bit all-to-all leave each rank the p rows of its own chunk (its counts
+    add up over the group to the bucket's); the k-bit all-reduce leaves every rank all the summed
+    fields (its count is already the bucket's). Padding never ties: its sums are 0, below T(+).
+    """
+    if not isinstance(aggregator, (OneBitVote, KbitVote)):
+        raise TypeError(f"count_tied_votes: {type(aggregator).__name__} takes no vote")
+    received = aggregator.transport.wait(pending.received)  # already done: the bucket's vote is complete
+    if isinstance(aggregator, OneBitVote):
+        world_size = aggregator.transport.world_size
+        chunk_numel = vote_padded_numel(pending.numel, world_size) // world_size
+        rows = received.view(world_size, -1)
+        with_positive = vote_packed_signs(rows, chunk_numel, True)
+        with_negative = vote_packed_signs(rows, chunk_numel, False)
+        return count_set_bits(torch.bitwise_xor(with_positive, with_negative)), True
+    codec = aggregator.codec
+    if codec.algorithm == "allreduce":
+        sums = unpack_fields(received, codec.bits, pending.numel)
+        on_owner = False
+    else:
+        chunk_numel = vote_padded_numel(pending.numel, codec.world_size) // codec.world_size
+        sums = sum_fields_per_position(received.view(codec.world_size, -1), codec.bits, chunk_numel)
+        on_owner = True
+    low, high = codec.vote_threshold(True), codec.vote_threshold(False)
+    histogram = torch.bincount(sums.reshape(-1), minlength=high)
+    return histogram[low:high].sum(), on_owner
+
+
+@dataclass
+class StepTelemetry:
+    """The optimizer's per-step records: the last one, and totals over all of them.
+
+    The optimizer calls :meth:`begin_step`, :meth:`add_bucket` per aggregated bucket,
+    :meth:`count_vote` per bucket when ``vote_stats`` is on, and :meth:`end_step`. A mode that takes
+    a bucket's vote again in the same step increments :attr:`revoted_buckets` (via
+    :meth:`note_revoted_bucket`), so the record shows it. The DeepSpeed integration brackets each
+    engine step with :meth:`hold` and :meth:`release`, which make one record of however many ``step``
+    calls it took (none: a skipped step; one per param group under ZeRO).
+    """
+
+    vote_stats: bool = False
+    last: StepRecord | None = None
+    totals: TelemetryTotals = field(default_factory=TelemetryTotals)
+    #: Buckets voted a second time in the current step.
+    revoted_buckets: int = 0
+    _baseline: CommStats = field(default_factory=CommStats)
+    _local_seconds: float = 0.0
+    _buckets: int = 0
+    _votes: VoteCounts = field(default_factory=VoteCounts)
+    _held: list[StepRecord] | None = None
+
+    def hold(self) -> None:
+        """Keep the records of the following ``step`` calls apart until :meth:`release` (or :meth:`drop_held`)."""
+        self._held = []
+
+    def release(self, step: int) -> StepRecord:
+        """One record for the ``step`` calls since :meth:`hold`: their sum, or a skipped step at ``step``
+        (the step count that stayed) when there was none."""
+        held, self._held = self._held or [], None
+        return self._keep(StepRecord.combined(held) if held else StepRecord.skipped_step(step))
+
+    def drop_held(self) -> None:
+        """Forget the records since :meth:`hold` (the engine step raised)."""
+        self._held = None
+
+    def begin_step(self, comm: CommStats) -> None:
+        """Start a step whose traffic so far is ``comm`` (a copy of ``comm_stats()``)."""
+        self._baseline = comm
+        self._local_seconds = 0.0
+        self._buckets = 0
+        self.revoted_buckets = 0
+        self._votes = VoteCounts()
+
+    def add_bucket(self, local_seconds: float, voted_elements: int) -> None:
+        """One aggregated bucket: its local work's seconds (its collectives' taken out) and the elements it
+        voted on (0 for an exact mean)."""
+        self._local_seconds += local_seconds
+        self._buckets += 1
+        self._votes.elements += voted_elements
+
+    def note_revoted_bucket(self) -> None:
+        """A bucket of this step was voted on again."""
+        self.revoted_buckets += 1
+
+    def count_vote(
+        self,
+        aggregator: Aggregator,
+        pending: object,
+        local_signs: torch.Tensor,
+        applied: torch.Tensor,
+    ) -> None:
+        """Add one bucket: its tied votes (from ``pending``, what ``aggregator.start`` returned), and where
+        ``local_signs`` (:func:`pack_local_signs` of the bucket before the vote overwrote it) equals the
+        sign of the ``applied`` direction (0 by the tie rule, as for the local signs)."""
+        assert isinstance(pending, PendingAggregate)
+        votes = self._votes
+        tied, on_owner = count_tied_votes(aggregator, pending)
+        if on_owner:
+            votes.tied_on_owners = _add_count(votes.tied_on_owners, tied)
+        else:
+            votes.tied_everywhere = _add_count(votes.tied_everywhere, tied)
+        # Both packed alike (padding bits 0): the differing bits are the disagreements.
+        differing = count_set_bits(torch.bitwise_xor(local_signs, pack_signs(applied, pending.positive_ties)))
+        votes.agreeing = _add_count(votes.agreeing, applied.numel() - differing)
+
+    def owner_tie_counts(self) -> torch.Tensor | None:
+        """The step's owner-side tie count (int64, one element), to be summed over the group in place
+        before :meth:`end_step`; None when the step counted none."""
+        return self._votes.tied_on_owners
+
+    def end_step(self, step: int, comm: CommStats) -> StepRecord:
+        """Close step ``step`` with the traffic now ``comm``; owner tie counts must be summed by then."""
+        delta = comm - self._baseline
+        votes = self._votes
+        measured = self.vote_stats and votes.agreeing is not None
+        tied = [count for count in (votes.tied_on_owners, votes.tied_everywhere) if count is not None]
+        record = StepRecord(
+            step=step,
+            skipped=False,
+            collectives=delta.collectives,
+            bytes_sent=delta.bytes_sent,
+            bytes_received=delta.bytes_received,
+            comm_seconds=delta.seconds,
+            local_seconds=self._local_seconds,
+            buckets=self._buckets,
+            revoted_buckets=self.revoted_buckets,
+            voted_elements=votes.elements,
+            # One host sync per step, for the vote statistics only.
+            tied_elements=sum(int(count.item()) for count in tied) if measured else None,
+            agreeing_elements=int(votes.agreeing.item()) if measured and votes.agreeing is not None else None,
+        )
+        if self._held is not None:
+            self._held.append(record)
+            return record
+        return self._keep(record)
+
+    def _keep(self, record: StepRecord) -> StepRecord:
+        self.last = record
+        self.totals.add(record)
+        return record
+
+
+__all__ = [
+    "MONITOR_PREFIX",
+    "StepRecord",
+    "StepTelemetry",
+    "TelemetryTotals",
+    "VoteCounts",
+    "count_set_bits",
+    "count_tied_votes",
+    "pack_local_signs",
+]
