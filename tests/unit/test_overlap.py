@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ds_lioncub import LionCub
+from ds_lioncub.comm import wire
 from ds_lioncub.comm.transport import Transport
 from ds_lioncub.errors import LionCubConfigError, NonFiniteGradientError
 from tests.support import scenarios as sc
@@ -94,6 +95,7 @@ def train(
 
     launched_during_backward = []
     errors = []
+    records = []
     for step in range(1, STEPS + 1):
         optimizer.zero_grad(set_to_none=True)
         for micro in range(accumulation):
@@ -112,6 +114,7 @@ def train(
             params["b1"].grad[0] = float("inf")
         try:
             optimizer.step()
+            records.append(optimizer.last_step_telemetry)
         except NonFiniteGradientError as error:
             errors.append((step, str(error)))
     return {
@@ -120,6 +123,7 @@ def train(
         "revoted": optimizer.revoted_buckets,
         "launched_during_backward": launched_during_backward,
         "errors": errors,
+        "records": records,
     }
 
 
@@ -144,10 +148,21 @@ def test_overlap_gives_the_same_bits_and_launches_every_bucket_during_backward(
 ) -> None:
     plain, overlapped = run_both(p, options=MODES[mode], accumulation=accumulation)
     assert_same_bits(plain, overlapped)
-    for result in overlapped:
+    for result, off in zip(overlapped, plain, strict=True):
         assert result["revoted"] == 0, "unchanged gradients: every vote started in backward is kept"
         # 4 buckets of the MLP at bucket_size 1024; one first collective each, issued from the hooks
         assert result["launched_during_backward"] == [4] * STEPS
+        for record, off_record in zip(result["records"], off["records"], strict=True):
+            assert record.collectives == off_record.collectives and record.buckets == off_record.buckets == 4
+            if mode == "1bit":
+                # The step's telemetry counts the votes launched during its backward. The reverse plan's
+                # buckets (584, 1024, 1024, 512 elements) pad differently from the forward plan's (1024,
+                # 1024, 576, 520), and the verdict all-reduces [non-finite, 4 buckets], not one flag.
+                on = sum(wire.vote_1bit_bytes(n, p) for n in (584, 1024, 1024, 512)) + wire.all_reduce_bytes(20, p)
+                off_bytes = sum(wire.vote_1bit_bytes(n, p) for n in (1024, 1024, 576, 520)) + wire.all_reduce_bytes(
+                    4, p
+                )
+                assert (record.bytes_sent, off_record.bytes_sent) == (on, off_bytes)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -155,6 +170,8 @@ def test_clipping_after_backward_is_caught_and_the_changed_buckets_voted_again(m
     plain, overlapped = run_both(3, options=MODES[mode], clip=0.05)
     assert_same_bits(plain, overlapped)
     assert all(result["revoted"] > 0 for result in overlapped), "clipping must have changed some messages"
+    for result in overlapped:  # the step records say which buckets were voted again
+        assert sum(record.revoted_buckets for record in result["records"]) == result["revoted"]
 
 
 @pytest.mark.parametrize("bucket_size", (sc.BUCKET_SIZE, 1 << 23))
