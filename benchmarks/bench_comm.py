@@ -135,6 +135,7 @@ def make_op(spec: OpSpec, n: int, rank: int, clock: CollectiveClock) -> Callable
     import torch.distributed as dist
 
     from ds_lioncub.comm import CompressedBackend
+    from ds_lioncub.comm.transport import COMMUNICATING_METHODS
 
     generator = torch.Generator().manual_seed(1000 + rank)
     update = torch.randn(n, generator=generator)
@@ -147,7 +148,7 @@ def make_op(spec: OpSpec, n: int, rank: int, clock: CollectiveClock) -> Callable
     backend = CompressedBackend()
     transport = backend.transport
     # Instrument this benchmark's own backend instance (the library is not changed).
-    for name in ("all_to_all", "all_gather", "all_reduce_sum"):
+    for name in COMMUNICATING_METHODS:
         setattr(transport, name, clock.time(getattr(transport, name)))
     if spec.kind == "1bit":
         return lambda step: backend.vote_1bit(update, step)

@@ -39,6 +39,7 @@ import torch.distributed as dist  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from ds_lioncub.comm import CompressedBackend  # noqa: E402
+from ds_lioncub.comm.transport import COMMUNICATING_METHODS  # noqa: E402
 
 OPS = ("1bit", "4bit", "fp32")
 TRANSPORTS = ("torch", "mpi")
@@ -50,11 +51,11 @@ class TimedTransport:
     def __init__(self, transport: Any) -> None:
         self.inner = transport
         self.seconds = 0.0
-        for name in ("all_to_all", "all_gather", "all_reduce_sum"):
+        for name in COMMUNICATING_METHODS:
             setattr(self, name, self._timed(getattr(transport, name)))
 
-    def _timed(self, collective: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-        def run(tensor: torch.Tensor) -> torch.Tensor:
+    def _timed(self, collective: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def run(tensor: Any) -> Any:
             start = time.perf_counter()
             result = collective(tensor)
             self.seconds += time.perf_counter() - start

@@ -61,6 +61,7 @@ from benchmarks.collective_clock import CollectiveClock
 from benchmarks.netcluster.counters import read_sysfs
 from benchmarks.plain_lion import PlainLion
 from benchmarks.train_methods import Method, TrainSettings, ds_config, select_methods
+from ds_lioncub.comm.transport import COMMUNICATING_METHODS
 from ds_lioncub.deepspeed_integration import find_lioncub
 from ds_lioncub.integration import hybrid_zero
 from examples.corpus import DEFAULT_MAX_BYTES, Corpus, load_corpus
@@ -186,7 +187,7 @@ def train(
         lioncub = find_lioncub(engine.optimizer)
         state_holder = lioncub
         if lioncub is not None:
-            for name in ("all_to_all", "all_gather", "all_reduce_sum"):
+            for name in COMMUNICATING_METHODS:
                 clock.wrap(lioncub.transport, name)
 
         def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

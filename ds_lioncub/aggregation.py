@@ -2,23 +2,28 @@
 
 An aggregation is built once, from the validated options and the transport (all option checks,
 the world-size limits of the k-bit fields included, happen in :func:`build_aggregation`), and then
-serves every bucket of every step in two phases:
+serves every bucket of every step in three stages, none of which waits before it must:
 
-- ``start(bucket, positive_ties) -> pending``: pack the bucket and run the first collective;
-- ``finish(pending, out) -> result``: reduce what arrived, run the second collective if there is
-  one, and write the result into ``out``.
+- ``start(bucket, positive_ties) -> pending``: pack the bucket and issue the first collective (the
+  bucket's values are free again on return);
+- ``reduce(pending) -> result``: wait for it, reduce what arrived, issue the second collective if
+  there is one;
+- ``complete(result, out) -> tensor``: wait for that and write the result into ``out``.
 
-A synchronous step calls ``start`` then ``finish`` per bucket. The three kinds differ in what they
+``finish(pending, out)`` is ``complete(reduce(pending), out)``. Collectives are issued in the order
+the stages run, which must be the same on every rank; the optimizer's bucket schedule
+(:mod:`ds_lioncub.optimizer`) keeps it so. The three kinds differ in what they
 aggregate: :class:`ExactMean` averages gradients (exact Lion then runs on the mean), while
 :class:`OneBitVote` and :class:`KbitVote` aggregate each rank's pre-sign update ``c`` and return
 the direction every rank applies (±1, or a mean in [-1, 1]).
 
-The sign votes (the 1-bit vote, and the k-bit vote of sign fields) also take their message packed
-and give the voted signs back packed (:class:`PackedSignVote`: ``sign_message_layout``,
-``start_packed``, ``finish_packed``), so the optimizer can build the message in the same pass as
-Lion's direction and apply the packed result in the same pass as the update (the fused kernels of
-:mod:`ds_lioncub.comm.packing`); :func:`packed_sign_vote` says whether an aggregation offers it.
-``start`` then ``finish`` is the same vote with the packing and unpacking done here.
+The sign votes (:attr:`_VoteStages.votes_packed_signs`: the 1-bit vote, the k-bit vote of sign fields)
+are also entered and left packed, so the optimizer can build the message in the same pass as Lion's
+direction and apply the voted signs in the same pass as the update (the fused kernels of
+:mod:`ds_lioncub.comm.packing`, docs/design.md section 5.1): :meth:`_VoteStages.sign_message_layout`
+says how to pack the message that :meth:`_VoteStages.issue` sends, and
+:meth:`_VoteStages.complete_packed` gives the voted signs packed, one bit per element, instead of
+unpacked to ±1. ``start`` is ``issue(pack(bucket))`` with the packing done here.
 """
 
 from __future__ import annotations
@@ -34,17 +39,19 @@ from ds_lioncub.comm.transport import Transport
 from ds_lioncub.comm.vocabulary import Aggregation as AggregationKind
 from ds_lioncub.comm.votes import (
     PendingAggregate,
-    finish_kbit_mean,
-    finish_kbit_vote,
-    finish_kbit_vote_packed,
-    finish_sign_vote,
-    finish_sign_vote_packed,
+    PendingResult,
+    finish_aggregate,
+    issue_sign_vote,
     kbit_message_bytes,
     pack_kbit_message,
+    pack_sign_message,
+    reduce_kbit_mean,
+    reduce_kbit_vote,
+    reduce_sign_vote,
     sign_vote_message_bytes,
     start_kbit_sum,
     start_sign_vote,
-    start_sign_vote_packed,
+    voted_signs_packed,
 )
 from ds_lioncub.config import LionCubConfig
 
@@ -69,8 +76,10 @@ class Bucket:
 
 
 class Aggregator(Protocol):
-    """The two phases every aggregation offers (see the module docstring)."""
+    """The stages every aggregation offers (see the module docstring)."""
 
+    #: The ranks it aggregates over.
+    transport: Transport
     #: True when the aggregation averages gradients (exact Lion), False when it votes on ``c``.
     reduces_gradients: bool
     #: True when :class:`Bucket` needs ``piece_mean_abs`` for pieces cut from larger tensors.
@@ -78,23 +87,60 @@ class Aggregator(Protocol):
 
     def start(self, bucket: Bucket, positive_ties: bool) -> object: ...
 
+    def reduce(self, pending: object) -> object: ...
+
+    def complete(self, result: object, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
     def finish(self, pending: object, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
-class PackedSignVote(Protocol):
-    """A vote on packed sign fields whose result is ±1, entered and left packed."""
+class _VoteStages:
+    """``reduce``'s result written out, and ``finish``, shared by the votes.
+
+    A vote's ``start`` is ``issue(pack(bucket))``: :meth:`pack` makes the bucket's message (bytes that
+    fix the vote's outcome together with the other ranks' and the tie rule), :meth:`issue` sends it.
+    """
+
+    transport: Transport
+
+    def complete(self, result: object, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The result (±1, or a mean in [-1, 1]) into ``out``, which may be the bucket's own values."""
+        assert isinstance(result, PendingResult)
+        target = torch.empty(result.numel, dtype=torch.float32, device=result.gathered.device) if out is None else out
+        return finish_aggregate(self.transport, result, target)
+
+    def finish(self, pending: object, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.complete(self.reduce(pending), out)
+
+    def complete_packed(self, result: object) -> torch.Tensor:
+        """A sign vote's result packed one bit per element (1 = +1), at least ``ceil(numel/8)`` bytes:
+        what :meth:`complete` would unpack to ±1."""
+        self._require_sign_vote()
+        assert isinstance(result, PendingResult)
+        return voted_signs_packed(self.transport, result)
+
+    @property
+    def votes_packed_signs(self) -> bool:
+        """Whether this is a vote of sign fields, whose message and result can be packed by the caller."""
+        raise NotImplementedError
 
     def sign_message_layout(self, numel: int) -> tuple[int, int]:
-        """(bits per sign field, message bytes) of a rank's message for ``numel`` elements."""
-        ...
+        """(bits per sign field, bytes) of the message :meth:`issue` takes for ``numel`` elements, to be
+        packed as ``pack_signs(c, positive_ties, bits=..., nbytes=...)`` (a sign vote only)."""
+        raise NotImplementedError
 
-    def start_packed(self, message: torch.Tensor, numel: int, positive_ties: bool) -> object:
-        """``start`` for a message already packed as ``pack_signs(c, positive_ties, bits=..., nbytes=...)``."""
-        ...
+    def _require_sign_vote(self) -> None:
+        if not self.votes_packed_signs:
+            raise ValueError(f"the packed message and result are for votes of sign fields, not {self!r}")
 
-    def finish_packed(self, pending: object) -> torch.Tensor:
-        """The voted signs packed one bit per element (1 = +1), at least ``ceil(numel/8)`` bytes."""
-        ...
+    def reduce(self, pending: object) -> object:
+        raise NotImplementedError
+
+    def pack(self, bucket: Bucket, positive_ties: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def issue(self, message: torch.Tensor, numel: int, positive_ties: bool) -> PendingAggregate:
+        raise NotImplementedError
 
 
 class ExactMean:
@@ -115,17 +161,24 @@ class ExactMean:
         self.comm_dtype = comm_dtype
 
     def start(self, bucket: Bucket, positive_ties: bool = True) -> torch.Tensor:
-        """The rank-order sum of the bucket in ``comm_dtype`` (no ties: nothing is signed)."""
+        """The rank-order sum of the bucket in ``comm_dtype`` (no ties: nothing is signed), run to the end:
+        its reduction is local work between two collectives."""
         return self.transport.all_reduce_sum(bucket.values.to(self.comm_dtype))
 
-    def finish(self, pending: object, out: torch.Tensor | None = None) -> torch.Tensor:
+    def reduce(self, pending: object) -> object:
+        return pending
+
+    def complete(self, result: object, out: torch.Tensor | None = None) -> torch.Tensor:
         """The mean in fp32, into ``out`` when given."""
-        assert isinstance(pending, torch.Tensor)
-        mean = pending.float().div_(self.transport.world_size)
+        assert isinstance(result, torch.Tensor)
+        mean = result.float().div_(self.transport.world_size)
         return mean if out is None else out.copy_(mean)
 
+    def finish(self, pending: object, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.complete(self.reduce(pending), out)
 
-class OneBitVote:
+
+class OneBitVote(_VoteStages):
     """The majority vote of the ranks' signs: 1 bit per element in each of two collectives.
 
     Every rank sends ``2 (p-1)/p * n/8`` bytes per step for ``n`` elements (32x fewer than an fp32
@@ -141,24 +194,30 @@ class OneBitVote:
     def start(self, bucket: Bucket, positive_ties: bool) -> PendingAggregate:
         return start_sign_vote(self.transport, bucket.values, positive_ties)
 
-    def finish(self, pending: object, out: torch.Tensor | None = None) -> torch.Tensor:
-        """±1 per element into ``out``, which may be the bucket's own values (already packed)."""
-        assert isinstance(pending, PendingAggregate)
-        target = torch.empty(pending.numel, dtype=torch.float32, device=pending.received.device) if out is None else out
-        return finish_sign_vote(self.transport, pending, target)
+    def pack(self, bucket: Bucket, positive_ties: bool) -> torch.Tensor:
+        """The message ``start`` would send for ``bucket``: its packed signs."""
+        return pack_sign_message(self.transport.world_size, bucket.values, positive_ties)
+
+    def issue(self, message: torch.Tensor, numel: int, positive_ties: bool) -> PendingAggregate:
+        """``start`` for a message already packed by :meth:`pack` (or to :meth:`sign_message_layout`)."""
+        return issue_sign_vote(self.transport, message, numel, positive_ties)
+
+    @property
+    def votes_packed_signs(self) -> bool:
+        return True
 
     def sign_message_layout(self, numel: int) -> tuple[int, int]:
         return 1, sign_vote_message_bytes(numel, self.transport.world_size)
 
-    def start_packed(self, message: torch.Tensor, numel: int, positive_ties: bool) -> PendingAggregate:
-        return start_sign_vote_packed(self.transport, message, numel, positive_ties)
+    def __repr__(self) -> str:
+        return "OneBitVote()"
 
-    def finish_packed(self, pending: object) -> torch.Tensor:
+    def reduce(self, pending: object) -> PendingResult:
         assert isinstance(pending, PendingAggregate)
-        return finish_sign_vote_packed(self.transport, pending)
+        return reduce_sign_vote(self.transport, pending)
 
 
-class KbitVote:
+class KbitVote(_VoteStages):
     """Sums of b-bit fields: the sign or the L1-quantized update of each rank, voted or averaged.
 
     Tuning:
@@ -188,49 +247,37 @@ class KbitVote:
         self.needs_whole_tensor_mean_abs = codec.quantizer == "l1"
 
     def start(self, bucket: Bucket, positive_ties: bool) -> PendingAggregate:
+        return self.issue(self.pack(bucket, positive_ties), bucket.values.numel(), positive_ties)
+
+    def pack(self, bucket: Bucket, positive_ties: bool) -> torch.Tensor:
+        """The message ``start`` would send for ``bucket``: its packed b-bit fields."""
         sizes, scales = None, None
         if self.codec.quantizer == "l1":
             means = _piece_means(bucket)
             sizes, scales = l1_segment_scales(bucket.values, self.codec.levels, self.l1_clip, bucket.piece_sizes, means)
-        message = pack_kbit_message(self.codec, bucket.values, positive_ties, scales, sizes)
-        return start_kbit_sum(self.transport, self.codec, message, bucket.values.numel(), positive_ties)
+        return pack_kbit_message(self.codec, bucket.values, positive_ties, scales, sizes)
 
-    def finish(self, pending: object, out: torch.Tensor | None = None) -> torch.Tensor:
-        assert isinstance(pending, PendingAggregate)
-        target = torch.empty(pending.numel, dtype=torch.float32, device=pending.received.device) if out is None else out
-        if self.aggregation == "vote":
-            return finish_kbit_vote(self.transport, self.codec, pending, target)
-        return finish_kbit_mean(self.transport, self.codec, pending, target)
+    def issue(self, message: torch.Tensor, numel: int, positive_ties: bool) -> PendingAggregate:
+        """``start`` for a message already packed by :meth:`pack` (or, for a vote of signs, to
+        :meth:`sign_message_layout`)."""
+        return start_kbit_sum(self.transport, self.codec, message, numel, positive_ties)
 
     @property
     def votes_packed_signs(self) -> bool:
-        """Whether this is a vote of sign fields (the packed entry and exit apply)."""
         return self.codec.quantizer == "sign" and self.aggregation == "vote"
 
     def sign_message_layout(self, numel: int) -> tuple[int, int]:
-        self._require_packed_sign_vote()
+        self._require_sign_vote()
         return self.codec.bits, kbit_message_bytes(self.codec, numel)
 
-    def start_packed(self, message: torch.Tensor, numel: int, positive_ties: bool) -> PendingAggregate:
-        self._require_packed_sign_vote()
-        expected = kbit_message_bytes(self.codec, numel)
-        if message.numel() != expected or message.dtype != torch.uint8:
-            raise ValueError(
-                f"a packed k-bit message of {numel} elements is {expected} uint8 bytes, got {message.numel()}"
-            )
-        return start_kbit_sum(self.transport, self.codec, message, numel, positive_ties)
+    def __repr__(self) -> str:
+        return f"KbitVote(quantizer={self.codec.quantizer!r}, aggregation={self.aggregation!r})"
 
-    def finish_packed(self, pending: object) -> torch.Tensor:
-        self._require_packed_sign_vote()
+    def reduce(self, pending: object) -> PendingResult:
         assert isinstance(pending, PendingAggregate)
-        return finish_kbit_vote_packed(self.transport, self.codec, pending)
-
-    def _require_packed_sign_vote(self) -> None:
-        if not self.votes_packed_signs:
-            raise ValueError(
-                f"the packed entry and exit are for votes of sign fields, not quantizer={self.codec.quantizer!r} "
-                f"with aggregation={self.aggregation!r}"
-            )
+        if self.aggregation == "vote":
+            return reduce_kbit_vote(self.transport, self.codec, pending)
+        return reduce_kbit_mean(self.transport, self.codec, pending)
 
 
 def _piece_means(bucket: Bucket) -> torch.Tensor:
@@ -241,11 +288,9 @@ def _piece_means(bucket: Bucket) -> torch.Tensor:
     return torch.stack(means)
 
 
-def packed_sign_vote(aggregator: Aggregator) -> PackedSignVote | None:
-    """``aggregator`` as a :class:`PackedSignVote` when it is one (1-bit vote, k-bit vote of signs), else None."""
-    if isinstance(aggregator, OneBitVote):
-        return aggregator
-    if isinstance(aggregator, KbitVote) and aggregator.votes_packed_signs:
+def packed_sign_vote(aggregator: Aggregator) -> Vote | None:
+    """``aggregator`` when it is a vote of sign fields (1-bit vote, k-bit vote of signs), else None."""
+    if isinstance(aggregator, (OneBitVote, KbitVote)) and aggregator.votes_packed_signs:
         return aggregator
     return None
 
@@ -267,6 +312,8 @@ def build_aggregation(options: LionCubConfig, transport: Transport, gradients_av
     return KbitVote(transport, codec, options.aggregation, options.l1_clip)
 
 
+Vote = OneBitVote | KbitVote
+
 __all__ = [
     "COMM_DTYPES",
     "Aggregator",
@@ -274,7 +321,7 @@ __all__ = [
     "ExactMean",
     "KbitVote",
     "OneBitVote",
-    "PackedSignVote",
+    "Vote",
     "build_aggregation",
     "packed_sign_vote",
 ]

@@ -235,6 +235,17 @@ class LionCubConfig(DeepSpeedConfigModel):
     """With "mpi", hand GPU buffers straight to a CUDA-aware MPI instead of staging them through
     pinned host memory."""
 
+    overlap: bool = False
+    """Start each bucket's vote during backward instead of in ``step()``: as soon as a bucket's gradients
+    are accumulated, its message is packed and sent while backward goes on. ``step()`` packs every bucket
+    again from the final gradients (after clipping or unscaling) and one small all-reduce agrees which
+    buckets some rank sent differently; those are voted again, so every result is bit-identical to
+    ``overlap=False``. Arm it on the last micro-step: ``optimizer.overlap_next_backward()`` before
+    ``loss.backward()`` (DeepSpeed's ``engine.backward`` arms its accumulation-boundary backward itself).
+    Compressed modes with comm_backend_name "torch" at ZeRO stage 0 (fp32, fp16 or bf16); it uses a
+    second process group over the same ranks. On CPU the hooks' packing lengthens backward and step()
+    packs again: it pays where the wire, not the processor, is the bottleneck (benchmarks/RESULTS.md)."""
+
     consistency_check: ConsistencyCheckConfig = ConsistencyCheckConfig()
     """Replica checksums every ``interval`` steps."""
 
@@ -308,6 +319,18 @@ class LionCubConfig(DeepSpeedConfigModel):
                 "hybrid only applies to compressed modes under ZeRO stage 1 or 2 (with compression='none' ZeRO "
                 "shards exact Lion over the whole world); drop hybrid or choose compression='1bit' or 'kbit'"
             )
+        if self.overlap and self.compression == "none":
+            raise ValueError(
+                "overlap=True starts compressed votes during backward; with compression='none' the gradients "
+                "are averaged instead (DDP or DeepSpeed overlap that themselves). Drop overlap or choose "
+                "compression='1bit' or 'kbit'"
+            )
+        if self.overlap and self.comm_backend_name != "torch":
+            raise ValueError(
+                f"overlap=True needs collectives that run while backward goes on, which "
+                f"comm_backend_name={self.comm_backend_name!r} does not offer yet; use comm_backend_name='torch' "
+                f"or drop overlap"
+            )
         conflict = cuda_aware_conflict(self.comm_backend_name, self.cuda_aware)
         if conflict is not None:
             raise ValueError(conflict)
@@ -321,7 +344,7 @@ class LionCubConfig(DeepSpeedConfigModel):
         if self.compression == "none":
             names.append("comm_dtype")
         else:
-            names += ["tie_break", "check_finite"]
+            names += ["tie_break", "check_finite", "overlap"]
         if self.compression == "kbit":
             names += ["bits", "quantizer", "aggregation", "kbit_algorithm"] + (
                 ["l1_clip"] if self.quantizer == "l1" else []

@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,17 @@ from torch import nn
 
 from ds_lioncub._logging import get_logger
 from ds_lioncub._version import __version__
-from ds_lioncub.aggregation import COMM_DTYPES, Aggregator, Bucket, ExactMean, build_aggregation, packed_sign_vote
+from ds_lioncub.aggregation import (
+    COMM_DTYPES,
+    Aggregator,
+    Bucket,
+    ExactMean,
+    KbitVote,
+    OneBitVote,
+    Vote,
+    build_aggregation,
+    packed_sign_vote,
+)
 from ds_lioncub.buckets import Piece, plan_buckets
 from ds_lioncub.comm.backend import CompressedBackend
 from ds_lioncub.comm.packing import (
@@ -46,6 +56,7 @@ from ds_lioncub.errors import (
 )
 from ds_lioncub.fingerprint import agreed_text, check_same_on_every_rank, describe_parameters
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
+from ds_lioncub.overlap import ArmedBackward
 from ds_lioncub.param_selection import select_parameters
 from ds_lioncub.planner.auto import (
     AUTO_NODE_SIZE_LABEL,
@@ -81,7 +92,7 @@ class LionCub(torch.optim.Optimizer):
             embeddings and output head.
         **options: see :class:`ds_lioncub.config.LionCubConfig` (compression, bits, quantizer,
             aggregation, kbit_algorithm, tie_break, l1_clip, comm_dtype, bucket_size, check_finite,
-            momentum_sync, comm_backend_name, cuda_aware).
+            momentum_sync, comm_backend_name, cuda_aware, overlap).
 
     A parameter whose gradient is None on a rank counts as a zero gradient there when the world has
     more than one rank (so every rank runs the same collectives, as DDP does); alone, it is skipped.
@@ -119,6 +130,12 @@ class LionCub(torch.optim.Optimizer):
         self.param_names: list[str] | None = None
         self._momentum_synced: set[int] = set()
         self._states_only = False
+        # The bucket schedule of compressed steps (see _compressed_step); False runs buckets one by one.
+        self._pipelined_buckets = True
+        #: Buckets of armed backwards launched before step() (from gradient hooks), and those voted again
+        #: at step() because some rank's final message differed (overlap=True; counts, for diagnosis).
+        self.buckets_launched_in_backward = 0
+        self.revoted_buckets = 0
         # Per-step records (docs/design.md, section 19); a mode that re-votes a bucket calls
         # telemetry.note_revoted_bucket().
         self.telemetry = StepTelemetry(vote_stats=self.options.telemetry.vote_stats)
@@ -131,6 +148,10 @@ class LionCub(torch.optim.Optimizer):
         # Before anything that could issue collectives of option-dependent sizes: every rank the same set-up.
         self._check_same_set_up_on_every_rank()
         self._aggregator: Aggregator | None = build_aggregation(self.options, self.transport, False)
+        # overlap=True: the vote over a second group that armed backwards launch on, and their state.
+        self._overlap_vote: Vote | None = None
+        self._armed: ArmedBackward | None = None
+        self._set_up_overlap()
         self._ready = True
         self._resolve_names()
         self._logged_setting: tuple[int, str] | None = None
@@ -187,6 +208,7 @@ class LionCub(torch.optim.Optimizer):
         if process_group is not self.process_group:
             self.process_group = process_group
             self.transport = self._make_transport(process_group)
+            self._set_up_overlap()
         self._agreement_transport = self.transport if agreement_group is None else TorchTransport(agreement_group)
         if module is not None:
             self.module = module
@@ -268,6 +290,37 @@ class LionCub(torch.optim.Optimizer):
     def _make_transport(self, process_group: dist.ProcessGroup | None) -> Transport:
         return make_transport(process_group, self.options.comm_backend_name, self.options.cuda_aware)
 
+    def _make_overlap_transport(self) -> Transport:
+        """A transport over a new process group of the voters: launches from gradient hooks may come
+        before or after other collectives of the voters' group (DeepSpeed's, the finite check), in an
+        order that differs between ranks, so they get a group of their own. Only the voters call this."""
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(group)
+        return TorchTransport(dist.new_group(ranks=ranks, use_local_synchronization=True))
+
+    def _set_up_overlap(self) -> None:
+        """With ``overlap``: the vote over the overlap transport, and a gradient hook on every parameter (once)."""
+        self._armed = None
+        if not self.options.overlap or self.transport.world_size == 1:
+            self._overlap_vote = None  # alone there is nothing to hide: steps run as without overlap
+            return
+        vote = build_aggregation(self.options, self._make_overlap_transport(), False)
+        assert isinstance(vote, (OneBitVote, KbitVote))  # the config admits overlap with compression only
+        self._overlap_vote = vote
+        if not getattr(self, "_gradient_hooks", None):
+            # The parameters backward accumulates into, by flat position: a mixed-precision wrapper later
+            # puts fp32 copies in their place here, but backward keeps filling these.
+            self._hooked_params = self._flat_params()
+            self._gradient_hooks = [
+                param.register_post_accumulate_grad_hook(self._gradient_ready)
+                for param in self._hooked_params
+                if param.requires_grad
+            ]
+
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        if self._armed is not None:
+            self._armed.gradient_ready(param)
+
     def _flat_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
@@ -320,7 +373,85 @@ class LionCub(torch.optim.Optimizer):
         stats = self.transport.stats + CommStats()  # a copy: the transport keeps counting
         if self._agreement_transport is not self.transport:  # the world-wide finite check under ZeRO hybrid
             stats = stats + self._agreement_transport.stats
+        if self._overlap_vote is not None:  # votes started during backward, and those voted again
+            stats = stats + self._overlap_vote.transport.stats
         return stats
+
+    # ------------------------------------------------------------------ overlap with backward
+
+    def overlap_next_backward(self) -> None:
+        """Start the bucket votes of the next backward from its gradient hooks (option ``overlap``).
+
+        Call it on every rank before ``loss.backward()`` of the last micro-step before ``step()``
+        (DeepSpeed's ``engine.backward`` does it on the accumulation boundary). Buckets leave, in
+        reverse parameter order, as soon as their gradients are accumulated; ``step()`` checks them
+        against the final gradients and votes again where needed (see :meth:`step`). Votes from an
+        earlier armed backward that ``step()`` never used are waited for and dropped first, so a
+        skipped step costs no exactness, only the wasted bytes. A world of one arms nothing.
+        """
+        if not self.options.overlap:
+            raise LionCubConfigError(
+                "LionCub: overlap_next_backward() starts votes during backward, which needs the option overlap=True; "
+                "construct LionCub with overlap=True or drop the call."
+            )
+        self.discard_overlapped_votes()
+        vote = self._overlap_vote
+        if vote is None:
+            return
+        flat = [(group, param) for group in self.param_groups for param in group["params"]]
+        if len(flat) != len(self._hooked_params):
+            raise LionCubSetupError(
+                f"LionCub: overlap=True hooked {len(self._hooked_params)} parameters at construction, but the "
+                f"optimizer now holds {len(flat)}; parameter groups cannot change when overlap is on."
+            )
+        # (group, the parameter stepped, the parameter backward fills) of each taking part
+        taking_part = [(*flat[i], self._hooked_params[i]) for i in range(len(flat)) if _takes_part(flat[i][1])]
+        params = [param for _, param, _ in taking_part]
+        # Reverse parameter order: backward finishes the last layers' gradients first.
+        last = len(params) - 1
+        reverse_plan = plan_buckets([param.numel() for param in reversed(params)], self.options.bucket_size)
+        plan = [
+            [Piece(last - piece.tensor_index, piece.start, piece.length) for piece in bucket] for bucket in reverse_plan
+        ]
+        positive_ties = tie_sign(self.param_groups[0]["step"] + 1, self.options.tie_break) > 0
+        whole_mean_abs: dict[int, torch.Tensor] = {}
+
+        def bucket_now(k: int) -> Bucket:
+            # The gradients as they are now (None: zeros, as at step) and the momentum before this step's update.
+            entries = {piece.tensor_index: self._entry_now(*taking_part[piece.tensor_index]) for piece in plan[k]}
+            if vote.needs_whole_tensor_mean_abs:
+                for piece in plan[k]:
+                    entry = entries[piece.tensor_index]
+                    if entry.param.numel() > self.options.bucket_size and piece.tensor_index not in whole_mean_abs:
+                        whole_mean_abs[piece.tensor_index] = _mean_abs_direction(entry, self.options.bucket_size)
+            values = torch.empty(sum(piece.length for piece in plan[k]), dtype=torch.float32, device=params[0].device)
+            return self._bucket_directions(entries, plan[k], values, whole_mean_abs, vote)
+
+        filled = [hooked for _, _, hooked in taking_part]
+        self._armed = ArmedBackward(plan, filled, params, vote, positive_ties, bucket_now)
+
+    def discard_overlapped_votes(self) -> None:
+        """Wait for and drop the votes of an armed backward whose step will not come (a skipped step).
+
+        Collective: every rank must call it, as every rank armed. ``overlap_next_backward`` calls it.
+        """
+        armed, self._armed = self._armed, None
+        if armed is not None:
+            armed.drain()
+
+    @property
+    def votes_in_flight(self) -> bool:
+        """Whether a backward was armed (``overlap_next_backward``) and its step has not run yet."""
+        return self._armed is not None
+
+    def _entry_now(self, group: dict[str, Any], param: torch.Tensor, filled: torch.Tensor) -> Entry:
+        """``param`` with the gradient backward accumulated into ``filled`` (``param`` itself, or the
+        low-precision parameter it is a copy of: converted exactly) and its momentum, creating neither
+        (zeros stand in for both)."""
+        grad = filled.grad
+        grad = torch.zeros_like(param) if grad is None else grad.to(param.dtype)
+        exp_avg = self.state[param].get("exp_avg") if param in self.state else None
+        return Entry(group, param, grad, exp_avg if exp_avg is not None else torch.zeros_like(param))
 
     @property
     def last_step_telemetry(self) -> StepRecord | None:
@@ -381,10 +512,15 @@ class LionCub(torch.optim.Optimizer):
         if self._states_only:
             return loss
         step = self.param_groups[0]["step"] + 1
-        self.telemetry.begin_step(self.comm_stats())
+        baseline = self.comm_stats()
+        if self._armed is not None:  # the votes launched during backward are this step's traffic
+            baseline = baseline - self._armed.traffic_since_armed()
+        self.telemetry.begin_step(baseline)
         aggregator = self._aggregator
         if aggregator is None or aggregator.reduces_gradients:
             self._exact_lion_step(entries, aggregator)
+        elif self._armed is not None:
+            self._overlapped_step(entries, step, positive_ties=tie_sign(step, self.options.tie_break) > 0)
         else:
             if self.options.check_finite:
                 self._require_finite_gradients(entries, step)
@@ -453,19 +589,14 @@ class LionCub(torch.optim.Optimizer):
         A vote would silently turn a NaN into a -1 (or an L1 scale into garbage); exact Lion at least
         propagates it. One 4-byte all-reduce per step makes every rank reach the same verdict.
         """
-        # A sum is NaN/inf exactly when some element is (short of an fp32 overflow of the sum, itself a
-        # broken gradient): one read pass per tensor, no per-element temporary, one host sync.
-        sums = [entry.grad.sum(dtype=torch.float32) for entry in entries]
-        locally_finite = bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
-        bad = (
-            []
-            if locally_finite
-            else [entry.param for entry, total in zip(entries, sums, strict=True) if not torch.isfinite(total)]
-        )
+        bad = _non_finite_parameters(entries)
         device = entries[0].grad.device if entries else torch.device("cpu")
-        ranks_with_bad = torch.tensor([0 if locally_finite else 1], dtype=torch.int32, device=device)
+        ranks_with_bad = torch.tensor([1 if bad else 0], dtype=torch.int32, device=device)
         self._agreement_transport.all_reduce_sum(ranks_with_bad)
-        count = int(ranks_with_bad.item())
+        self._raise_if_non_finite(int(ranks_with_bad.item()), bad, step)
+
+    def _raise_if_non_finite(self, count: int, bad: list[torch.Tensor], step: int) -> None:
+        """Raise the same error on every rank when ``count`` ranks (agreed) have non-finite gradients."""
         if count == 0:
             return
         here = ", ".join(self._label(param) for param in bad[:5]) or "none"
@@ -501,6 +632,23 @@ class LionCub(torch.optim.Optimizer):
                 update_momentum(exp_avg_slice, grad, beta2)
 
     def _compressed_step(self, entries: list[Entry], aggregator: Aggregator, positive_ties: bool) -> None:
+        """Every bucket through prepare, the aggregation's three stages, and apply, in the bucket schedule.
+
+        The schedule is the same on every rank, so every rank issues the same collectives in the same
+        order. Pipelined (the default), iteration k runs [prepare bucket k, issue its first collective]
+        [bucket k-1: wait, reduce, issue its second] [bucket k-2: wait, apply]: while one bucket's
+        messages travel, the next is prepared and an earlier one applied. Each bucket's result is a
+        function of the ranks' packed messages and the step's tie rule only, so the schedule changes
+        when work happens, never a bit of its result. Serial, each bucket runs to the end before the
+        next starts. Between stages only packed messages are kept: in the L1 and "mean" modes one
+        bucket-sized fp32 buffer holds the update being prepared, then the result being applied.
+
+        Sign votes (1-bit, k-bit of signs) keep no fp32 bucket at all: prepare is
+        :func:`prepare_sign_message` (Lion's direction, the momentum update and the packing, one pass
+        where compiled) and apply is :func:`apply_voted_signs` on the voted signs as they arrive,
+        packed (unpack and update, one pass). The other modes build the fp32 bucket of ``c``. Both
+        give the same bits (tests/unit/test_fused_step.py, tests/kernels/test_fused_step.py).
+        """
         capacity = self.options.bucket_size
         whole_mean_abs: dict[int, torch.Tensor] = {}
         if aggregator.needs_whole_tensor_mean_abs:
@@ -508,67 +656,191 @@ class LionCub(torch.optim.Optimizer):
             for index, entry in enumerate(entries):
                 if entry.param.numel() > capacity:
                     whole_mean_abs[index] = _mean_abs_direction(entry, capacity)
-        for bucket in plan_buckets([entry.param.numel() for entry in entries], capacity):
-            self._step_bucket(entries, bucket, aggregator, positive_ties, whole_mean_abs)
+        plan = plan_buckets([entry.param.numel() for entry in entries], capacity)
+        scratch = _BucketBuffers(plan)
+        clock = _AggregationClock(aggregator.transport)
+        local_signs: dict[int, torch.Tensor] = {}
+        sign_vote = packed_sign_vote(aggregator)
 
-    def _step_bucket(
+        def start(k: int) -> object:
+            if sign_vote is not None:
+                numel = sum(piece.length for piece in plan[k])
+                bits, nbytes = sign_vote.sign_message_layout(numel)
+                # Telemetry's local seconds: the packing shares its pass with Lion's direction and the
+                # momentum update, so the pass counts whole (as the unpacking with the update, below).
+                message = clock.run(k, prepare_sign_message, entries, plan[k], positive_ties, bits, nbytes)
+                if self.telemetry.vote_stats:
+                    local_signs[k] = sign_bits_of_message(message, bits, numel)
+                return clock.run(k, sign_vote.issue, message, numel, positive_ties)
+            prepared = self._prepare_bucket(entries, plan[k], scratch, whole_mean_abs, aggregator)
+            if self.telemetry.vote_stats:  # taken before the buffer is reused
+                local_signs[k] = pack_local_signs(prepared.values, positive_ties)
+            return clock.run(k, aggregator.start, prepared, positive_ties)
+
+        self._run_bucket_schedule(entries, plan, aggregator, start, scratch, clock, local_signs)
+
+    def _run_bucket_schedule(
+        self,
+        entries: list[Entry],
+        plan: list[list[Piece]],
+        aggregator: Aggregator,
+        start: Callable[[int], object],
+        scratch: _BucketBuffers,
+        clock: _AggregationClock,
+        local_signs: dict[int, torch.Tensor],
+    ) -> None:
+        """``start(k)`` (bucket k's first collective, issued), then reduce, complete and apply, per bucket,
+        pipelined or serially (see :meth:`_compressed_step`).
+
+        A sign vote's result is applied packed (:func:`apply_voted_signs`), any other unpacked into
+        ``scratch`` (:meth:`_apply_bucket`).
+
+        Telemetry: each bucket's aggregation stages (and a sign vote's fused apply) are timed by
+        ``clock``; with ``vote_stats``, ``local_signs[k]`` (filled by ``start``) is counted against the
+        applied direction.
+        """
+        sign_vote = packed_sign_vote(aggregator)
+        lag = 1 if self._pipelined_buckets else 0  # how many iterations each stage trails the one before
+        issued: dict[int, object] = {}  # kept to the end of the bucket: vote_stats counts its received rows
+        reduced: dict[int, object] = {}
+        for k in range(len(plan) + 2 * lag):
+            if k < len(plan):
+                issued[k] = start(k)
+            if 0 <= k - lag < len(plan):
+                reduced[k - lag] = clock.run(k - lag, aggregator.reduce, issued[k - lag])
+            if 0 <= k - 2 * lag < len(plan):
+                done = k - 2 * lag
+                signs = local_signs.pop(done, None)
+                if sign_vote is not None:
+                    voted = clock.run(done, sign_vote.complete_packed, reduced.pop(done))
+                    numel = sum(piece.length for piece in plan[done])
+                    if signs is not None:
+                        self.telemetry.count_vote(aggregator, issued[done], signs, unpack_signs(voted, numel))
+                    del issued[done]  # the received messages are released before the update is applied
+                    clock.run(done, apply_voted_signs, entries, plan[done], voted)
+                    self.telemetry.add_bucket(clock.take(done), numel)
+                else:
+                    out = scratch.for_bucket(entries, plan[done])
+                    delta = clock.run(done, aggregator.complete, reduced.pop(done), out)
+                    self.telemetry.add_bucket(clock.take(done), delta.numel())
+                    if signs is not None:
+                        self.telemetry.count_vote(aggregator, issued[done], signs, delta)
+                    del issued[done]
+                    self._apply_bucket(entries, plan[done], delta)
+
+    def _prepare_bucket(
         self,
         entries: list[Entry],
         bucket: list[Piece],
-        aggregator: Aggregator,
-        positive_ties: bool,
+        scratch: _BucketBuffers,
         whole_mean_abs: dict[int, torch.Tensor],
-    ) -> None:
-        """One bucket of a compressed step; its buffers are freed on return, before the next bucket's.
+        aggregator: Aggregator,
+    ) -> Bucket:
+        """The bucket's pre-sign updates ``c`` (in ``scratch``), its momenta updated: the local work before the vote."""
+        prepared = self._bucket_directions(
+            entries, bucket, scratch.for_bucket(entries, bucket), whole_mean_abs, aggregator
+        )
+        self._update_bucket_momenta(entries, bucket)
+        return prepared
 
-        Sign votes (1-bit, k-bit of signs) run on packed messages: :func:`prepare_sign_message` (Lion's
-        direction, the momentum update and the packing, one pass where compiled), the vote, and
-        :func:`apply_voted_signs` (unpack and update, one pass). The other modes build the fp32 bucket
-        of ``c`` and aggregate it. Both give the same bits (tests/unit/test_fused_step.py).
-        """
+    def _bucket_directions(
+        self,
+        entries: Sequence[Entry] | Mapping[int, Entry],
+        bucket: list[Piece],
+        out: torch.Tensor,
+        whole_mean_abs: dict[int, torch.Tensor],
+        aggregator: Aggregator,
+    ) -> Bucket:
+        """The bucket's pre-sign updates ``c`` into ``out``, as a :class:`Bucket`; nothing else is written."""
         sizes = [piece.length for piece in bucket]
-        votes = packed_sign_vote(aggregator)
-        if votes is not None:
-            numel = sum(sizes)
-            bits, nbytes = votes.sign_message_layout(numel)
-            # Telemetry's local seconds: here the packing and unpacking share their passes with Lion's
-            # direction and update, so those passes count whole (collectives excluded, as elsewhere).
-            started, comm_seconds = time.perf_counter(), self.transport.stats.seconds
-            message = prepare_sign_message(entries, bucket, positive_ties, bits, nbytes)
-            local_signs = sign_bits_of_message(message, bits, numel) if self.telemetry.vote_stats else None
-            pending = votes.start_packed(message, numel, positive_ties)
-            del message
-            voted = votes.finish_packed(pending)
-            if local_signs is not None:
-                self.telemetry.count_vote(aggregator, pending, local_signs, unpack_signs(voted, numel))
-            del pending, local_signs  # the received messages are released before the update is applied
-            apply_voted_signs(entries, bucket, voted)
-            self._add_aggregated_bucket(started, comm_seconds, numel)
-            return
-        update = torch.empty(sum(sizes), dtype=torch.float32, device=entries[bucket[0].tensor_index].param.device)
-        for piece, direction in zip(bucket, update.split(sizes), strict=True):
+        for piece, direction in zip(bucket, out.split(sizes), strict=True):
             entry = entries[piece.tensor_index]
-            beta1, beta2 = entry.group["betas"]
-            exp_avg_slice, grad_slice = _piece_of(entry.exp_avg, piece), _grad_piece(entry.grad, piece)
-            lion_direction(exp_avg_slice, grad_slice, beta1, out=direction)
-            update_momentum(exp_avg_slice, grad_slice, beta2)
+            lion_direction(
+                _piece_of(entry.exp_avg, piece), _grad_piece(entry.grad, piece), entry.group["betas"][0], out=direction
+            )
         mean_abs = (
             [whole_mean_abs.get(piece.tensor_index) for piece in bucket]
             if aggregator.needs_whole_tensor_mean_abs
             else []
         )
-        # Taken before the vote overwrites the directions (vote_stats only).
-        local_signs = pack_local_signs(update, positive_ties) if self.telemetry.vote_stats else None
-        started, comm_seconds = time.perf_counter(), self.transport.stats.seconds
-        # The result overwrites the directions it was packed from: one bucket-sized buffer, not two (and
-        # the received messages are released before the update is applied).
-        pending = aggregator.start(Bucket(update, sizes, mean_abs), positive_ties)
-        delta = aggregator.finish(pending, out=update)
-        self._add_aggregated_bucket(started, comm_seconds, update.numel())
-        if local_signs is not None:
-            self.telemetry.count_vote(aggregator, pending, local_signs, delta)
-        del pending, local_signs
-        for piece, piece_delta in zip(bucket, delta.split(sizes), strict=True):
+        return Bucket(out, sizes, mean_abs)
+
+    def _update_bucket_momenta(self, entries: list[Entry], bucket: list[Piece]) -> None:
+        """The momentum EMA of the bucket's pieces (piece by piece: the same slices, hence bits, in every schedule)."""
+        for piece in bucket:
+            entry = entries[piece.tensor_index]
+            update_momentum(_piece_of(entry.exp_avg, piece), _grad_piece(entry.grad, piece), entry.group["betas"][1])
+
+    def _overlapped_step(self, entries: list[Entry], step: int, positive_ties: bool) -> None:
+        """The step of an armed backward: check its votes against the final gradients, vote again where needed.
+
+        Every bucket is packed again from the final gradients (after whatever clipping, unscaling or
+        user code changed them since the hooks ran) and compared with what this rank sent. One int32
+        all-reduce of [ranks with non-finite gradients, per bucket: ranks whose message changed]
+        makes the verdict collective. A bucket no rank changed keeps its vote: its result is a
+        function of the messages and the tie rule only, which are then the serial step's. A bucket
+        some rank changed is voted again from every rank's final message (the guess is waited for
+        and dropped). So the result is bit-identical to the step without overlap, whatever happened
+        to the gradients. The momentum is updated after the verdict, so a refused step changes nothing.
+        """
+        armed, self._armed = self._armed, None
+        assert armed is not None and self._overlap_vote is not None
+        vote = self._overlap_vote
+        self.buckets_launched_in_backward += len(armed.launched)
+        armed.flush()
+        # The same tie rule and parameters as when armed (else no message is kept: every bucket is voted again).
+        same_setting = (
+            armed.positive_ties == positive_ties
+            and len(entries) == len(armed.stepped)
+            and all(entry.param is param for entry, param in zip(entries, armed.stepped, strict=False))
+        )
+        capacity = self.options.bucket_size
+        whole_mean_abs: dict[int, torch.Tensor] = {}
+        if vote.needs_whole_tensor_mean_abs:
+            for index, entry in enumerate(entries):
+                if entry.param.numel() > capacity:
+                    whole_mean_abs[index] = _mean_abs_direction(entry, capacity)
+        scratch = _BucketBuffers(armed.plan)
+        clock = _AggregationClock(vote.transport)
+        local_signs: dict[int, torch.Tensor] = {}
+        changed = []
+        for k, (bucket, launched) in enumerate(zip(armed.plan, armed.launched, strict=True)):
+            values = self._bucket_directions(entries, bucket, scratch.for_bucket(entries, bucket), whole_mean_abs, vote)
+            if self.telemetry.vote_stats:
+                local_signs[k] = pack_local_signs(values.values, positive_ties)
+            final = clock.run(k, vote.pack, values, positive_ties)
+            same = same_setting and torch.equal(final, launched.message)
+            if not same:
+                launched.message = final  # what a vote again sends
+            changed.append(0 if same else 1)
+        bad = _non_finite_parameters(entries) if self.options.check_finite else []
+        device = entries[0].grad.device if entries else torch.device("cpu")
+        verdict = torch.tensor([1 if bad else 0, *changed], dtype=torch.int32, device=device)
+        self._agreement_transport.all_reduce_sum(verdict)
+        counts = verdict.tolist()
+        if counts[0]:
+            armed.drain()
+        self._raise_if_non_finite(counts[0], bad, step)
+        for count in counts[1:]:
+            if count:
+                self.revoted_buckets += 1
+                self.telemetry.note_revoted_bucket()
+        for bucket in armed.plan:
+            self._update_bucket_momenta(entries, bucket)
+
+        def start(k: int) -> object:
+            launched = armed.launched[k]
+            if not counts[1 + k]:
+                return launched.pending
+            vote.transport.wait(launched.pending.received)
+            numel = sum(piece.length for piece in armed.plan[k])
+            return clock.run(k, vote.issue, launched.message, numel, positive_ties)
+
+        self._run_bucket_schedule(entries, armed.plan, vote, start, scratch, clock, local_signs)
+
+    def _apply_bucket(self, entries: list[Entry], bucket: list[Piece], delta: torch.Tensor) -> None:
+        """The agreed update ``delta`` applied to the bucket's parameters: the local work after the vote."""
+        for piece, piece_delta in zip(bucket, delta.split([piece.length for piece in bucket]), strict=True):
             entry = entries[piece.tensor_index]
             apply_update(_piece_of(entry.param, piece), piece_delta, entry.group["lr"], entry.group["weight_decay"])
 
@@ -620,6 +892,60 @@ def sign_bits_of_message(message: torch.Tensor, bits: int, numel: int) -> torch.
     if bits == 1:
         return message[: packed_length(numel)]  # padding bits are 0, as pack_local_signs leaves them
     return pack_fields(unpack_fields(message, bits, numel), 1)
+
+
+class _AggregationClock:
+    """Seconds in each bucket's aggregation stages with the transport's collectives taken out (telemetry)."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self._seconds: dict[int, float] = {}
+
+    def run(self, k: int, stage: Callable[..., _Result], *args: Any) -> _Result:
+        """``stage(*args)``, its local seconds added to bucket ``k``'s."""
+        started, in_collectives = time.perf_counter(), self.transport.stats.seconds
+        try:
+            return stage(*args)
+        finally:
+            elapsed = time.perf_counter() - started - (self.transport.stats.seconds - in_collectives)
+            self._seconds[k] = self._seconds.get(k, 0.0) + elapsed
+
+    def take(self, k: int) -> float:
+        """Bucket ``k``'s local seconds, forgotten here."""
+        return self._seconds.pop(k, 0.0)
+
+
+_Result = TypeVar("_Result")
+
+
+class _BucketBuffers:
+    """One fp32 buffer per device, as large as the largest bucket of ``plan``, that a step's buckets take turns in."""
+
+    def __init__(self, plan: list[list[Piece]]) -> None:
+        self.numel = max((sum(piece.length for piece in bucket) for bucket in plan), default=0)
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def for_bucket(self, entries: list[Entry], bucket: list[Piece]) -> torch.Tensor:
+        device = entries[bucket[0].tensor_index].param.device
+        buffer = self._by_device.get(device)
+        if buffer is None:
+            buffer = self._by_device[device] = torch.empty(self.numel, dtype=torch.float32, device=device)
+        return buffer[: sum(piece.length for piece in bucket)]
+
+
+def _takes_part(param: torch.Tensor) -> bool:
+    """Whether ``param`` takes part in steps (with a gradient, or as zeros on a rank without one)."""
+    return param.requires_grad and param.numel() > 0
+
+
+def _non_finite_parameters(entries: list[Entry]) -> list[torch.Tensor]:
+    """The parameters whose gradient holds a NaN or inf on this rank."""
+    # A sum is NaN/inf exactly when some element is (short of an fp32 overflow of the sum, itself a
+    # broken gradient): one read pass per tensor, no per-element temporary, one host sync.
+    sums = [entry.grad.sum(dtype=torch.float32) for entry in entries]
+    if not sums or bool(torch.isfinite(torch.stack(sums)).all()):
+        return []
+    return [entry.param for entry, total in zip(entries, sums, strict=True) if not torch.isfinite(total)]
 
 
 def _piece_of(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:

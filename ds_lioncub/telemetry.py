@@ -216,25 +216,27 @@ def count_tied_votes(aggregator: Aggregator, pending: PendingAggregate) -> tuple
     add up over the group to the bucket's); the k-bit all-reduce leaves every rank all the summed
     fields (its count is already the bucket's). Padding never ties: its sums are 0, below T(+).
     """
+    if not isinstance(aggregator, (OneBitVote, KbitVote)):
+        raise TypeError(f"count_tied_votes: {type(aggregator).__name__} takes no vote")
+    received = aggregator.transport.wait(pending.received)  # already done: the bucket's vote is complete
     if isinstance(aggregator, OneBitVote):
         world_size = aggregator.transport.world_size
         chunk_numel = vote_padded_numel(pending.numel, world_size) // world_size
-        with_positive = vote_packed_signs(pending.received, chunk_numel, True)
-        with_negative = vote_packed_signs(pending.received, chunk_numel, False)
+        rows = received.view(world_size, -1)
+        with_positive = vote_packed_signs(rows, chunk_numel, True)
+        with_negative = vote_packed_signs(rows, chunk_numel, False)
         return count_set_bits(torch.bitwise_xor(with_positive, with_negative)), True
-    if isinstance(aggregator, KbitVote):
-        codec = aggregator.codec
-        if codec.algorithm == "allreduce":
-            sums = unpack_fields(pending.received, codec.bits, pending.numel)
-            on_owner = False
-        else:
-            chunk_numel = vote_padded_numel(pending.numel, codec.world_size) // codec.world_size
-            sums = sum_fields_per_position(pending.received, codec.bits, chunk_numel)
-            on_owner = True
-        low, high = codec.vote_threshold(True), codec.vote_threshold(False)
-        histogram = torch.bincount(sums.reshape(-1), minlength=high)
-        return histogram[low:high].sum(), on_owner
-    raise TypeError(f"count_tied_votes: {type(aggregator).__name__} takes no vote")
+    codec = aggregator.codec
+    if codec.algorithm == "allreduce":
+        sums = unpack_fields(received, codec.bits, pending.numel)
+        on_owner = False
+    else:
+        chunk_numel = vote_padded_numel(pending.numel, codec.world_size) // codec.world_size
+        sums = sum_fields_per_position(received.view(codec.world_size, -1), codec.bits, chunk_numel)
+        on_owner = True
+    low, high = codec.vote_threshold(True), codec.vote_threshold(False)
+    histogram = torch.bincount(sums.reshape(-1), minlength=high)
+    return histogram[low:high].sum(), on_owner
 
 
 @dataclass

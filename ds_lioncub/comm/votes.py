@@ -1,9 +1,10 @@
 """The wire protocols of the compressed aggregations, each in two phases.
 
-Phase 1 (``start_*``) packs the local message and runs the first collective; phase 2 (``finish_*``)
-reduces what arrived and, where the protocol has one, runs the second collective and unpacks the
-result. Running ``start`` then ``finish`` is the whole aggregation; splitting them lets a caller do
-other work between the two.
+Phase 1 (``start_*``) packs the local message and issues the first collective; phase 2
+(``reduce_*``) waits for it, reduces what arrived and issues the second collective where the protocol
+has one; :func:`finish_aggregate` waits for that and unpacks the result. Nothing waits before it
+must, so a caller can do other work, other buckets' included, between the three. ``finish_*`` run
+phase 2 and the unpacking back to back.
 
 - 1-bit vote: all-to-all of packed signs (each rank receives every rank's signs for its chunk of
   the update), per-position majority on the chunk owner, all-gather of the packed chunk votes. The
@@ -17,15 +18,17 @@ other work between the two.
 
 Zeros (a local sign of 0, a vote sum of 0) resolve to +1 when ``positive_ties`` is true, else -1.
 
-The votes also have packed entries and exits (``start_sign_vote_packed``, ``finish_sign_vote_packed``,
-``finish_kbit_vote_packed``): the caller hands over the message already packed (by the fused step
-kernels, :func:`~ds_lioncub.comm.packing.lion_direction_pack_signs`) and gets the voted signs back
-packed, one bit per element, instead of unpacked to ±1. The unpacked forms are these plus the packing.
+The sign votes (the 1-bit vote, the k-bit vote of sign fields) carry their result packed, one bit per
+element (1 = +1), to the end: :func:`voted_signs_packed` hands those bits over as they are, so the
+optimizer applies them in the same pass as the update (the fused step kernels of
+:mod:`ds_lioncub.comm.packing`); :func:`finish_aggregate` unpacks them to ±1. Their messages may
+likewise be packed by the caller (:func:`~ds_lioncub.comm.packing.lion_direction_pack_signs`) to the
+lengths :func:`sign_vote_message_bytes` and :func:`kbit_message_bytes` give, and issued as they are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +44,7 @@ from ds_lioncub.comm.packing import (
     unpack_signs,
     vote_packed_signs,
 )
-from ds_lioncub.comm.transport import Transport
+from ds_lioncub.comm.transport import InFlight, Transport
 from ds_lioncub.comm.wire import vote_padded_numel
 
 
@@ -50,15 +53,45 @@ class PendingAggregate:
     """What phase 1 of a vote or sum leaves for phase 2.
 
     Attributes:
-        received: the first collective's output: ``(p, bytes)`` rows after an all-to-all, the summed
-            packed fields after a k-bit all-reduce.
+        received: the first collective, issued: ``(p, bytes)`` rows after an all-to-all, the summed
+            packed fields after a k-bit all-reduce, once waited for.
         numel: elements of the update (before padding).
         positive_ties: the tie rule of this step.
     """
 
-    received: torch.Tensor
+    received: InFlight
     numel: int
     positive_ties: bool
+
+
+@dataclass
+class PendingResult:
+    """What phase 2 leaves: the second collective, issued (or phase 2's local result), and its decoding.
+
+    Attributes:
+        gathered: the packed result, once waited for.
+        numel: elements of the update.
+        decode: ``decode(gathered, out)`` writes the result into ``out`` and returns it.
+        packed_signs: whether ``gathered`` is the voted signs packed one bit per element (1 = +1),
+            at least ``ceil(numel/8)`` bytes: the result of a sign vote.
+    """
+
+    gathered: InFlight
+    numel: int
+    decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    packed_signs: bool = False
+
+
+def finish_aggregate(transport: Transport, result: PendingResult, out: torch.Tensor) -> torch.Tensor:
+    """Wait for phase 2's collective and write the result into ``out`` (contiguous, ``numel`` elements)."""
+    return result.decode(transport.wait(result.gathered), out)
+
+
+def voted_signs_packed(transport: Transport, result: PendingResult) -> torch.Tensor:
+    """Wait for a sign vote's phase 2 and return its voted signs packed, one bit per element (1 = +1)."""
+    if not result.packed_signs:
+        raise ValueError("voted_signs_packed: the result is not a vote of signs (a mean, or an L1 vote)")
+    return transport.wait(result.gathered)
 
 
 # ---------------------------------------------------------------------------------------------------- 1-bit vote
@@ -69,38 +102,48 @@ def sign_vote_message_bytes(numel: int, world_size: int) -> int:
     return vote_padded_numel(numel, world_size) // 8
 
 
+def pack_sign_message(world_size: int, update: torch.Tensor, positive_ties: bool) -> torch.Tensor:
+    """The packed signs of ``update`` (flat), padded to whole bytes per rank's chunk with 0 (= -1) bits."""
+    return pack_signs(update, positive_ties, nbytes=sign_vote_message_bytes(update.numel(), world_size))
+
+
 def start_sign_vote(transport: Transport, update: torch.Tensor, positive_ties: bool) -> PendingAggregate:
-    """Pack the signs of ``update`` (flat, non-empty) and exchange them by all-to-all."""
-    numel = update.numel()
-    message = pack_signs(update, positive_ties, nbytes=sign_vote_message_bytes(numel, transport.world_size))
-    return start_sign_vote_packed(transport, message, numel, positive_ties)
+    """Pack the signs of ``update`` (flat, non-empty) and issue their all-to-all.
+
+    ``update`` is free for other use on return: only the packed signs travel.
+    """
+    message = pack_sign_message(transport.world_size, update, positive_ties)
+    return issue_sign_vote(transport, message, update.numel(), positive_ties)
 
 
-def start_sign_vote_packed(
-    transport: Transport, message: torch.Tensor, numel: int, positive_ties: bool
-) -> PendingAggregate:
-    """Exchange a packed sign message (``sign_vote_message_bytes(numel, p)`` bytes, padding bits 0) by all-to-all."""
+def issue_sign_vote(transport: Transport, message: torch.Tensor, numel: int, positive_ties: bool) -> PendingAggregate:
+    """Issue the all-to-all of a packed sign message (:func:`pack_sign_message`, or the same bytes packed
+    elsewhere: ``sign_vote_message_bytes(numel, p)`` bytes, padding bits 0) of ``numel`` elements."""
     expected = sign_vote_message_bytes(numel, transport.world_size)
     if message.numel() != expected or message.dtype != torch.uint8:
         raise ValueError(f"a packed sign message of {numel} elements is {expected} uint8 bytes, got {message.numel()}")
-    received = transport.all_to_all(message)
-    return PendingAggregate(received.view(transport.world_size, -1), numel, positive_ties)
+    return PendingAggregate(transport.start_all_to_all(message), numel, positive_ties)
+
+
+def reduce_sign_vote(transport: Transport, pending: PendingAggregate) -> PendingResult:
+    """Majority of the received signs of this rank's chunk, its all-gather issued."""
+    p, numel = transport.world_size, pending.numel
+    chunk_numel = vote_padded_numel(numel, p) // p
+    # Fused: count, vote and pack in one pass over the packed messages (vote sum 2k - p; 0 is a tie).
+    chunk_vote = vote_packed_signs(transport.wait(pending.received).view(p, -1), chunk_numel, pending.positive_ties)
+    return PendingResult(transport.start_all_gather(chunk_vote), numel, _unpacked_signs(numel), packed_signs=True)
 
 
 def finish_sign_vote(transport: Transport, pending: PendingAggregate, out: torch.Tensor) -> torch.Tensor:
-    """Majority of the received signs of this rank's chunk, all-gathered and unpacked to ±1 into ``out``.
-
-    ``out`` (contiguous, ``numel`` elements) may be the update whose signs were packed in phase 1.
-    """
-    return unpack_signs(finish_sign_vote_packed(transport, pending), pending.numel, out=out)
+    """Phase 2 and the unpacking: ±1 into ``out`` (contiguous, ``numel`` elements; may be the packed update)."""
+    return finish_aggregate(transport, reduce_sign_vote(transport, pending), out)
 
 
-def finish_sign_vote_packed(transport: Transport, pending: PendingAggregate) -> torch.Tensor:
-    """The voted signs, packed: bit ``i`` is element ``i``'s vote (1 = +1); at least ``ceil(numel/8)`` bytes."""
-    chunk_numel = vote_padded_numel(pending.numel, transport.world_size) // transport.world_size
-    # Fused: count, vote and pack in one pass over the packed messages (vote sum 2k - p; 0 is a tie).
-    chunk_vote = vote_packed_signs(pending.received, chunk_numel, pending.positive_ties)
-    return transport.all_gather(chunk_vote)
+Decoder = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _unpacked_signs(numel: int) -> Decoder:
+    return lambda gathered, out: unpack_signs(gathered, numel, out=out)
 
 
 # ---------------------------------------------------------------------------------------------------- k-bit sums
@@ -136,66 +179,96 @@ def pack_kbit_message(
 def start_kbit_sum(
     transport: Transport, codec: KbitCodec, message: torch.Tensor, numel: int, positive_ties: bool
 ) -> PendingAggregate:
-    """Run the first collective over the packed fields: the all-reduce, or the all-to-all."""
+    """Issue the first collective over the packed fields (:func:`pack_kbit_message`, or the same bytes
+    packed elsewhere: ``kbit_message_bytes(codec, numel)`` bytes): the all-reduce, or the all-to-all."""
+    expected = kbit_message_bytes(codec, numel)
+    if message.numel() != expected or message.dtype != torch.uint8:
+        raise ValueError(f"a packed k-bit message of {numel} elements is {expected} uint8 bytes, got {message.numel()}")
     if codec.algorithm == "allreduce":
-        received = transport.all_reduce_sum(message)
+        received = transport.start_all_reduce_sum(message)
     else:
-        received = transport.all_to_all(message).view(transport.world_size, -1)
+        received = transport.start_all_to_all(message)
     return PendingAggregate(received, numel, positive_ties)
+
+
+def reduce_kbit_vote(transport: Transport, codec: KbitCodec, pending: PendingAggregate) -> PendingResult:
+    """The vote of the summed fields (ties by the tie rule), packed; all-gathered under "alltoall"."""
+    # The vote straight from the field sums: one integer comparison, no signed sums in int32.
+    threshold = codec.vote_threshold(pending.positive_ties)
+    numel = pending.numel
+    received = transport.wait(pending.received)
+    if codec.algorithm == "allreduce":
+        fields = unpack_fields(received, codec.bits, numel)
+        # fits uint8: the codec's world-size limit keeps p * 2L (sign: p) < 2**bits
+        voted = pack_fields(fields >= threshold, 1)
+        return PendingResult(InFlight(voted), numel, _unpacked_signs(numel), packed_signs=True)
+    p = transport.world_size
+    field_sum = sum_fields_per_position(received.view(p, -1), codec.bits, vote_padded_numel(numel, p) // p)
+    gathered = transport.start_all_gather(pack_fields(field_sum >= threshold, 1))
+    return PendingResult(gathered, numel, _unpacked_signs(numel), packed_signs=True)
 
 
 def finish_kbit_vote(
     transport: Transport, codec: KbitCodec, pending: PendingAggregate, out: torch.Tensor
 ) -> torch.Tensor:
     """The sign of the summed fields (ties by the tie rule) as ±1 into ``out`` (contiguous, ``numel`` elements)."""
-    return unpack_signs(finish_kbit_vote_packed(transport, codec, pending), pending.numel, out=out)
+    return finish_aggregate(transport, reduce_kbit_vote(transport, codec, pending), out)
 
 
-def finish_kbit_vote_packed(transport: Transport, codec: KbitCodec, pending: PendingAggregate) -> torch.Tensor:
-    """The sign of the summed fields (ties by the tie rule), packed one bit per element (1 = +1)."""
-    # The vote straight from the field sums: one integer comparison, no signed sums in int32.
-    threshold = codec.vote_threshold(pending.positive_ties)
+def reduce_kbit_mean(transport: Transport, codec: KbitCodec, pending: PendingAggregate) -> PendingResult:
+    """The field sums of every position: the all-reduce's own, or this chunk's, all-gathered under "alltoall"."""
     numel = pending.numel
+    received = transport.wait(pending.received)
     if codec.algorithm == "allreduce":
-        fields = unpack_fields(pending.received, codec.bits, numel)
-        # fits uint8: the codec's world-size limit keeps p * 2L (sign: p) < 2**bits
-        return pack_fields(fields >= threshold, 1)
-    chunk_numel = vote_padded_numel(numel, transport.world_size) // transport.world_size
-    field_sum = sum_fields_per_position(pending.received, codec.bits, chunk_numel)
-    return transport.all_gather(pack_fields(field_sum >= threshold, 1))
+        return PendingResult(InFlight(received), numel, _mean_of_field_sums(codec, codec.bits, numel))
+    p = transport.world_size
+    padded_numel = vote_padded_numel(numel, p)
+    field_sum = sum_fields_per_position(received.view(p, -1), codec.bits, padded_numel // p)
+    width = codec.sum_width
+    if width <= 8:
+        gathered = transport.start_all_gather(pack_fields(field_sum, width))
+    else:
+        gathered = transport.start_all_gather(field_sum.to(_WIDE_SUMS[width]).view(torch.uint8))
+    return PendingResult(gathered, numel, _mean_of_field_sums(codec, width, padded_numel))
+
+
+_WIDE_SUMS = {16: torch.int16, 32: torch.int32}
+
+
+def _mean_of_field_sums(codec: KbitCodec, width: int, count: int) -> Decoder:
+    """Decodes ``count`` field sums (packed ``width``-bit fields, or int16/int32 values) into their mean."""
+
+    def decode(sums: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        fields = unpack_fields(sums, width, count) if width <= 8 else sums.view(_WIDE_SUMS[width])
+        total = codec.signed_sum(fields[: out.numel()].to(torch.int32))
+        return out.copy_((total.float() / codec.mean_divisor).view(out.shape))
+
+    return decode
 
 
 def finish_kbit_mean(
     transport: Transport, codec: KbitCodec, pending: PendingAggregate, out: torch.Tensor
 ) -> torch.Tensor:
     """The signed sum divided by its largest magnitude (p for sign, pL for L1), in [-1, 1], into ``out``."""
-    numel = pending.numel
-    if codec.algorithm == "allreduce":
-        fields = unpack_fields(pending.received, codec.bits, numel)
-    else:
-        padded_numel = vote_padded_numel(numel, transport.world_size)
-        field_sum = sum_fields_per_position(pending.received, codec.bits, padded_numel // transport.world_size)
-        width = codec.sum_width
-        if width <= 8:
-            fields = unpack_fields(transport.all_gather(pack_fields(field_sum, width)), width, padded_numel)
-        else:
-            wide = torch.int16 if width == 16 else torch.int32
-            fields = transport.all_gather(field_sum.to(wide).view(torch.uint8)).view(wide)
-    total = codec.signed_sum(fields[:numel].to(torch.int32))
-    return out.copy_((total.float() / codec.mean_divisor).view(out.shape))
+    return finish_aggregate(transport, reduce_kbit_mean(transport, codec, pending), out)
 
 
 __all__ = [
     "PendingAggregate",
+    "PendingResult",
+    "finish_aggregate",
     "finish_kbit_mean",
     "finish_kbit_vote",
-    "finish_kbit_vote_packed",
     "finish_sign_vote",
-    "finish_sign_vote_packed",
+    "issue_sign_vote",
     "kbit_message_bytes",
     "pack_kbit_message",
+    "pack_sign_message",
+    "reduce_kbit_mean",
+    "reduce_kbit_vote",
+    "reduce_sign_vote",
     "sign_vote_message_bytes",
     "start_kbit_sum",
     "start_sign_vote",
-    "start_sign_vote_packed",
+    "voted_signs_packed",
 ]

@@ -1,7 +1,7 @@
 """LionCub as a DeepSpeed optimizer: ``"optimizer": {"type": "LionCub", "params": {...}}``.
 
 The only part of ds_lioncub that touches DeepSpeed's engine. :func:`register` (run by
-``import ds_lioncub``) makes the name known to DeepSpeed and wraps eight engine methods
+``import ds_lioncub``) makes the name known to DeepSpeed and wraps engine methods
 (:mod:`.engine_hooks`); each wrapper does nothing unless the engine's optimizer is a LionCub.
 Who communicates under each mode, and what is refused, is :mod:`.wiring`; the per-rank momentum
 files beside DeepSpeed's checkpoints are :mod:`.checkpoint`.

@@ -1,4 +1,4 @@
-"""Registration with DeepSpeed: the optimizer name, ZeRO's list of optimizers, eight engine-method wrappers.
+"""Registration with DeepSpeed: the optimizer name, ZeRO's list of optimizers, the engine-method wrappers.
 
 - ``_configure_distributed_model`` (runs before DeepSpeed broadcasts rank 0's parameters): with
   ``"type": "LionCub"`` every rank first checks that all ranks built the same model and optimizer
@@ -14,9 +14,11 @@
   (:mod:`ds_lioncub.integration.hybrid_zero`);
 - ``_take_model_step``: closes the step's telemetry record (a step DeepSpeed skipped on overflow,
   where LionCub's ``step`` never ran, as skipped) and writes it through the engine's monitor
-  (docs/design.md, section 19);
+  (docs/design.md, section 19); with ``overlap=True`` drops the votes of a skipped step;
 - ``save_checkpoint`` / ``load_checkpoint``: the per-rank momentum files
-  (:mod:`ds_lioncub.integration.checkpoint`).
+  (:mod:`ds_lioncub.integration.checkpoint`); a save between an armed backward and its step is refused;
+- ``backward`` (``overlap=True``): the backward of the accumulation boundary is armed
+  (``LionCub.overlap_next_backward``).
 
 Wrapping is idempotent (a wrapped method carries its original), so :func:`register` may run twice.
 """
@@ -30,6 +32,7 @@ from typing import Any
 from ds_lioncub._version import __version__
 from ds_lioncub.comm.transport import TorchTransport
 from ds_lioncub.config import parse_config
+from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.fingerprint import check_same_on_every_rank, describe_parameters
 from ds_lioncub.integration import checkpoint
 from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE, configure_hybrid_zero
@@ -91,6 +94,7 @@ def register() -> None:
     _wrap(DeepSpeedEngine, "_take_model_step", _wrap_take_model_step)
     _wrap(DeepSpeedEngine, "save_checkpoint", _wrap_save_checkpoint)
     _wrap(DeepSpeedEngine, "load_checkpoint", _wrap_load_checkpoint)
+    _wrap(DeepSpeedEngine, "backward", _wrap_backward)
 
 
 def _wrap_configure_distributed_model(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -175,6 +179,10 @@ def _wrap_take_model_step(original: Callable[..., Any]) -> Callable[..., Any]:
         except BaseException:
             lioncub.telemetry.drop_held()
             raise
+        finally:
+            # overlap=True: a wrapper that skipped the step (overflow) returned before LionCub.step. Every
+            # rank skips together (the wrapper agrees on overflow), so every rank drains the votes here.
+            lioncub.discard_overlapped_votes()
         write_step_telemetry(engine, lioncub.telemetry.release(lioncub.param_groups[0]["step"]))
         return result
 
@@ -194,6 +202,11 @@ def _wrap_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
         lioncub = _compressed_lioncub(engine)
         if tag is None:
             tag = f"global_step{engine.global_steps}"  # DeepSpeed's own default, fixed before saving
+        if lioncub is not None and lioncub.votes_in_flight:
+            raise LionCubConfigError(
+                "LionCub: save_checkpoint was called between an armed backward (overlap=True) and its step(): "
+                "votes are in flight and the momentum is not yet updated. Save after engine.step()."
+            )
         if lioncub is not None:
             # First, so that DeepSpeed's latest (written at the end of its save) never names an incomplete set.
             checkpoint.save_local_momentum(lioncub, save_dir, str(tag), getattr(engine, ENGINE_ATTRIBUTE, None))
@@ -218,3 +231,20 @@ def _wrap_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return load_checkpoint
+
+
+def _overlapping_lioncub(engine: Any) -> LionCub | None:
+    """The engine's LionCub when it starts votes during backward (``overlap=True``), else None."""
+    lioncub = _compressed_lioncub(engine)
+    return lioncub if lioncub is not None and lioncub.options.overlap else None
+
+
+def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
+    def backward(engine: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
+        lioncub = _overlapping_lioncub(engine)
+        # True during the last micro-step's backward: the engine counts the micro-step in step().
+        if lioncub is not None and engine.is_gradient_accumulation_boundary():
+            lioncub.overlap_next_backward()
+        return original(engine, loss, *args, **kwargs)
+
+    return backward

@@ -113,6 +113,7 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
             f"each node, Lion Cub's vote across nodes), or compression='none' (exact Lion, sharded by ZeRO-3)."
         )
     if stage == 0:
+        _refuse_what_overlap_cannot_do(engine, optimizer)
         optimizer.bind(engine.seq_data_parallel_group, engine.module, gradients_averaged=False)
         engine.enable_backward_allreduce = False
         return
@@ -128,6 +129,22 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
     # group, and its finite check agrees over the whole world.
     optimizer.bind(setup.groups.vote_group, engine.module, gradients_averaged=False, agreement_group=world)
     setattr(engine, ENGINE_ATTRIBUTE, setup)
+
+
+def _refuse_what_overlap_cannot_do(engine: Any, optimizer: LionCub) -> None:
+    """overlap=True at ZeRO stage 0: managed gradient accumulation, and not under torch autocast, for now."""
+    if not optimizer.options.overlap:
+        return
+    if engine.torch_autocast_enabled():
+        raise LionCubConfigError(
+            "LionCub: overlap=True is not supported with torch_autocast yet (its gradient scaler may skip "
+            "LionCub.step in ways not handled). Drop overlap, or use DeepSpeed's bf16/fp16 or fp32 training."
+        )
+    if not engine.managed_gradient_accumulation():
+        raise LionCubConfigError(
+            "LionCub: overlap=True arms the backward of the accumulation boundary, which unmanaged gradient "
+            "accumulation does not mark. Drop overlap, or let the engine manage gradient accumulation."
+        )
 
 
 def _node_size_option(optimizer: LionCub) -> int | None:
@@ -170,6 +187,7 @@ def _refuse_what_the_hybrid_cannot_do(engine: Any, optimizer: LionCub, stage: in
             "universal checkpoints (they hold node 0's momentum only)",
             "load a regular checkpoint",
         ),
+        (optimizer.options.overlap, "overlap (votes started during backward)", "drop overlap"),
         (
             optimizer.options.momentum_sync.interval > 0 and optimizer.options.momentum_sync.layers != "all",
             "momentum_sync by layer (LionCub steps flat ZeRO shards that mix layers)",

@@ -39,6 +39,31 @@ def test_sign_votes_train_the_same_bits_on_the_torch_and_the_compiled_packing(ra
     assert compared >= len(ranks) * 2 * len(PARAM_NAMES) * 4  # four or five sign-vote modes per world
 
 
+def test_pipelined_buckets_give_the_serial_steps_bits_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    checks.pipelined_buckets_match_serial_buckets(ranks)
+
+
+@pytest.mark.parametrize("case", sc.OVERLAP_CASES)
+def test_overlap_with_backward_gives_the_same_bits_on_every_rank(ranks: list[dict[str, Any]], case: str) -> None:
+    for rank, results in enumerate(ranks):
+        for name in PARAM_NAMES:
+            for kind in ("param", "exp-avg"):
+                on, off = results[f"overlap-on/{case}/{kind}/{name}"], results[f"overlap-off/{case}/{kind}/{name}"]
+                assert (on is None and off is None) or torch.equal(on, off), f"rank {rank}: {kind} {name}"
+        for step in range(1, sc.TRAIN_STEPS + 1):  # the same refusals, with the same message
+            assert results.get(f"overlap-on/{case}/error/{step}") == results.get(f"overlap-off/{case}/error/{step}")
+        assert results[f"overlap-off/{case}/revoted"] == 0
+        # 4 buckets of <= 1024 elements per step, all launched from the hooks; the plan starts with the bucket
+        # of b2, so the rank whose loss leaves b2 out (rank 0) waits and launches everything at step()
+        launched = results[f"overlap-on/{case}/launched-in-backward"]
+        unused_here = sc.OVERLAP_CASES[case][3] == rank
+        assert launched == (0 if len(ranks) == 1 or unused_here else 4 * sc.TRAIN_STEPS), f"rank {rank}"
+        if case == "1bit-clip" and len(ranks) > 1:
+            assert results[f"overlap-on/{case}/revoted"] > 0, "clipping after backward must change some messages"
+    if case == "1bit-inf":
+        assert all(f"overlap-on/{case}/error/3" in results for results in ranks)
+
+
 def test_bf16_gradient_averaging_stays_close_to_fp32(ranks: list[dict[str, Any]]) -> None:
     for name in PARAM_NAMES:
         bf16 = ranks[0][f"train-param/none-bf16/{name}"]

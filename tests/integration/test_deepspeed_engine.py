@@ -140,6 +140,22 @@ def test_gradient_accumulation_steps_once_per_boundary(launched: dict[str, Any])
     assert record["lioncub_step"] == list(range(1, len(record["lioncub_step"]) + 1))
 
 
+@pytest.mark.parametrize("base", ["lioncub_1bit", "lioncub_8bit_l1", "lioncub_1bit_head_sync_bf16"])
+def test_overlap_with_backward_gives_the_same_bits_on_every_rank(launched: dict[str, Any], base: str) -> None:
+    """Votes started from the engine's boundary backward; clipping (lioncub_1bit) makes step() vote again;
+    under bf16 the hooks fire on the module's bf16 parameters and LionCub steps the wrapper's fp32 copies."""
+    configs = _configs(launched)
+    for rank, (plain, overlapped) in enumerate(zip(configs[base], configs[f"{base}_overlap"], strict=True)):
+        for param, value in plain["params"].items():
+            assert torch.equal(overlapped["params"][param], value), f"rank {rank}: {param}"
+        for index, momentum in enumerate(plain["momenta"]):
+            assert torch.equal(overlapped["momenta"][index], momentum), f"rank {rank}: momentum {index}"
+    for overlapped in configs[f"{base}_overlap"]:  # one bucket (the model is small), launched by the hooks
+        assert overlapped["buckets_launched_in_backward"] == len(overlapped["lr"]), "every step's vote began early"
+    if base == "lioncub_1bit":  # clipping at 1.0 rescales the early gradients after backward
+        assert configs[f"{base}_overlap"][0]["revoted_buckets"] > 0
+
+
 @pytest.mark.parametrize("variant", ["lioncub_1bit_head_sync", "lioncub_1bit_head_sync_bf16"])
 def test_head_momentum_sync_by_module_names(launched: dict[str, Any], variant: str) -> None:
     """Names come from the engine's module, also when the optimizer holds bf16's fp32 copies."""
@@ -290,6 +306,7 @@ def test_client_lioncub_gets_the_same_wiring(launched: dict[str, Any], kind: str
         ("unknown-key", ["LionCubConfigError", "unknown option 'momentun'", "Valid options"]),
         ("world-too-large", ["at most 1 workers", "world has 2", "kbit_algorithm='alltoall'"]),
         ("zero-compressed", ["LionCubConfigError", "ZeRO stage 3", "stage 1 or 2", "compression='none'"]),
+        ("overlap-zero2", ["LionCubConfigError", "ZeRO stage 2", "overlap", "drop overlap"]),
     ],
 )
 def test_bad_ds_config_is_rejected_identically_on_every_rank(

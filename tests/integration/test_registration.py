@@ -36,7 +36,7 @@ ENGINE_CHECK = textwrap.dedent(
     HOOKED = ["_configure_distributed_model", "_configure_basic_optimizer", "_do_optimizer_sanity_check",
               "_configure_fp16_optimizer",
               "_configure_zero_optimizer", "_take_model_step",
-              "save_checkpoint", "load_checkpoint"]
+              "save_checkpoint", "load_checkpoint", "backward"]
     before = [getattr(DeepSpeedEngine, name) for name in HOOKED]
     register(); register()
     report = {

@@ -28,6 +28,23 @@ SYNC_LAYERS = ["^w2$"]
 VOTE_STATS = {"telemetry": {"vote_stats": True}}
 
 
+# overlap=True against overlap=False on real ranks: (options, accumulation steps, clip norm or None, the rank
+# that leaves b2 out of its loss or None, (rank, step) of an inf gradient or None); ranks -1 mean the last.
+OVERLAP_CASES: dict[str, tuple[dict[str, object], int, float | None, int | None, tuple[int, int] | None]] = {
+    "1bit-clip": ({"compression": "1bit"}, 1, 0.05, None, None),
+    "4bit-sign-accumulate-2": ({"compression": "kbit", "bits": 4}, 2, None, None, None),
+    "8bit-l1-accumulate-3-unused": ({"compression": "kbit", "bits": 8, "quantizer": "l1"}, 3, None, 0, None),
+    "1bit-inf": ({"compression": "1bit"}, 1, None, None, (-1, 3)),
+}
+
+
+def loss_without_b2(params: dict[str, Tensor], rank: int, step: int) -> Tensor:
+    """:func:`loss_of` without b2: b2 gets no gradient on a rank that uses this loss."""
+    x, y = batch(rank, step)
+    hidden = torch.tanh(x @ params["w1"] + params["b1"])
+    return ((hidden @ params["w2"] - y) ** 2).mean()
+
+
 def seeded_generator(*key: int) -> torch.Generator:
     """A CPU generator seeded from ``key`` (scenario number, size, rank, step, ...): inputs are pure functions of it."""
     seed = 0
@@ -111,6 +128,7 @@ def training_modes(world_size: int) -> dict[str, dict[str, object]]:
         "1bit-positive": {"compression": "1bit", "tie_break": "positive"},
         "4bit-sign": {"compression": "kbit", "bits": 4},
         "4bit-sign-mean": {"compression": "kbit", "bits": 4, "aggregation": "mean", **VOTE_STATS},
+        "4bit-sign-alltoall": {"compression": "kbit", "bits": 4, "kbit_algorithm": "alltoall"},
         "8bit-l1": {"compression": "kbit", "bits": 8, "quantizer": "l1", **VOTE_STATS},
         "4bit-l1-alltoall": {
             "compression": "kbit",

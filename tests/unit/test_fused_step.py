@@ -1,7 +1,8 @@
 """LionCub's sign-vote steps on the fused packing operations give the same bits on every packing path.
 
-The 1-bit vote and the k-bit vote of sign fields run a bucket as ``prepare_sign_message`` -> packed
-vote -> ``apply_voted_signs``; the compiled path does each local half in one pass over memory. Here
+The 1-bit vote and the k-bit vote of sign fields run a bucket through the bucket schedule as
+``prepare_sign_message`` -> ``issue`` -> ``reduce`` -> ``complete_packed`` -> ``apply_voted_signs``
+(no fp32 bucket of ``c``, no unpacked result); the compiled path does each local half in one pass over memory. Here
 the same steps run with the packing forced to ``torch`` (the composition of today's operations) and to
 ``compiled``, at a world of one, and every parameter and momentum must be equal bit for bit. The
 multi-rank scenarios (tests/distributed) run the same code on the path the environment selects.
@@ -114,11 +115,11 @@ def test_torch_and_compiled_paths_give_identical_parameters_and_momenta(
 @pytest.mark.parametrize("options", SIGN_VOTES, ids=mode_id)
 def test_sign_votes_take_the_packed_entry_and_exit(monkeypatch: pytest.MonkeyPatch, options: dict[str, Any]) -> None:
     def unpacked(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("a sign vote went through the unpacked start/finish")
+        raise AssertionError("a sign vote went through the unpacked pack/start/complete/finish")
 
     for kind in (OneBitVote, KbitVote):
-        monkeypatch.setattr(kind, "start", unpacked)
-        monkeypatch.setattr(kind, "finish", unpacked)
+        for stage in ("pack", "start", "complete", "finish"):
+            monkeypatch.setattr(kind, stage, unpacked)
     params, _ = train("auto", options, torch.float32)
     assert all(torch.isfinite(p).all() for p in params)
 
@@ -134,15 +135,15 @@ def test_sign_votes_take_the_packed_entry_and_exit(monkeypatch: pytest.MonkeyPat
 )
 def test_means_and_l1_stay_on_the_unpacked_path(monkeypatch: pytest.MonkeyPatch, options: dict[str, Any]) -> None:
     def packed(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("a mean or L1 vote went through the packed entry")
+        raise AssertionError("a mean or L1 vote went through the packed message or result")
 
-    monkeypatch.setattr(KbitVote, "start_packed", packed)
-    monkeypatch.setattr(KbitVote, "finish_packed", packed)
+    monkeypatch.setattr(KbitVote, "sign_message_layout", packed)
+    monkeypatch.setattr(KbitVote, "complete_packed", packed)
     params, _ = train("auto", options, torch.float32)
     assert all(torch.isfinite(p).all() for p in params)
 
 
-# ------------------------------------------------------------------ the packed entry and exit of the votes
+# ------------------------------------------------------------------ the packed message and result of the votes
 
 
 def sign_vote_aggregations() -> list[Any]:
@@ -157,7 +158,7 @@ def test_the_packed_vote_is_the_unpacked_vote_packed(index: int, positive_ties: 
     c = torch.tensor([1.5, -2.0, 0.0, -0.0, float("nan"), 3.0, -1e-30, 7.0, 0.0, -4.0, 2.0])
     bits, nbytes = vote.sign_message_layout(c.numel())
     message = packing.pack_signs(c, positive_ties, bits=bits, nbytes=nbytes)
-    packed = vote.finish_packed(vote.start_packed(message, c.numel(), positive_ties))
+    packed = vote.complete_packed(vote.reduce(vote.issue(message, c.numel(), positive_ties)))
     tie = 1.0 if positive_ties else -1.0
     expected = torch.tensor([1.0, -1.0, tie, tie, -1.0, 1.0, -1.0, 1.0, tie, -1.0, 1.0])
     assert torch.equal(packing.unpack_signs(packed, c.numel()), expected)
@@ -166,9 +167,19 @@ def test_the_packed_vote_is_the_unpacked_vote_packed(index: int, positive_ties: 
 
 
 def test_a_message_of_the_wrong_length_or_a_non_sign_vote_is_refused() -> None:
-    one_bit = sign_vote_aggregations()[0]
+    one_bit, kbit_sign = sign_vote_aggregations()[0], sign_vote_aggregations()[2]
     with pytest.raises(ValueError, match="packed sign message"):
-        one_bit.start_packed(torch.zeros(3, dtype=torch.uint8), 8, True)
+        one_bit.issue(torch.zeros(3, dtype=torch.uint8), 8, True)
+    with pytest.raises(ValueError, match="packed k-bit message"):
+        kbit_sign.issue(torch.zeros(3, dtype=torch.uint8), 64, True)
     l1 = build_aggregation(parse_config({"compression": "kbit", "bits": 8, "quantizer": "l1"}), TorchTransport(), False)
     with pytest.raises(ValueError, match="votes of sign fields"):
-        l1.start_packed(torch.zeros(8, dtype=torch.uint8), 8, True)
+        l1.sign_message_layout(8)
+    mean = build_aggregation(
+        parse_config({"compression": "kbit", "bits": 4, "quantizer": "sign", "aggregation": "mean"}),
+        TorchTransport(),
+        False,
+    )
+    values = torch.tensor([1.0, -2.0, 3.0])
+    with pytest.raises(ValueError, match="votes of sign fields"):
+        mean.complete_packed(mean.reduce(mean.start(Bucket(values, [3], []), True)))

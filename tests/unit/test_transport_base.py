@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ds_lioncub.comm.transport import (
+    COMMUNICATING_METHODS,
     CommStats,
     TorchTransport,
     TransportBase,
@@ -28,80 +28,7 @@ from ds_lioncub.comm.transport import (
 )
 from ds_lioncub.comm.transport import base as base_module
 from ds_lioncub.errors import LionCubConfigError, MissingDependencyError
-
-# ---------------------------------------------------------------------------------------------- thread world
-
-
-class ThreadWorld:
-    """p ranks as threads; ``exchange`` hands every rank a copy of what every rank posted."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._barrier = threading.Barrier(size, timeout=60)
-        self._posted: list[torch.Tensor | None] = [None] * size
-
-    def exchange(self, rank: int, tensor: torch.Tensor) -> list[torch.Tensor]:
-        self._posted[rank] = tensor.clone()
-        self._barrier.wait()
-        everyone = [posted for posted in self._posted if posted is not None]
-        self._barrier.wait()  # nobody posts the next message before everyone has read this one
-        return everyone
-
-
-class ThreadTransport(TransportBase):
-    """Raw hooks over a :class:`ThreadWorld`; records which hooks ran and which workspaces were asked for."""
-
-    name = "threads"
-
-    def __init__(self, world: ThreadWorld, rank: int) -> None:
-        super().__init__(world.size, rank)
-        self.world = world
-        self.raw_calls: list[str] = []
-        self.workspaces: list[str] = []
-
-    def _raw_all_to_all(self, send: torch.Tensor, received: torch.Tensor) -> None:
-        self.raw_calls.append("all_to_all")
-        everyone = self.world.exchange(self.rank, send)
-        received.copy_(torch.cat([message.view(self.world_size, -1)[self.rank] for message in everyone]))
-
-    def _raw_all_gather(self, send: torch.Tensor, received: torch.Tensor) -> None:
-        self.raw_calls.append("all_gather")
-        received.copy_(torch.cat(self.world.exchange(self.rank, send)))
-
-    def _raw_integer_all_reduce_sum(self, flat: torch.Tensor) -> None:
-        self.raw_calls.append("integer_all_reduce")
-        everyone = self.world.exchange(self.rank, flat)
-        total = everyone[0].to(torch.int64)
-        for message in everyone[1:]:
-            total = total + message.to(torch.int64)
-        flat.copy_(total.to(flat.dtype))  # wraps around like an integer MPI_SUM / gloo SUM
-
-    def _workspace(self, slot: str, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
-        self.workspaces.append(slot)
-        return super()._workspace(slot, dtype, numel, device)
-
-
-def on_every_rank(p: int, run: Callable[[ThreadTransport], Any]) -> list[Any]:
-    """``run(transport)`` on p thread ranks; the results in rank order (an exception on any rank is re-raised)."""
-    world = ThreadWorld(p)
-    results: list[Any] = [None] * p
-    errors: list[BaseException] = []
-
-    def rank_main(rank: int) -> None:
-        try:
-            results[rank] = run(ThreadTransport(world, rank))
-        except BaseException as error:  # noqa: BLE001 - handed to the test thread
-            errors.append(error)
-            world._barrier.abort()
-
-    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(p)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return results
+from tests.support.thread_world import DeferredThreadTransport, ThreadTransport, on_every_rank
 
 
 def rank_input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -326,6 +253,93 @@ def test_replacing_the_public_methods_times_each_call_once_and_counts_it_once() 
         assert calls == {"all_to_all": 0, "all_gather": 0, "all_reduce_sum": 1}
         assert collectives == 1
         assert raw_calls == ["all_to_all", "all_gather"]
+
+
+# ---------------------------------------------------------------------------------------------- issued collectives
+
+
+@pytest.mark.parametrize("transport", world_of_one_transports(), ids=lambda t: t.name)
+def test_world_of_one_completes_issued_collectives_at_once_and_counts_nothing(transport: TransportBase) -> None:
+    send = rank_input(0, 24, torch.uint8)
+    for start in (transport.start_all_to_all, transport.start_all_gather, transport.start_all_reduce_sum):
+        pending = start(send)
+        assert torch.equal(transport.wait(pending), send)
+        assert transport.wait(pending) is transport.wait(pending), "waiting again returns the same result"
+    assert (transport.stats.collectives, transport.stats.bytes_sent) == (0, 0)
+
+
+def issued_calls(p: int, transport: ThreadTransport) -> list[torch.Tensor]:
+    """Every collective issued at once, waited for in issue order, each on its own rank's input."""
+    rank = transport.rank
+    pending = [
+        transport.start_all_to_all(rank_input(rank, 6 * p, torch.uint8)),
+        transport.start_all_gather(rank_input(rank, 7, torch.int32)),
+        transport.start_all_reduce_sum(rank_input(rank, 9, torch.uint8)),
+        transport.start_all_reduce_sum(rank_input(rank, 13, torch.float32)),
+        transport.start_all_reduce_sum(rank_input(rank, 20, torch.int32).view(4, 5).t()),  # not contiguous
+    ]
+    return [transport.wait(one) for one in pending]
+
+
+@pytest.mark.parametrize("transport_type", (ThreadTransport, DeferredThreadTransport), ids=lambda t: t.name)
+@pytest.mark.parametrize("p", (2, 3, 4))
+def test_issued_collectives_give_the_blocking_results_and_counts(p: int, transport_type: type[ThreadTransport]) -> None:
+    def blocking(transport: ThreadTransport) -> tuple[list[torch.Tensor], tuple[int, int]]:
+        rank = transport.rank
+        results = [
+            transport.all_to_all(rank_input(rank, 6 * p, torch.uint8)),
+            transport.all_gather(rank_input(rank, 7, torch.int32)),
+            transport.all_reduce_sum(rank_input(rank, 9, torch.uint8)),
+            transport.all_reduce_sum(rank_input(rank, 13, torch.float32)),
+            transport.all_reduce_sum(rank_input(rank, 20, torch.int32).view(4, 5).t()),
+        ]
+        return results, (transport.stats.collectives, transport.stats.bytes_sent)
+
+    def issued(transport: ThreadTransport) -> tuple[list[torch.Tensor], tuple[int, int]]:
+        results = issued_calls(p, transport)
+        return results, (transport.stats.collectives, transport.stats.bytes_sent)
+
+    expected = on_every_rank(p, blocking)
+    got = on_every_rank(p, issued, transport_type)
+    for (want, want_counts), (have, have_counts) in zip(expected, got, strict=True):
+        assert have_counts == want_counts
+        for one, other in zip(want, have, strict=True):
+            assert torch.equal(one, other) and one.shape == other.shape
+    # the non-contiguous sum is written back into the caller's tensor, as the blocking one is
+    assert not got[0][0][4].is_contiguous()
+
+
+def test_deferred_transport_delivers_nothing_before_the_wait() -> None:
+    """The test double the optimizer's schedule is checked on really defers: results are garbage until waited."""
+
+    def run(transport: DeferredThreadTransport) -> tuple[bool, bool]:
+        pending = transport.start_all_gather(torch.full((3,), float(transport.rank)))
+        early = bool(torch.isnan(pending._result).all())
+        return early, torch.equal(transport.wait(pending), torch.tensor([0.0, 0, 0, 1, 1, 1]))
+
+    assert on_every_rank(2, run, DeferredThreadTransport) == [(True, True)] * 2
+
+
+def test_replacing_every_communicating_method_times_a_vote_once_per_collective() -> None:
+    """What the benchmarks do for a vote, which issues its collectives and waits for them."""
+    from ds_lioncub.comm.votes import finish_sign_vote, start_sign_vote
+
+    def run(transport: ThreadTransport) -> dict[str, int]:
+        calls = dict.fromkeys(COMMUNICATING_METHODS, 0)
+        for name in calls:
+            original = getattr(transport, name)
+
+            def timed(argument: Any, name: str = name, original: Any = original) -> Any:
+                calls[name] += 1
+                return original(argument)
+
+            setattr(transport, name, timed)
+        update = rank_input(transport.rank, 50, torch.float32)
+        finish_sign_vote(transport, start_sign_vote(transport, update, True), update)
+        return calls
+
+    expected = dict.fromkeys(COMMUNICATING_METHODS, 0) | {"start_all_to_all": 1, "start_all_gather": 1, "wait": 2}
+    assert on_every_rank(3, run) == [expected] * 3
 
 
 # ---------------------------------------------------------------------------------------------- errors

@@ -14,7 +14,7 @@ import torch
 
 from ds_lioncub.comm import CompressedBackend, wire
 from ds_lioncub.comm.kbit import KbitCodec
-from ds_lioncub.comm.transport import CommStats
+from ds_lioncub.comm.transport import CommStats, InFlight
 from ds_lioncub.comm.vocabulary import (
     AGGREGATIONS,
     KBIT_ALGORITHMS,
@@ -169,6 +169,21 @@ class RecordingTransport:
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         self.issued.append(("all_reduce", tensor.numel() * tensor.element_size()))
         return tensor
+
+    # Issued collectives record the same and are done at once.
+    supports_async = False
+
+    def start_all_to_all(self, send: torch.Tensor) -> InFlight:
+        return InFlight(self.all_to_all(send))
+
+    def start_all_gather(self, send: torch.Tensor) -> InFlight:
+        return InFlight(self.all_gather(send))
+
+    def start_all_reduce_sum(self, tensor: torch.Tensor) -> InFlight:
+        return InFlight(self.all_reduce_sum(tensor))
+
+    def wait(self, pending: InFlight) -> torch.Tensor:
+        return pending._complete()
 
 
 def simulated_cost(issued: list[tuple[str, int]], p: int) -> int:

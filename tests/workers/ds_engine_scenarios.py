@@ -165,6 +165,16 @@ def run_configs(args: argparse.Namespace, data: torch.Tensor) -> dict[str, Any]:
     head_sync_bf16 = json.loads((REPO / "configs" / "lioncub_1bit_head_sync.json").read_text())
     head_sync_bf16["bf16"] = {"enabled": True}
     variants.append(("lioncub_1bit_head_sync_bf16", head_sync_bf16))
+    # overlap=True beside its config: 1-bit with clipping at 1.0 (votes redone), 8-bit L1 with accumulation 2,
+    # and bf16 (the hooks see the module's bf16 parameters, LionCub steps the wrapper's fp32 copies)
+    for base, config in (
+        ("lioncub_1bit", json.loads((REPO / "configs" / "lioncub_1bit.json").read_text())),
+        ("lioncub_8bit_l1", json.loads((REPO / "configs" / "lioncub_8bit_l1.json").read_text())),
+        ("lioncub_1bit_head_sync_bf16", head_sync_bf16),
+    ):
+        overlapped = copy.deepcopy(config)
+        overlapped["optimizer"]["params"]["overlap"] = True
+        variants.append((f"{base}_overlap", overlapped))
     base = json.loads((REPO / "configs" / "lioncub_1bit.json").read_text())
     variants += planned_configs(base, sum(p.numel() for p in GPT(MODEL).parameters()))
     # Telemetry with vote statistics, written by DeepSpeed's CSV monitor (rank 0 writes).
@@ -190,6 +200,9 @@ def run_configs(args: argparse.Namespace, data: torch.Tensor) -> dict[str, Any]:
         record["enable_backward_allreduce"] = engine.enable_backward_allreduce
         lioncub = find_lioncub(engine.optimizer)
         record["comm_stats"] = lioncub.comm_stats() if lioncub else None
+        record["momenta"] = momenta(engine) if lioncub else None
+        record["revoted_buckets"] = lioncub.revoted_buckets if lioncub else None
+        record["buckets_launched_in_backward"] = lioncub.buckets_launched_in_backward if lioncub else None
         record["options"] = lioncub.options.model_dump() if lioncub else None
         record["parameter_numels"] = [p.numel() for p in master_params(engine)]
         ds_comm.all_reduce = counter.original
@@ -247,6 +260,16 @@ def run_bad_configs() -> dict[str, Any]:
     }
     results: dict[str, Any] = {}
     cases = [(name, {**base, "optimizer": optimizer}) for name, optimizer in bad.items()]
+    cases.append(
+        (
+            "overlap-zero2",
+            {
+                **base,
+                "zero_optimization": {"stage": 2},
+                "optimizer": {"type": "LionCub", "params": {"compression": "1bit", "overlap": True}},
+            },
+        )
+    )
     cases.append(
         (
             "zero-compressed",

@@ -8,6 +8,7 @@ references (tests/support/checks.py); this worker only records results.
 from __future__ import annotations
 
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -67,8 +68,13 @@ def run_legacy(backend: CompressedBackend, rank: int) -> dict[str, object]:
     return results
 
 
-def train(mode: str, options: dict[str, object], rank: int, results: dict[str, object], prefix: str = "") -> None:
-    """TRAIN_STEPS steps of one training mode; parameters and momenta saved under ``prefix`` + the usual keys."""
+def train_mode(
+    rank: int, mode: str, options: dict[str, object], pipelined: bool, prefix: str = ""
+) -> dict[str, object]:
+    """TRAIN_STEPS steps of one mode, its buckets pipelined (the default) or run one by one ("serial" keys);
+    every key starts with ``prefix``."""
+    results: dict[str, object] = {}
+    keys = prefix + ("train" if pipelined else "train-serial")
     params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
     optimizer = LionCub(
         list(params.items()),
@@ -78,33 +84,82 @@ def train(mode: str, options: dict[str, object], rank: int, results: dict[str, o
         bucket_size=sc.BUCKET_SIZE,
         **options,
     )
+    optimizer._pipelined_buckets = pipelined
     for step in range(1, sc.TRAIN_STEPS + 1):
         optimizer.zero_grad()
         sc.loss_of(params, rank, step).backward()
         before = optimizer.comm_stats()
         optimizer.step()
-        results[f"{prefix}train-stats/{mode}/{step}"] = optimizer.comm_stats() - before
-        results[f"{prefix}train-telemetry/{mode}/{step}"] = optimizer.last_step_telemetry
+        results[f"{keys}-stats/{mode}/{step}"] = optimizer.comm_stats() - before
+        if pipelined:
+            results[f"{prefix}train-telemetry/{mode}/{step}"] = optimizer.last_step_telemetry
         if "momentum_sync" in options:
             for name, param in params.items():
-                results[f"{prefix}train-exp-avg/{mode}/{step}/{name}"] = optimizer.state[param]["exp_avg"].clone()
-    results[f"{prefix}train-telemetry-totals/{mode}"] = optimizer.telemetry_totals
+                results[f"{keys}-exp-avg/{mode}/{step}/{name}"] = optimizer.state[param]["exp_avg"].clone()
+    if pipelined:
+        results[f"{prefix}train-telemetry-totals/{mode}"] = optimizer.telemetry_totals
     for name, param in params.items():
-        results[f"{prefix}train-param/{mode}/{name}"] = param.detach().clone()
-        results[f"{prefix}train-exp-avg/{mode}/final/{name}"] = optimizer.state[param]["exp_avg"].clone()
+        results[f"{keys}-param/{mode}/{name}"] = param.detach().clone()
+        results[f"{keys}-exp-avg/{mode}/final/{name}"] = optimizer.state[param]["exp_avg"].clone()
+    return results
+
+
+def train_overlap_case(rank: int, world_size: int, case: str, overlap: bool) -> dict[str, object]:
+    """One of scenarios.OVERLAP_CASES for TRAIN_STEPS steps, with or without overlap."""
+    options, accumulation, clip, unused_rank, inf_at = sc.OVERLAP_CASES[case]
+    params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
+    optimizer = LionCub(
+        list(params.items()),
+        lr=sc.TRAIN_LR,
+        betas=sc.TRAIN_BETAS,
+        weight_decay=sc.TRAIN_WEIGHT_DECAY,
+        bucket_size=sc.BUCKET_SIZE,
+        overlap=overlap,
+        **options,
+    )
+    loss_fn = sc.loss_without_b2 if unused_rank is not None and rank == unused_rank % world_size else sc.loss_of
+    inf_step = None if inf_at is None or rank != inf_at[0] % world_size else inf_at[1]
+    results: dict[str, object] = {}
+    prefix = f"overlap-{'on' if overlap else 'off'}/{case}"
+    for step in range(1, sc.TRAIN_STEPS + 1):
+        optimizer.zero_grad(set_to_none=True)
+        for micro in range(accumulation):
+            if overlap and micro == accumulation - 1:
+                optimizer.overlap_next_backward()
+            loss_fn(params, rank, 10 * step + micro).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
+        if step == inf_step:
+            params["b1"].grad[0] = float("inf")
+        try:
+            optimizer.step()
+        except FloatingPointError as error:
+            results[f"{prefix}/error/{step}"] = str(error)
+    for name, param in params.items():
+        results[f"{prefix}/param/{name}"] = param.detach().clone()
+        momentum = optimizer.state[param].get("exp_avg")  # none for b2 when a world of one leaves it out
+        results[f"{prefix}/exp-avg/{name}"] = None if momentum is None else momentum.clone()
+    results[f"{prefix}/revoted"] = optimizer.revoted_buckets
+    results[f"{prefix}/launched-in-backward"] = optimizer.buckets_launched_in_backward
+    return results
 
 
 def run_training(rank: int, world_size: int) -> dict[str, object]:
     results: dict[str, object] = {"packing-path": packing.packing_path("cpu").path}
     modes = sc.training_modes(world_size)
     for mode, options in modes.items():
-        train(mode, options, rank, results)
+        results.update(train_mode(rank, mode, options, pipelined=True))
+        if options["compression"] != "none":
+            results.update(train_mode(rank, mode, options, pipelined=False))
     # The sign votes again on the torch packing path (the composition the fused kernels must equal).
     packing.set_packing_path("torch")
     for mode in sc.SIGN_VOTE_MODES:
         if mode in modes:
-            train(mode, modes[mode], rank, results, prefix="torch-packing/")
+            results.update(train_mode(rank, mode, modes[mode], pipelined=True, prefix="torch-packing/"))
     packing.set_packing_path(None)
+    for case in sc.OVERLAP_CASES:
+        for overlap in (False, True):
+            results.update(train_overlap_case(rank, world_size, case, overlap))
     params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
     optimizer = LionCub(list(params.items()), compression="1bit")
     sc.loss_of(params, rank, 1).backward()
@@ -129,7 +184,10 @@ def run_training(rank: int, world_size: int) -> dict[str, object]:
 
 def main() -> None:
     rank, world_size, store_file, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size)
+    # A short timeout: collectives issued in a different order on some rank fail here instead of hanging.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
     torch.set_num_threads(1)
     backend = CompressedBackend()
     results: dict[str, object] = {}

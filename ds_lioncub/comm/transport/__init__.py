@@ -1,13 +1,14 @@
 """Moving bytes between data-parallel ranks, and counting them.
 
 A transport offers the three collectives the compressed backend needs (``all_to_all``,
-``all_gather``, ``all_reduce_sum``), its ``world_size``, ``rank`` and traffic ``stats``.
+``all_gather``, ``all_reduce_sum``), blocking or issued (``start_*`` then ``wait``), its
+``world_size``, ``rank`` and traffic ``stats``.
 :func:`make_transport` picks one by ``comm_backend_name``:
 
 - ``"torch"``: :class:`TorchTransport` (``torch_dist.py``) runs them on a torch.distributed
   process group. Without an initialised process group it is a world of one, where every
   collective is a copy and nothing is counted as sent.
-- ``"mpi"``: :class:`MpiTransport` (``mpi.py``) runs them over mpi4py.
+- ``"mpi"``: :class:`MpiTransport` (``mpi.py``) runs them over mpi4py (blocking only, so far).
 
 Both share :class:`TransportBase` (``base.py``): the world of one, the rank-order floating-point sum
 and the byte accounting, which counts what a bandwidth-optimal algorithm sends per rank, by the
@@ -19,7 +20,14 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ds_lioncub.comm.transport.base import CommStats, Transport, TransportBase, sum_rows_in_rank_order
+from ds_lioncub.comm.transport.base import (
+    COMMUNICATING_METHODS,
+    CommStats,
+    InFlight,
+    Transport,
+    TransportBase,
+    sum_rows_in_rank_order,
+)
 from ds_lioncub.comm.transport.mpi import (
     MPI_INSTALL_HINT,
     MpiTransport,
@@ -65,9 +73,11 @@ def make_transport(
 
 
 __all__ = [
+    "COMMUNICATING_METHODS",
     "COMM_BACKENDS",
     "MPI_INSTALL_HINT",
     "CommStats",
+    "InFlight",
     "MpiSetupError",
     "MpiTransport",
     "RankLayout",

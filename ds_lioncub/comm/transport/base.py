@@ -3,7 +3,14 @@
 :class:`TransportBase` implements the public collectives once. It handles the world of one (a copy,
 nothing counted), the byte accounting (:mod:`ds_lioncub.comm.wire`), and the floating-point sum in
 rank order. A subclass supplies only the raw data movement: ``_raw_all_to_all``, ``_raw_all_gather``
-and ``_raw_integer_all_reduce_sum``.
+and ``_raw_integer_all_reduce_sum``, and, where its library can leave a collective running, their
+``_async`` variants.
+
+Every collective exists twice: blocking (``all_to_all``: the result) and issued (``start_all_to_all``:
+an :class:`InFlight` whose result :meth:`TransportBase.wait` returns). Both count the same bytes when
+issued. A transport without non-blocking collectives (``supports_async`` False) runs ``start_*``
+to completion before returning, so callers are correct on every transport and overlap only where
+the library allows it.
 
 Internal steps call the raw hooks, never the public methods. Benchmarks time a transport by
 replacing its public methods on the instance; a float sum that went through the public
@@ -55,6 +62,61 @@ class CommStats:
         )
 
 
+#: The public methods that communicate or wait for communication: what a benchmark replaces on an
+#: instance to time a transport's collectives (each call runs exactly one of them).
+COMMUNICATING_METHODS = (
+    "all_to_all",
+    "all_gather",
+    "all_reduce_sum",
+    "start_all_to_all",
+    "start_all_gather",
+    "start_all_reduce_sum",
+    "wait",
+)
+
+
+class Waitable(Protocol):
+    """What a library hands back for a collective left running (torch.distributed's ``Work``)."""
+
+    def wait(self) -> object: ...
+
+
+class InFlight:
+    """A collective that has been issued and may still be running; :meth:`Transport.wait` gives its result.
+
+    It keeps the message it sent alive until then: the library may still be reading it. ``copy_back``
+    (a tensor) receives the result when it is waited for, for a collective that ran on a contiguous
+    copy of its caller's tensor.
+    """
+
+    def __init__(
+        self,
+        result: torch.Tensor,
+        work: Waitable | None = None,
+        sent: torch.Tensor | None = None,
+        copy_back: torch.Tensor | None = None,
+    ) -> None:
+        self._result = result
+        self._work = work
+        self._sent = sent
+        self._copy_back = copy_back
+
+    @property
+    def device(self) -> torch.device:
+        """Where the result will be."""
+        return self._result.device
+
+    def _complete(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self._sent = None
+        if self._copy_back is not None:
+            self._result = self._copy_back.copy_(self._result)
+            self._copy_back = None
+        return self._result
+
+
 class Transport(Protocol):
     """What CompressedBackend needs from a transport."""
 
@@ -62,12 +124,22 @@ class Transport(Protocol):
     world_size: int
     rank: int
     stats: CommStats
+    #: Whether ``start_*`` can return before the collective is done (otherwise they block).
+    supports_async: bool
 
     def all_to_all(self, send: torch.Tensor) -> torch.Tensor: ...
 
     def all_gather(self, send: torch.Tensor) -> torch.Tensor: ...
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def start_all_to_all(self, send: torch.Tensor) -> InFlight: ...
+
+    def start_all_gather(self, send: torch.Tensor) -> InFlight: ...
+
+    def start_all_reduce_sum(self, tensor: torch.Tensor) -> InFlight: ...
+
+    def wait(self, pending: InFlight) -> torch.Tensor: ...
 
 
 def sum_rows_in_rank_order(rows: torch.Tensor) -> torch.Tensor:
@@ -111,9 +183,16 @@ class TransportBase:
     - ``_workspace(slot, dtype, numel, device)``: scratch memory for the float sum (default: a new
       tensor each call; a subclass may reuse buffers per ``slot``).
     - ``_check_sum_dtype(dtype)``: raise for dtypes the transport cannot sum (default: accept all).
+    - ``_raw_all_to_all_async``, ``_raw_all_gather_async``, ``_raw_integer_all_reduce_sum_async``: the
+      same, issued without waiting, returning what to wait on (default: the blocking hook, then None).
+      A subclass that overrides them sets ``supports_async = True``.
+
+    Collectives issued with ``start_*`` must be issued in the same order on every rank (the
+    libraries match them by issue order per group); when they are waited for does not matter.
     """
 
     name: str
+    supports_async = False
 
     def __init__(self, world_size: int, rank: int) -> None:
         self.world_size = world_size
@@ -126,10 +205,7 @@ class TransportBase:
         """Rank j receives chunk j of every rank's ``send`` (numel divisible by p), rank-major, shaped like ``send``."""
         if self.world_size == 1:
             return send.clone()
-        if send.numel() % self.world_size:
-            raise ValueError(f"all_to_all: {send.numel()} elements do not split into {self.world_size} equal chunks")
-        flat = send.contiguous().view(-1)
-        received = torch.empty_like(flat)
+        flat, received = self._all_to_all_buffers(send)
         started = time.perf_counter()
         self._raw_all_to_all(flat, received)
         self._count(wire.all_to_all_bytes(_nbytes(send), self.world_size), time.perf_counter() - started)
@@ -148,6 +224,9 @@ class TransportBase:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place elementwise sum over ranks, returned; floats in rank order (see :meth:`_ordered_float_sum`)."""
+        return self._all_reduce_sum(tensor)
+
+    def _all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return tensor
         self._check_sum_dtype(tensor.dtype)
@@ -164,7 +243,64 @@ class TransportBase:
         self._count(wire.all_reduce_bytes(_nbytes(tensor), self.world_size), seconds)
         return tensor
 
+    # ------------------------------------------------------------------ issued collectives
+
+    def start_all_to_all(self, send: torch.Tensor) -> InFlight:
+        """:meth:`all_to_all`, issued: its result once :meth:`wait` returns. Counted now."""
+        if self.world_size == 1:
+            return InFlight(send.clone())
+        flat, received = self._all_to_all_buffers(send)
+        started = time.perf_counter()
+        work = self._raw_all_to_all_async(flat, received)
+        self._count(wire.all_to_all_bytes(_nbytes(send), self.world_size), time.perf_counter() - started)
+        return InFlight(received.view(send.shape), work, sent=flat)
+
+    def start_all_gather(self, send: torch.Tensor) -> InFlight:
+        """:meth:`all_gather`, issued: its result once :meth:`wait` returns. Counted now."""
+        if self.world_size == 1:
+            return InFlight(send.clone())
+        flat = send.contiguous().view(-1)
+        received = flat.new_empty(flat.numel() * self.world_size)
+        started = time.perf_counter()
+        work = self._raw_all_gather_async(flat, received)
+        self._count(wire.all_gather_bytes(_nbytes(send), self.world_size), time.perf_counter() - started)
+        return InFlight(received, work, sent=flat)
+
+    def start_all_reduce_sum(self, tensor: torch.Tensor) -> InFlight:
+        """:meth:`all_reduce_sum`, issued: ``tensor`` holds the sum once :meth:`wait` returns it. Counted now.
+
+        Integer sums are left running; a floating-point sum runs to completion here, because its
+        rank-order reduction is local work between two collectives (the votes sum integers only).
+        """
+        if self.world_size == 1 or tensor.is_floating_point():
+            return InFlight(self._all_reduce_sum(tensor))
+        self._check_sum_dtype(tensor.dtype)
+        work_tensor = tensor if tensor.is_contiguous() else tensor.contiguous()
+        started = time.perf_counter()
+        work = self._raw_integer_all_reduce_sum_async(work_tensor.view(-1))
+        self._count(wire.all_reduce_bytes(_nbytes(tensor), self.world_size), time.perf_counter() - started)
+        return InFlight(work_tensor, work, copy_back=None if work_tensor is tensor else tensor)
+
+    def wait(self, pending: InFlight) -> torch.Tensor:
+        """The result of an issued collective, once it is done on this rank (at once if it already is).
+
+        The seconds spent waiting count as seconds inside collectives (``stats.seconds``), as the
+        issue's own did: together, the part of the collective this rank did not overlap with other work.
+        """
+        if pending._work is None:  # finished when issued (a world of one, a blocking library): nothing to wait for
+            return pending._complete()
+        started = time.perf_counter()
+        result = pending._complete()
+        self.stats.seconds += time.perf_counter() - started
+        return result
+
     # ------------------------------------------------------------------ shared internals
+
+    def _all_to_all_buffers(self, send: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if send.numel() % self.world_size:
+            raise ValueError(f"all_to_all: {send.numel()} elements do not split into {self.world_size} equal chunks")
+        flat = send.contiguous().view(-1)
+        return flat, torch.empty_like(flat)
 
     def _ordered_float_sum(self, flat: torch.Tensor) -> None:
         """Reduce-scatter by all-to-all, rank-order sum of each chunk on its owner, all-gather into ``flat``.
@@ -211,6 +347,18 @@ class TransportBase:
 
     def _raw_integer_all_reduce_sum(self, flat: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def _raw_all_to_all_async(self, send: torch.Tensor, received: torch.Tensor) -> Waitable | None:
+        self._raw_all_to_all(send, received)
+        return None
+
+    def _raw_all_gather_async(self, send: torch.Tensor, received: torch.Tensor) -> Waitable | None:
+        self._raw_all_gather(send, received)
+        return None
+
+    def _raw_integer_all_reduce_sum_async(self, flat: torch.Tensor) -> Waitable | None:
+        self._raw_integer_all_reduce_sum(flat)
+        return None
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

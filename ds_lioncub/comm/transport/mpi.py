@@ -166,6 +166,9 @@ class MpiTransport(TransportBase):
     The float sum's padded and per-rank buffers are reused too. All reused buffers grow to the
     largest message, so they are bounded by the optimizer's bucket.
 
+    Issued collectives: mpi4py's blocking calls, so ``start_*`` return finished collectives
+    (``supports_async`` False) and options that need collectives left running refuse this transport.
+
     Ordering: integer ``all_reduce_sum`` is MPI_Allreduce(SUM). Floating point is summed in rank
     order by :class:`TransportBase`, never by MPI_Allreduce: MPI does not promise the same result on
     every rank for floats, and the rank-order sum is what the torch transport computes too.
