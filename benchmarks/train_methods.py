@@ -8,6 +8,7 @@ differ only in how gradients (or updates) cross the network and in beta2 where t
 | lion_fp32 | DeepSpeed | fp32 gradient all-reduce, then exact Lion (LionCub compression "none") |
 | lion_bf16 | DeepSpeed | the same all-reduce in bf16 (``communication_data_type``) |
 | lioncub_1bit | DeepSpeed | 1-bit majority vote of the local Lion updates |
+| lioncub_1bit_overlap | DeepSpeed | the same vote started from backward's gradient hooks (``overlap``), 2Mi buckets |
 | lioncub_4bit_sign | DeepSpeed | 4-bit sums of local signs, voted |
 | lioncub_8bit_l1 | DeepSpeed | 8-bit L1-quantized local updates, summed and voted |
 | *_b95 | DeepSpeed | the same at beta2 = 0.95 (the paper's setting for 1-bit) |
@@ -90,6 +91,12 @@ METHODS: tuple[Method, ...] = (
         communication_data_type="bf16",
     ),
     Method("lioncub_1bit", "Lion Cub 1-bit vote", "deepspeed", lioncub={"compression": "1bit"}),
+    Method(
+        "lioncub_1bit_overlap",
+        "Lion Cub 1-bit, overlap, 2Mi buckets",
+        "deepspeed",
+        lioncub={"compression": "1bit", "overlap": True, "bucket_size": 2 * 1024 * 1024},
+    ),
     Method(
         "lioncub_4bit_sign",
         "Lion Cub 4-bit sign",

@@ -42,17 +42,16 @@ from ds_lioncub.comm.votes import (
     PendingResult,
     finish_aggregate,
     issue_sign_vote,
-    kbit_message_bytes,
     pack_kbit_message,
     pack_sign_message,
     reduce_kbit_mean,
     reduce_kbit_vote,
     reduce_sign_vote,
-    sign_vote_message_bytes,
     start_kbit_sum,
     start_sign_vote,
     voted_signs_packed,
 )
+from ds_lioncub.comm.wire import kbit_message_bytes, sign_vote_message_bytes
 from ds_lioncub.config import LionCubConfig
 
 COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -23,7 +23,8 @@ element (1 = +1), to the end: :func:`voted_signs_packed` hands those bits over a
 optimizer applies them in the same pass as the update (the fused step kernels of
 :mod:`ds_lioncub.comm.packing`); :func:`finish_aggregate` unpacks them to ±1. Their messages may
 likewise be packed by the caller (:func:`~ds_lioncub.comm.packing.lion_direction_pack_signs`) to the
-lengths :func:`sign_vote_message_bytes` and :func:`kbit_message_bytes` give, and issued as they are.
+lengths :mod:`ds_lioncub.comm.wire` gives (``sign_vote_message_bytes``, ``kbit_message_bytes``), and
+issued as they are.
 """
 
 from __future__ import annotations
@@ -38,14 +39,13 @@ from ds_lioncub.comm.packing import (
     pack_fields,
     pack_l1_fields,
     pack_signs,
-    packed_length,
     sum_fields_per_position,
     unpack_fields,
     unpack_signs,
     vote_packed_signs,
 )
 from ds_lioncub.comm.transport import InFlight, Transport
-from ds_lioncub.comm.wire import vote_padded_numel
+from ds_lioncub.comm.wire import kbit_message_bytes, sign_vote_message_bytes, vote_padded_numel
 
 
 @dataclass
@@ -97,11 +97,6 @@ def voted_signs_packed(transport: Transport, result: PendingResult) -> torch.Ten
 # ---------------------------------------------------------------------------------------------------- 1-bit vote
 
 
-def sign_vote_message_bytes(numel: int, world_size: int) -> int:
-    """The length of a rank's packed sign message for ``numel`` elements: padded to whole chunks of whole bytes."""
-    return vote_padded_numel(numel, world_size) // 8
-
-
 def pack_sign_message(world_size: int, update: torch.Tensor, positive_ties: bool) -> torch.Tensor:
     """The packed signs of ``update`` (flat), padded to whole bytes per rank's chunk with 0 (= -1) bits."""
     return pack_signs(update, positive_ties, nbytes=sign_vote_message_bytes(update.numel(), world_size))
@@ -147,13 +142,6 @@ def _unpacked_signs(numel: int) -> Decoder:
 
 
 # ---------------------------------------------------------------------------------------------------- k-bit sums
-
-
-def kbit_message_bytes(codec: KbitCodec, numel: int) -> int:
-    """The length of a rank's packed k-bit message for ``numel`` elements, padded as ``codec.algorithm`` needs."""
-    if codec.algorithm == "allreduce":
-        return packed_length(numel, codec.bits)
-    return vote_padded_numel(numel, codec.world_size) * codec.bits // 8  # all-to-all: whole chunks of whole bytes
 
 
 def pack_kbit_message(
@@ -261,13 +249,11 @@ __all__ = [
     "finish_kbit_vote",
     "finish_sign_vote",
     "issue_sign_vote",
-    "kbit_message_bytes",
     "pack_kbit_message",
     "pack_sign_message",
     "reduce_kbit_mean",
     "reduce_kbit_vote",
     "reduce_sign_vote",
-    "sign_vote_message_bytes",
     "start_kbit_sum",
     "start_sign_vote",
     "voted_signs_packed",

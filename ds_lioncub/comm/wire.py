@@ -99,6 +99,19 @@ def vote_padded_numel(numel: int, world_size: int) -> int:
     return (numel + multiple - 1) // multiple * multiple
 
 
+def sign_vote_message_bytes(numel: int, world_size: int) -> int:
+    """A rank's packed sign message for the 1-bit vote of ``numel`` elements: whole chunks of whole bytes."""
+    return packed_length(vote_padded_numel(numel, world_size), 1)
+
+
+def kbit_message_bytes(codec: KbitCodec, numel: int) -> int:
+    """A rank's packed b-bit message of ``numel`` elements, padded as ``codec.algorithm`` needs (all-to-all:
+    whole chunks of whole bytes, as the 1-bit vote; all-reduce: just whole bytes)."""
+    if codec.algorithm == "allreduce":
+        return packed_length(numel, codec.bits)
+    return packed_length(vote_padded_numel(numel, codec.world_size), codec.bits)
+
+
 def total_bytes_sent(collectives: list[Collective]) -> int:
     """Bytes one rank sends in all of ``collectives``."""
     return sum(collective.bytes_sent for collective in collectives)
@@ -118,7 +131,7 @@ def vote_1bit_collectives(numel: int, world_size: int) -> list[Collective]:
     """The 1-bit vote: all-to-all of the packed signs, then all-gather of each rank's packed chunk of votes."""
     padded = vote_padded_numel(numel, world_size)
     return [
-        Collective("all_to_all", packed_length(padded, 1), world_size),
+        Collective("all_to_all", sign_vote_message_bytes(numel, world_size), world_size),
         Collective("all_gather", packed_length(padded // world_size, 1), world_size),
     ]
 
@@ -136,13 +149,13 @@ def kbit_collectives(numel: int, codec: KbitCodec, aggregation: Aggregation) -> 
     chunk, then all-gather of the chunk's result: 1 bit per element for "vote", and for "mean" the
     field sums in the narrowest width that holds them (:attr:`KbitCodec.sum_width`).
     """
-    p, bits = codec.world_size, codec.bits
+    p = codec.world_size
     if codec.algorithm == "allreduce":
-        return [Collective("all_reduce", packed_length(numel, bits), p)]
+        return [Collective("all_reduce", kbit_message_bytes(codec, numel), p)]
     padded = vote_padded_numel(numel, p)
     result_width = 1 if aggregation == "vote" else codec.sum_width
     return [
-        Collective("all_to_all", packed_length(padded, bits), p),
+        Collective("all_to_all", kbit_message_bytes(codec, numel), p),
         Collective("all_gather", packed_length(padded // p, result_width), p),
     ]
 
