@@ -15,8 +15,7 @@ this process can run (torch always, the compiled CPU op when it builds; the CUDA
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,7 +27,7 @@ from ds_lioncub.comm.packing.compiled import CompiledPacking
 from ds_lioncub.comm.packing.self_check import SelfCheckedPacking
 from ds_lioncub.comm.packing.torch_impl import TorchPacking
 from ds_lioncub.errors import LionCubSetupError
-from ds_lioncub.op_builder import LionCubPackingCPUBuilder, LionCubPackingCUDABuilder
+from tests.support.implementations import Implementation
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 WIDTHS = (1, 2, 4, 8)
@@ -106,56 +105,6 @@ def values(n: int, dtype: torch.dtype, seed: int, specials: bool = True) -> torc
         x[(picks >= 0.01) & (picks < 0.02)] = math.inf
         x[(picks >= 0.02) & (picks < 0.03)] = -math.inf
     return x.to(dtype)
-
-
-class Implementation(NamedTuple):
-    device: str
-    path: str
-
-
-IMPLEMENTATIONS = [
-    pytest.param(Implementation("cpu", "torch"), id="cpu-torch"),
-    pytest.param(Implementation("cpu", "compiled"), id="cpu-compiled"),
-    pytest.param(Implementation("cuda", "torch"), id="cuda-torch", marks=pytest.mark.gpu),
-    pytest.param(Implementation("cuda", "compiled"), id="cuda-compiled", marks=pytest.mark.gpu),
-    pytest.param(Implementation("cuda", "cupy"), id="cuda-cupy", marks=pytest.mark.gpu),
-]
-
-
-def _load_or_skip(builder: Any) -> Any:
-    if not builder.is_compatible():
-        pytest.skip(f"op {builder.name} cannot build here: {builder.error_log}")
-    try:
-        return builder.load()
-    except Exception as error:  # noqa: BLE001 - any build failure means "not available in this process"
-        pytest.skip(f"op {builder.name} did not build: {type(error).__name__}: {error}")
-
-
-@pytest.fixture(scope="module")
-def cpu_op() -> Any:
-    return _load_or_skip(LionCubPackingCPUBuilder())
-
-
-@pytest.fixture(scope="module")
-def cuda_op() -> Any:
-    return _load_or_skip(LionCubPackingCUDABuilder())
-
-
-@pytest.fixture(params=IMPLEMENTATIONS)
-def impl(request: pytest.FixtureRequest) -> Iterator[Implementation]:
-    chosen: Implementation = request.param
-    if chosen.device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device on this machine")
-    if chosen.path == "compiled":
-        request.getfixturevalue(f"{chosen.device}_op")
-    if chosen.path == "cupy":
-        pytest.importorskip("cupy", reason="cupy is not installed")
-    packing.set_packing_path(chosen.path)
-    try:
-        assert packing.packing_path(chosen.device).path == chosen.path
-        yield chosen
-    finally:
-        packing.set_packing_path(None)
 
 
 def run_direction(

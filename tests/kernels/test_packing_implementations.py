@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterator
-from typing import Any, NamedTuple
 
 import pytest
 import torch
 
 from ds_lioncub.comm import packing
-from ds_lioncub.op_builder import LionCubPackingCPUBuilder, LionCubPackingCUDABuilder
+from tests.support.implementations import Implementation
 
 SIZES = (0, 1, 3, 7, 8, 9, 13, 31, 33, 64, 65, 127, 1000, 4099)
 WIDTHS = (1, 2, 4, 8)
@@ -135,60 +133,6 @@ def random_fields(n: int, bits: int, seed: int) -> torch.Tensor:
 
 
 # ====================================================================== the implementations
-
-
-class Implementation(NamedTuple):
-    device: str
-    path: str
-
-    def put(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.device)
-
-
-IMPLEMENTATIONS = [
-    pytest.param(Implementation("cpu", "torch"), id="cpu-torch"),
-    pytest.param(Implementation("cpu", "compiled"), id="cpu-compiled"),
-    pytest.param(Implementation("cuda", "torch"), id="cuda-torch", marks=pytest.mark.gpu),
-    pytest.param(Implementation("cuda", "compiled"), id="cuda-compiled", marks=pytest.mark.gpu),
-    pytest.param(Implementation("cuda", "cupy"), id="cuda-cupy", marks=pytest.mark.gpu),
-]
-
-
-def _load_or_skip(builder: Any) -> Any:
-    if not builder.is_compatible():
-        pytest.skip(f"op {builder.name} cannot build here: {builder.error_log}")
-    try:
-        return builder.load()
-    except Exception as error:  # noqa: BLE001 - any build failure means "not available in this process"
-        pytest.skip(f"op {builder.name} did not build: {type(error).__name__}: {error}")
-
-
-@pytest.fixture(scope="module")
-def cpu_op() -> Any:
-    return _load_or_skip(LionCubPackingCPUBuilder())
-
-
-@pytest.fixture(scope="module")
-def cuda_op() -> Any:
-    return _load_or_skip(LionCubPackingCUDABuilder())
-
-
-@pytest.fixture(params=IMPLEMENTATIONS)
-def impl(request: pytest.FixtureRequest) -> Iterator[Implementation]:
-    """Forces one implementation for the test; skips (saying why) where this process cannot run it."""
-    chosen: Implementation = request.param
-    if chosen.device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device on this machine")
-    if chosen.path == "compiled":
-        request.getfixturevalue(f"{chosen.device}_op")
-    if chosen.path == "cupy":
-        pytest.importorskip("cupy", reason="cupy is not installed")
-    packing.set_packing_path(chosen.path)
-    try:
-        assert packing.packing_path(chosen.device).path == chosen.path
-        yield chosen
-    finally:
-        packing.set_packing_path(None)
 
 
 # ====================================================================== b-bit fields
