@@ -9,9 +9,11 @@ per parameter, and every rank applies the same update, so parameters stay bitwis
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple, TypeVar
@@ -296,7 +298,16 @@ class LionCub(torch.optim.Optimizer):
         order that differs between ranks, so they get a group of their own. Only the voters call this."""
         group = self.process_group if self.process_group is not None else dist.group.WORLD
         ranks = dist.get_process_group_ranks(group)
-        return TorchTransport(dist.new_group(ranks=ranks, use_local_synchronization=True))
+        transport = TorchTransport(dist.new_group(ranks=ranks, use_local_synchronization=True))
+        # One tiny collective now, while every voter is here: NCCL creates a group's communicator at its
+        # first collective and blocks the host until all ranks join, which inside a gradient hook could
+        # wait on a rank that is itself waiting in another group's collective.
+        params = self._flat_params()
+        device = params[0].device if params else torch.device("cpu")
+        counted = transport.stats + CommStats()  # set-up traffic, left out of comm_stats()
+        transport.all_reduce_sum(torch.zeros(1, dtype=torch.int32, device=device))
+        transport.stats = counted
+        return transport
 
     def _set_up_overlap(self) -> None:
         """With ``overlap``: the vote over the overlap transport, and a gradient hook on every parameter (once)."""
@@ -311,15 +322,15 @@ class LionCub(torch.optim.Optimizer):
             # The parameters backward accumulates into, by flat position: a mixed-precision wrapper later
             # puts fp32 copies in their place here, but backward keeps filling these.
             self._hooked_params = self._flat_params()
+            # The hooks hold the optimizer weakly (a model must not keep a dropped optimizer's momenta
+            # and process groups alive) and are removed when it is collected.
+            owner = weakref.ref(self)
             self._gradient_hooks = [
-                param.register_post_accumulate_grad_hook(self._gradient_ready)
+                param.register_post_accumulate_grad_hook(functools.partial(_gradient_ready, owner))
                 for param in self._hooked_params
                 if param.requires_grad
             ]
-
-    def _gradient_ready(self, param: torch.Tensor) -> None:
-        if self._armed is not None:
-            self._armed.gradient_ready(param)
+            weakref.finalize(self, _remove_hooks, list(self._gradient_hooks))
 
     def _flat_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -946,6 +957,18 @@ def _non_finite_parameters(entries: list[Entry]) -> list[torch.Tensor]:
     if not sums or bool(torch.isfinite(torch.stack(sums)).all()):
         return []
     return [entry.param for entry, total in zip(entries, sums, strict=True) if not torch.isfinite(total)]
+
+
+def _gradient_ready(owner: weakref.ref[LionCub], param: torch.Tensor) -> None:
+    """A parameter's gradient hook: hand the accumulated gradient to the owner's armed backward, if any."""
+    optimizer = owner()
+    if optimizer is not None and optimizer._armed is not None:
+        optimizer._armed.gradient_ready(param)
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _piece_of(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:

@@ -218,6 +218,8 @@ def _wrap_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
     def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         lioncub = _compressed_lioncub(engine)
+        if lioncub is not None:
+            lioncub.discard_overlapped_votes()  # votes of an armed backward belong to the state being replaced
         hybrid = getattr(engine, ENGINE_ATTRIBUTE, None)
         tag_name = None if tag is None else str(tag)
         skip_optimizer = kwargs.get("load_module_only", False) or not kwargs.get("load_optimizer_states", True)

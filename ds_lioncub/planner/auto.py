@@ -67,6 +67,7 @@ def _concrete(options: LionCubConfig, chosen: dict[str, Any], zero_stage: int) -
         given.pop("hybrid", None)
     if chosen["compression"] == "none":
         given.pop("momentum_sync", None)
+        given.pop("overlap", None)  # a vote to start during backward: exact Lion takes none
         if "telemetry" in given:
             given["telemetry"] = {**given["telemetry"], "vote_stats": False}
     mode = dict(chosen)

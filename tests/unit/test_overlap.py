@@ -271,3 +271,49 @@ def test_save_checkpoint_between_an_armed_backward_and_its_step_is_refused() -> 
 
     messages = on_every_rank(2, run, with_overlap_world(2))
     assert all("votes are in flight" in message and "after engine.step()" in message for message in messages)
+
+
+def test_loading_a_checkpoint_drops_the_votes_of_an_armed_backward() -> None:
+    """DeepSpeed's load_checkpoint, as wrapped by ds_lioncub: the votes belong to the state being replaced."""
+    from types import SimpleNamespace
+
+    from ds_lioncub.integration.engine_hooks import _wrap_load_checkpoint
+
+    loads: list[str] = []
+
+    def deepspeeds_load(engine: Any, load_dir: str, tag: Any = None, **kwargs: Any) -> tuple[None, dict[str, Any]]:
+        loads.append(load_dir)
+        return None, {}
+
+    load = _wrap_load_checkpoint(deepspeeds_load)
+
+    def run(transport: ThreadTransport) -> bool:
+        params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
+        optimizer = ThreadLionCub(transport, list(params.items()), overlap=True)
+        optimizer.overlap_next_backward()
+        sc.loss_of(params, transport.rank, 1).backward()
+        in_flight_before = optimizer.votes_in_flight
+        load(SimpleNamespace(basic_optimizer=optimizer), "unused-dir", load_optimizer_states=False)
+        return in_flight_before and not optimizer.votes_in_flight
+
+    assert on_every_rank(2, run, with_overlap_world(2)) == [True, True]
+    assert loads == ["unused-dir", "unused-dir"]
+
+
+def test_a_dropped_optimizer_leaves_no_gradient_hooks_behind() -> None:
+    """The hooks hold the optimizer weakly: the model does not keep its momenta and groups alive."""
+    import gc
+    import weakref
+
+    def run(transport: ThreadTransport) -> tuple[bool, int]:
+        params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
+        optimizer = ThreadLionCub(transport, list(params.items()), overlap=True)
+        hooked = sum(len(param._post_accumulate_grad_hooks or {}) for param in params.values())
+        alive = weakref.ref(optimizer)
+        del optimizer
+        gc.collect()
+        sc.loss_of(params, transport.rank, 1).backward()  # no hook left to call into a dead optimizer
+        left = sum(len(param._post_accumulate_grad_hooks or {}) for param in params.values())
+        return alive() is None and hooked == len(params), left
+
+    assert on_every_rank(2, run, with_overlap_world(2)) == [(True, 0), (True, 0)]

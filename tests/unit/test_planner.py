@@ -774,3 +774,14 @@ def test_under_deepspeed_auto_plans_with_the_engines_stage_dtype_and_buckets(mon
         FakeEngine(0, torch.bfloat16, 2), parse_config(fast), list(model.named_parameters())
     )
     assert exact.compression == "none" and exact.comm_dtype == "bf16"  # the engine's gradient dtype, one rank per node
+
+
+def test_auto_falling_back_to_exact_lion_drops_overlap() -> None:
+    """overlap starts votes during backward; exact Lion takes none, so it must not refuse an option the user set."""
+    optimizer = LionCub(
+        torch.nn.Linear(10, 10).parameters(),
+        compression="auto",
+        network={"bandwidth": "400gbit", "latency": "5us"},
+        overlap=True,
+    )
+    assert (optimizer.options.compression, optimizer.options.overlap) == ("none", False)
