@@ -561,11 +561,6 @@ class LionCub(torch.optim.Optimizer):
             self.transport.stats = counted
         self.telemetry.end_step(step, self.comm_stats())
 
-    def _add_aggregated_bucket(self, started: float, comm_seconds_before: float, voted_elements: int) -> None:
-        """Credit the telemetry with a bucket: the time since ``started`` less the collectives' time in it."""
-        in_collectives = self.transport.stats.seconds - comm_seconds_before
-        self.telemetry.add_bucket(time.perf_counter() - started - in_collectives, voted_elements)
-
     def _participants(self) -> list[Entry]:
         """The parameters that take part in this step.
 
@@ -626,13 +621,13 @@ class LionCub(torch.optim.Optimizer):
 
     def _exact_lion_step(self, entries: list[Entry], mean: Aggregator | None) -> None:
         """Exact Lion on each bucket's gradients, averaged over the ranks by ``mean`` unless it is None."""
-        for bucket in plan_buckets([entry.param.numel() for entry in entries], self.options.bucket_size):
+        clock = _AggregationClock(self.transport)
+        for k, bucket in enumerate(plan_buckets([entry.param.numel() for entry in entries], self.options.bucket_size)):
             grads = [_grad_piece(entries[piece.tensor_index].grad, piece) for piece in bucket]
             if mean is not None:
                 sizes = [piece.length for piece in bucket]
-                started, comm_seconds = time.perf_counter(), self.transport.stats.seconds
-                averaged = mean.finish(mean.start(Bucket(torch.cat(grads), sizes, []), True))
-                self._add_aggregated_bucket(started, comm_seconds, 0)
+                averaged = clock.run(k, _mean_of_bucket, mean, grads, sizes)
+                self.telemetry.add_bucket(clock.take(k), 0)
                 grads = list(averaged.split(sizes))
             for piece, grad in zip(bucket, grads, strict=True):
                 entry = entries[piece.tensor_index]
@@ -661,12 +656,7 @@ class LionCub(torch.optim.Optimizer):
         give the same bits (tests/unit/test_fused_step.py, tests/kernels/test_fused_step.py).
         """
         capacity = self.options.bucket_size
-        whole_mean_abs: dict[int, torch.Tensor] = {}
-        if aggregator.needs_whole_tensor_mean_abs:
-            # mu is the mean |c| of the whole tensor; tensors cut across buckets need it up front.
-            for index, entry in enumerate(entries):
-                if entry.param.numel() > capacity:
-                    whole_mean_abs[index] = _mean_abs_direction(entry, capacity)
+        whole_mean_abs = _whole_tensor_mean_abs(entries, capacity) if aggregator.needs_whole_tensor_mean_abs else {}
         plan = plan_buckets([entry.param.numel() for entry in entries], capacity)
         scratch = _BucketBuffers(plan)
         clock = _AggregationClock(aggregator.transport)
@@ -806,11 +796,7 @@ class LionCub(torch.optim.Optimizer):
             and all(entry.param is param for entry, param in zip(entries, armed.stepped, strict=False))
         )
         capacity = self.options.bucket_size
-        whole_mean_abs: dict[int, torch.Tensor] = {}
-        if vote.needs_whole_tensor_mean_abs:
-            for index, entry in enumerate(entries):
-                if entry.param.numel() > capacity:
-                    whole_mean_abs[index] = _mean_abs_direction(entry, capacity)
+        whole_mean_abs = _whole_tensor_mean_abs(entries, capacity) if vote.needs_whole_tensor_mean_abs else {}
         scratch = _BucketBuffers(armed.plan)
         clock = _AggregationClock(vote.transport)
         local_signs: dict[int, torch.Tensor] = {}
@@ -982,6 +968,21 @@ def _piece_of(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
 def _grad_piece(grad: torch.Tensor, piece: Piece) -> torch.Tensor:
     """The elements of a gradient that ``piece`` covers; only read, so any layout will do."""
     return grad.reshape(-1)[piece.start : piece.start + piece.length]
+
+
+def _mean_of_bucket(mean: Aggregator, grads: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+    """The ranks' mean of a bucket's gradient pieces, concatenated (exact Lion's aggregation)."""
+    return mean.finish(mean.start(Bucket(torch.cat(grads), sizes, []), True))
+
+
+def _whole_tensor_mean_abs(entries: list[Entry], capacity: int) -> dict[int, torch.Tensor]:
+    """The L1 quantizer's mu (mean |c| of the whole tensor) of every tensor cut across buckets, by entry
+    index: needed up front, before the first bucket holding a piece of it."""
+    return {
+        index: _mean_abs_direction(entry, capacity)
+        for index, entry in enumerate(entries)
+        if entry.param.numel() > capacity
+    }
 
 
 def _mean_abs_direction(entry: Entry, chunk: int) -> torch.Tensor:
