@@ -68,12 +68,12 @@ def test_zero_methods_configs() -> None:
 def test_bench_train_node_size_must_divide_the_ranks(capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks.bench_train import parse_args, worker_command
 
-    args = parse_args(["--out-dir", "/tmp/x", "--ranks", "4", "--node-size", "2"])
+    args = parse_args(["--out-dir", "unused-out-dir", "--ranks", "4", "--node-size", "2"])
     assert args.node_size == 2
     command = worker_command(args, METHODS_BY_NAME["lioncub_1bit_zero2_hybrid"])
     assert command[command.index("--node-size") + 1] == "2"
     with pytest.raises(SystemExit):
-        parse_args(["--out-dir", "/tmp/x", "--ranks", "4", "--node-size", "3"])
+        parse_args(["--out-dir", "unused-out-dir", "--ranks", "4", "--node-size", "3"])
     assert "positive multiple of --node-size" in capsys.readouterr().err
 
 

@@ -12,7 +12,7 @@ import torch
 
 import ds_lioncub.comm.packing as packing
 from ds_lioncub.op_builder import LionCubPackingCPUBuilder, LionCubPackingCUDABuilder
-from tests.support.implementations import IMPLEMENTATIONS, Implementation
+from tests.support.implementations import IMPLEMENTATIONS, Implementation, load_op_or_skip
 
 
 @pytest.fixture(autouse=True)
@@ -21,23 +21,14 @@ def _reset_packing_path() -> Iterator[None]:
     packing.set_packing_path(None)
 
 
-def _load_or_skip(builder: Any) -> Any:
-    if not builder.is_compatible():
-        pytest.skip(f"op {builder.name} cannot build here: {builder.error_log}")
-    try:
-        return builder.load()
-    except Exception as error:  # noqa: BLE001 - any build failure means "not available in this process"
-        pytest.skip(f"op {builder.name} did not build: {type(error).__name__}: {error}")
-
-
 @pytest.fixture(scope="module")
 def cpu_op() -> Any:
-    return _load_or_skip(LionCubPackingCPUBuilder())
+    return load_op_or_skip(LionCubPackingCPUBuilder())
 
 
 @pytest.fixture(scope="module")
 def cuda_op() -> Any:
-    return _load_or_skip(LionCubPackingCUDABuilder())
+    return load_op_or_skip(LionCubPackingCUDABuilder())
 
 
 @pytest.fixture(params=IMPLEMENTATIONS)

@@ -4,7 +4,7 @@
 :class:`ThreadWorld` whose ranks meet at a barrier. :class:`DeferredThreadTransport` leaves every
 issued collective undone until it is waited for, so it reads the sent message as late as a real
 library may and delivers nothing earlier: code that reuses a sent buffer, or reads a result before
-waiting, fails on it.
+waiting, fails on it. :class:`ThreadLionCub` is a LionCub over such a transport.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from ds_lioncub.comm.transport import TransportBase
+from ds_lioncub import LionCub
+from ds_lioncub.comm.transport import Transport, TransportBase
 
 
 class ThreadWorld:
@@ -146,3 +147,19 @@ def on_every_rank(
     if errors:
         raise errors[0]
     return results
+
+
+class ThreadLionCub(LionCub):
+    """LionCub whose collectives go over a given transport (a thread world) instead of a process group;
+    with ``overlap``, the votes started during backward go over that transport's ``overlap`` attribute."""
+
+    def __init__(self, transport: Transport, *args: Any, **kwargs: Any) -> None:
+        self._given_transport = transport
+        super().__init__(*args, **kwargs)
+
+    def _make_transport(self, process_group: Any) -> Transport:
+        return self._given_transport
+
+    def _make_overlap_transport(self) -> Transport:
+        overlap: Transport = self._given_transport.overlap  # type: ignore[attr-defined]
+        return overlap

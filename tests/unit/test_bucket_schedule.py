@@ -15,10 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from ds_lioncub import LionCub
-from ds_lioncub.comm.transport import Transport
 from tests.support import scenarios as sc
-from tests.support.thread_world import DeferredThreadTransport, ThreadTransport, on_every_rank
+from tests.support.thread_world import DeferredThreadTransport, ThreadLionCub, ThreadTransport, on_every_rank
 
 MODES = {
     "1bit": {"compression": "1bit"},
@@ -39,17 +37,6 @@ MODES = {
 # one bucket for the whole model; or buckets of 1024 elements, which cut w1 (2560 elements) in three
 LAYOUTS = {"one-bucket": 1 << 23, "many-buckets": sc.BUCKET_SIZE}
 WORLD_SIZES = (1, 2, 3, 4)
-
-
-class ThreadLionCub(LionCub):
-    """LionCub whose collectives go over a given transport (a thread world) instead of a process group."""
-
-    def __init__(self, transport: Transport, *args: Any, **kwargs: Any) -> None:
-        self._given_transport = transport
-        super().__init__(*args, **kwargs)
-
-    def _make_transport(self, process_group: Any) -> Transport:
-        return self._given_transport
 
 
 def train(transport: ThreadTransport, pipelined: bool, bucket_size: int, options: dict[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from ds_lioncub.comm import packing
 from ds_lioncub.comm.transport import TorchTransport
 from ds_lioncub.config import parse_config
 from ds_lioncub.op_builder import LionCubPackingCPUBuilder
+from tests.support.implementations import load_op_or_skip
 
 # Odd sizes and the smallest bucket (1024 elements): pieces start and end mid-byte, and tensors are cut.
 SHAPES = [(1037,), (40, 41), (1,), (2500,), (33, 65)]
@@ -46,13 +47,7 @@ def mode_id(options: dict[str, Any]) -> str:
 
 @pytest.fixture(scope="module")
 def cpu_op() -> Any:
-    builder = LionCubPackingCPUBuilder()
-    if not builder.is_compatible():
-        pytest.skip(f"op {builder.name} cannot build here: {builder.error_log}")
-    try:
-        return builder.load()
-    except Exception as error:  # noqa: BLE001 - any build failure means "not available in this process"
-        pytest.skip(f"op {builder.name} did not build: {type(error).__name__}: {error}")
+    return load_op_or_skip(LionCubPackingCPUBuilder())
 
 
 @pytest.fixture(autouse=True)

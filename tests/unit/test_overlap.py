@@ -19,10 +19,15 @@ import torch
 
 from ds_lioncub import LionCub
 from ds_lioncub.comm import wire
-from ds_lioncub.comm.transport import Transport
 from ds_lioncub.errors import LionCubConfigError, NonFiniteGradientError
 from tests.support import scenarios as sc
-from tests.support.thread_world import DeferredThreadTransport, ThreadTransport, ThreadWorld, on_every_rank
+from tests.support.thread_world import (
+    DeferredThreadTransport,
+    ThreadLionCub,
+    ThreadTransport,
+    ThreadWorld,
+    on_every_rank,
+)
 
 MODES = {
     "1bit": {"compression": "1bit"},
@@ -31,21 +36,6 @@ MODES = {
     "8bit-l1": {"compression": "kbit", "bits": 8, "quantizer": "l1"},
 }
 STEPS = 6
-
-
-class ThreadLionCub(LionCub):
-    """LionCub over a thread world; the overlap transport is the given transport's ``overlap`` attribute."""
-
-    def __init__(self, transport: Transport, *args: Any, **kwargs: Any) -> None:
-        self._given_transport = transport
-        super().__init__(*args, **kwargs)
-
-    def _make_transport(self, process_group: Any) -> Transport:
-        return self._given_transport
-
-    def _make_overlap_transport(self) -> Transport:
-        overlap: Transport = self._given_transport.overlap
-        return overlap
 
 
 def with_overlap_world(p: int) -> Callable[[ThreadWorld, int], ThreadTransport]:
