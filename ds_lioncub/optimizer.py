@@ -48,6 +48,7 @@ from ds_lioncub.comm.packing import (
     unpack_signs,
 )
 from ds_lioncub.comm.quantize import tie_sign
+from ds_lioncub.comm.schedule import run_three_stages
 from ds_lioncub.comm.transport import CommStats, TorchTransport, Transport, make_transport
 from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.errors import (
@@ -701,33 +702,41 @@ class LionCub(torch.optim.Optimizer):
         applied direction.
         """
         sign_vote = packed_sign_vote(aggregator)
-        lag = 1 if self._pipelined_buckets else 0  # how many iterations each stage trails the one before
-        issued: dict[int, object] = {}  # kept to the end of the bucket: vote_stats counts its received rows
-        reduced: dict[int, object] = {}
-        for k in range(len(plan) + 2 * lag):
-            if k < len(plan):
-                issued[k] = start(k)
-            if 0 <= k - lag < len(plan):
-                reduced[k - lag] = clock.run(k - lag, aggregator.reduce, issued[k - lag])
-            if 0 <= k - 2 * lag < len(plan):
-                done = k - 2 * lag
-                signs = local_signs.pop(done, None)
-                if sign_vote is not None:
-                    voted = clock.run(done, sign_vote.complete_packed, reduced.pop(done))
-                    numel = sum(piece.length for piece in plan[done])
-                    if signs is not None:
-                        self.telemetry.count_vote(aggregator, issued[done], signs, unpack_signs(voted, numel))
-                    del issued[done]  # the received messages are released before the update is applied
-                    clock.run(done, apply_voted_signs, entries, plan[done], voted)
-                    self.telemetry.add_bucket(clock.take(done), numel)
-                else:
-                    out = scratch.for_bucket(entries, plan[done])
-                    delta = clock.run(done, aggregator.complete, reduced.pop(done), out)
-                    self.telemetry.add_bucket(clock.take(done), delta.numel())
-                    if signs is not None:
-                        self.telemetry.count_vote(aggregator, issued[done], signs, delta)
-                    del issued[done]
-                    self._apply_bucket(entries, plan[done], delta)
+        counted: dict[int, object] = {}  # vote_stats counts a bucket's received rows when it completes
+
+        def issue(k: int) -> object:
+            pending = start(k)
+            if k in local_signs:
+                counted[k] = pending
+            return pending
+
+        def complete(done: int, result: object) -> None:
+            signs = local_signs.pop(done, None)
+            received = counted.pop(done, None)
+            if sign_vote is not None:
+                voted = clock.run(done, sign_vote.complete_packed, result)
+                numel = sum(piece.length for piece in plan[done])
+                if signs is not None:
+                    self.telemetry.count_vote(aggregator, received, signs, unpack_signs(voted, numel))
+                del received  # the received messages are released before the update is applied
+                clock.run(done, apply_voted_signs, entries, plan[done], voted)
+                self.telemetry.add_bucket(clock.take(done), numel)
+            else:
+                out = scratch.for_bucket(entries, plan[done])
+                delta = clock.run(done, aggregator.complete, result, out)
+                self.telemetry.add_bucket(clock.take(done), delta.numel())
+                if signs is not None:
+                    self.telemetry.count_vote(aggregator, received, signs, delta)
+                del received
+                self._apply_bucket(entries, plan[done], delta)
+
+        run_three_stages(
+            len(plan),
+            issue,
+            lambda k, pending: clock.run(k, aggregator.reduce, pending),
+            complete,
+            pipelined=self._pipelined_buckets,
+        )
 
     def _prepare_bucket(
         self,
