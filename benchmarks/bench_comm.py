@@ -6,11 +6,13 @@ For each world size p and tensor size n it times, on every rank of a netcluster:
 |---|---|
 | fp32 | ``dist.all_reduce`` of n fp32 values (the gradient all-reduce of exact Lion) |
 | bf16 | ``dist.all_reduce`` of n bf16 values |
-| 1bit | ``CompressedBackend.vote_1bit``: all-to-all of packed signs + all-gather of the packed vote |
+| 1bit | ``CompressedBackend.vote_1bit``, in place: all-to-all of packed signs + all-gather of the packed vote |
 | sign4-ar, sign4-a2a | ``vote_kbit`` 4-bit sign fields, one uint8 all-reduce / all-to-all + 1-bit all-gather |
 | l1-8-ar, l1-4-a2a | ``vote_kbit`` L1-quantized 8-bit (all-reduce) and 4-bit (all-to-all) fields |
 
-(any ``kbit:<sign|l1>:<2|4|8>:<allreduce|alltoall>`` works in ``--ops`` too). Next to each time: the
+(any ``kbit:<sign|l1>:<2|4|8>:<allreduce|alltoall>`` works in ``--ops`` too; a compressed op with
+``@COUNT`` runs its vote in pipeline chunks of COUNT elements, ``@whole`` as one piece, instead of
+``CompressedBackend``'s default ``pipeline_chunk_numel``). Next to each time: the
 bytes each rank put on its link (from the interface counters, re-cut into MTU-sized frames: see
 :func:`benchmarks.netcluster.counters.as_mtu_frames`), the bytes the algorithm must send (its model,
 no headers), the ideal time (the busiest link direction's bytes / link rate) and the efficiency
@@ -72,18 +74,26 @@ SHORT_NAMES = {
 
 @dataclass(frozen=True)
 class OpSpec:
-    """One benchmarked operation, parsed from ``fp32``, ``bf16``, ``1bit`` or ``kbit:<q>:<b>:<algo>``."""
+    """One benchmarked operation, parsed from ``fp32``, ``bf16``, ``1bit`` or ``kbit:<q>:<b>:<algo>``,
+    a compressed one optionally with ``@COUNT`` or ``@whole`` (its pipeline chunks)."""
 
     kind: str  # "fp32" | "bf16" | "1bit" | "kbit"
     quantizer: str = ""
     bits: int = 0
     algorithm: str = ""
+    chunk: str = ""  # "" (the backend's default), "whole", or an element count as given
 
     @classmethod
     def parse(cls, text: str) -> OpSpec:
+        text, _, chunk = text.partition("@")
         text = SHORT_NAMES.get(text, text)
+        if chunk:
+            if text in ("fp32", "bf16"):
+                raise ValueError(f"op {text}@{chunk}: only the compressed ops run in pipeline chunks")
+            if chunk != "whole":
+                parse_count(chunk)
         if text in ("fp32", "bf16", "1bit"):
-            return cls(text)
+            return cls(text, chunk=chunk)
         parts = text.split(":")
         if (
             len(parts) != 4
@@ -95,7 +105,22 @@ class OpSpec:
             raise ValueError(
                 f"unknown op {text!r}: use fp32, bf16, 1bit or kbit:<sign|l1>:<2|4|8>:<allreduce|alltoall>"
             )
-        return cls("kbit", parts[1], int(parts[2]), parts[3])
+        return cls("kbit", parts[1], int(parts[2]), parts[3], chunk)
+
+    @property
+    def name(self) -> str:
+        """The op as ``--ops`` spells it (short names expanded)."""
+        base = self.kind if self.kind != "kbit" else f"kbit:{self.quantizer}:{self.bits}:{self.algorithm}"
+        return f"{base}@{self.chunk}" if self.chunk else base
+
+    @property
+    def pipeline_chunk_numel(self) -> int | None:
+        """``CompressedBackend``'s ``pipeline_chunk_numel`` for this op."""
+        from ds_lioncub.comm.backend import DEFAULT_PIPELINE_CHUNK_NUMEL
+
+        if not self.chunk:
+            return DEFAULT_PIPELINE_CHUNK_NUMEL
+        return None if self.chunk == "whole" else parse_count(self.chunk)
 
     @property
     def label(self) -> str:
@@ -103,9 +128,10 @@ class OpSpec:
             return "fp32 all-reduce"
         if self.kind == "bf16":
             return "bf16 all-reduce"
-        if self.kind == "1bit":
-            return "1-bit vote"
-        return f"{self.bits}-bit {self.quantizer} vote, {self.algorithm}"
+        base = "1-bit vote" if self.kind == "1bit" else f"{self.bits}-bit {self.quantizer} vote, {self.algorithm}"
+        if self.chunk == "whole":
+            return f"{base} (one piece)"
+        return f"{base} (chunks of {self.chunk})" if self.chunk else base
 
     def payload_bytes(self, n: int, p: int) -> float:
         """Bytes one rank must send (bandwidth-optimal algorithms, no headers): ds_lioncub.comm.wire's model."""
@@ -145,13 +171,15 @@ def make_op(spec: OpSpec, n: int, rank: int, clock: CollectiveClock) -> Callable
         # Values grow by p per call; harmless for timing over a handful of repetitions.
         all_reduce = clock.time(lambda: dist.all_reduce(buffer, op=dist.ReduceOp.SUM))
         return lambda step: all_reduce()
-    backend = CompressedBackend()
+    backend = CompressedBackend(pipeline_chunk_numel=spec.pipeline_chunk_numel)
     transport = backend.transport
     # Instrument this benchmark's own backend instance (the library is not changed).
     for name in COMMUNICATING_METHODS:
         setattr(transport, name, clock.time(getattr(transport, name)))
     if spec.kind == "1bit":
-        return lambda step: backend.vote_1bit(update, step)
+        # In place, as the all-reduces above run: the vote overwrites the update with ±1 (the signs
+        # it packs next time are then the same on every rank, which costs the packing the same).
+        return lambda step: backend.vote_1bit(update, step, out=update)
     return lambda step: backend.vote_kbit(
         update,
         step,
@@ -235,7 +263,7 @@ def measure(
     del run_once
     busiest_frames = statistics.median(busiest)
     return Measurement(
-        op=spec.kind if spec.kind != "kbit" else f"kbit:{spec.quantizer}:{spec.bits}:{spec.algorithm}",
+        op=spec.name,
         label=spec.label,
         n=n,
         p=p,

@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks import bench_comm
 from benchmarks.netcluster import Cluster, ClusterSpec, LinkSpec, parse_rate, run_command
+from ds_lioncub.comm import CompressedBackend
 
 
 def test_bench_comm_models_and_tables() -> None:
@@ -21,6 +22,14 @@ def test_bench_comm_models_and_tables() -> None:
     ]
     with pytest.raises(ValueError):
         bench_comm.OpSpec.parse("kbit:sign:3:allreduce")
+    # Pipeline chunks: a count, "whole" (one piece), or the backend's default; never on a dense op.
+    assert bench_comm.OpSpec.parse("1bit@2M").pipeline_chunk_numel == 2 * 10**6
+    assert bench_comm.OpSpec.parse("sign4-a2a@whole").pipeline_chunk_numel is None
+    assert bench_comm.OpSpec.parse("sign4-a2a@whole").name == "kbit:sign:4:alltoall@whole"
+    assert bench_comm.OpSpec.parse("1bit").pipeline_chunk_numel == CompressedBackend().pipeline_chunk_numel
+    for bad in ("fp32@2M", "1bit@two"):
+        with pytest.raises(ValueError):
+            bench_comm.OpSpec.parse(bad)
     n, p = 10**8, 4
     assert bench_comm.OpSpec.parse("fp32").payload_bytes(n, p) == 2 * 3 / 4 * 4 * n
     assert bench_comm.OpSpec.parse("1bit").payload_bytes(n, p) == 2 * 3 / 4 * n / 8
