@@ -14,6 +14,7 @@ import pytest
 
 from benchmarks import validate_planner
 from benchmarks.validate_planner import Prediction
+from ds_lioncub.comm import CompressedBackend
 from ds_lioncub.config import parse_config
 
 
@@ -83,7 +84,7 @@ def test_rows_and_table_from_synthetic_reports(tmp_path: Path) -> None:
     (tmp_path / "b_worker.json").write_text(json.dumps(p4))
     (tmp_path / "notes.txt").write_text("not a report")
 
-    calls: list[tuple[dict[str, Any], int, int, float, float]] = []
+    calls: list[tuple[dict[str, Any], int, int, float, float, int | None]] = []
     # Hand-picked answers per (compression, n): fp32 1e7 -> 0.32 s (0.30 of it the collectives),
     # 1-bit 1e7 -> 0.02 s (0.01), fp32 1e6 -> 0.2 s (0.1), 4-bit l1 1e8 -> 2.4 s (1.5).
     answers = {
@@ -94,9 +95,15 @@ def test_rows_and_table_from_synthetic_reports(tmp_path: Path) -> None:
     }
 
     def fake_planner(
-        params: dict[str, Any], numel: int, world_size: int, link_bytes_per_s: float, ranks_per_core: float
+        params: dict[str, Any],
+        numel: int,
+        world_size: int,
+        link_bytes_per_s: float,
+        ranks_per_core: float,
+        pipeline_chunk_numel: int | None,
     ) -> Prediction:
-        calls.append((params, numel, world_size, link_bytes_per_s, ranks_per_core))
+        assert pipeline_chunk_numel == CompressedBackend().pipeline_chunk_numel  # the ops name no chunks
+        calls.append((params, numel, world_size, link_bytes_per_s, ranks_per_core, pipeline_chunk_numel))
         return answers[(params["compression"], numel)]
 
     rows = validate_planner.build_rows(validate_planner.load_reports(tmp_path), fake_planner)
@@ -161,8 +168,10 @@ def test_link_efficiencies_are_fitted_on_the_fit_subset_alone() -> None:
         "rate_bps": 10**9,
         "results": [
             _result("fp32", "fp32 all-reduce", n, 2, fp32, fp32),
-            _result("kbit:sign:4:alltoall", "4-bit sign vote, alltoall", n, 2, sign4, sign4),
+            _result("kbit:sign:4:alltoall@whole", "4-bit sign vote, alltoall (one piece)", n, 2, sign4, sign4),
             _result("fp32", "fp32 all-reduce", 10**6, 2, 1.0, 1.0),  # below 1e7: not fitted on
+            # in two pipeline chunks: its time in collectives is only the unhidden part, not fitted on
+            _result("kbit:sign:4:alltoall", "4-bit sign vote, alltoall", n, 2, 9.0, 0.001),
         ],
     }
     held_out = {"p": 4, "rate_bps": 10**9, "results": [_result("fp32", "fp32 all-reduce", n, 4, 9.0, 9.0)]}

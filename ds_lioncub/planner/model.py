@@ -15,12 +15,17 @@ Each collective costs ``rounds * α + max(node link bytes / β_inter, in-node by
   transport's own scheduling); its defaults are gloo's on the emulated network
   (:data:`GLOO_LINK_EFFICIENCY`, docs/design.md, section 18).
 
-A step adds its collectives (no overlap with each other or with compute) and the local work of
-:mod:`ds_lioncub.planner.local_costs`: Lion's arithmetic on the elements the rank steps, and what
-LionCub computes around its collectives (packing, votes, unpacking). The sums inside an all-reduce
-or reduce-scatter are the collective's own work, pipelined with its transfers, and are in its time.
-The forward and backward passes are the same in every mode and are left out: the figures rank the
-modes, and say what communication and the optimizer cost.
+A step's local work comes from :mod:`ds_lioncub.planner.local_costs`: Lion's arithmetic on the
+elements the rank steps, and what LionCub computes around its collectives (packing, votes,
+unpacking). The sums inside an all-reduce or reduce-scatter are the collective's own work, pipelined
+with its transfers, and are in its time. The forward and backward passes are the same in every mode
+and are left out: the figures rank the modes, and say what communication and the optimizer cost.
+
+Overlap: LionCub runs its buckets (and ``CompressedBackend`` the chunks of one large vote) through
+the three-stage schedule of :mod:`ds_lioncub.comm.schedule`, so over K pieces the slower of the wire
+and the local passes sets the pace and only one piece of the faster is exposed
+(:func:`pipelined_seconds`). Exact Lion under DeepSpeed all-reduces first and steps after, and
+ZeRO's collectives and the finite check stand alone: those add.
 
 Buckets: LionCub's compressed modes aggregate ``bucket_size`` elements at a time (its default,
 8388608) and each bucket pays its own rounds; exact Lion under DeepSpeed is the engine's own gradient
@@ -42,7 +47,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ds_lioncub.comm import wire
+from ds_lioncub.comm.backend import DEFAULT_PIPELINE_CHUNK_NUMEL
 from ds_lioncub.comm.kbit import KbitCodec
+from ds_lioncub.comm.schedule import chunk_bounds
 from ds_lioncub.config import LionCubConfig, NetworkConfig, parse_config
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.planner.local_costs import DEFAULT_LOCAL_COSTS, LION_UPDATE, LocalCosts, aggregation_key
@@ -145,7 +152,8 @@ class Candidate:
     Attributes:
         params: the LionCub params of the ds_config's optimizer block.
         zero_stage: the ds_config's ``zero_optimization.stage``.
-        seconds_per_step: ``comm_seconds + local_seconds``.
+        seconds_per_step: ``comm_seconds + local_seconds``, less what the bucket schedule overlaps
+            (:func:`pipelined_seconds`).
         bytes_per_step_per_rank: bytes one rank sends per step, over every link.
         comm_seconds: the collectives' α-β time.
         local_seconds: Lion's arithmetic and the aggregation's local work.
@@ -188,6 +196,27 @@ def collective_seconds(
     on_links = wire.link_bytes(collective, placement, node_size)
     transfer = max(on_links.node_link / network.inter_node_bandwidth, on_links.within_node / network.in_node_bandwidth)
     return rounds(collective) * network.latency + transfer / network.efficiency.of(collective.kind)
+
+
+def pipelined_seconds(comm_seconds: float, local_seconds: float, pieces: int) -> float:
+    """Seconds of ``pieces`` equal pieces through the three-stage schedule (:mod:`ds_lioncub.comm.schedule`).
+
+    The wire and the local passes work at once, so the slower sets the pace; the faster one's share
+    of the first or last piece has nothing to hide behind. One piece runs serially.
+    """
+    if pieces <= 1:
+        return comm_seconds + local_seconds
+    return max(comm_seconds, local_seconds) + min(comm_seconds, local_seconds) / pieces
+
+
+def vote_chunk_sizes(
+    numel: int, world_size: int, pipeline_chunk_numel: int | None = DEFAULT_PIPELINE_CHUNK_NUMEL
+) -> list[int]:
+    """The pipeline chunks a ``CompressedBackend`` with ``pipeline_chunk_numel`` cuts a vote of ``numel`` into."""
+    if pipeline_chunk_numel is None:
+        return [numel]
+    multiple = wire.vote_padded_numel(1, world_size)
+    return [end - begin for begin, end in chunk_bounds(numel, pipeline_chunk_numel, multiple)] or [numel]
 
 
 def aggregation_collectives(options: LionCubConfig, numel: int, world_size: int) -> list[wire.Collective]:
@@ -234,23 +263,30 @@ def predict_aggregation_seconds(
     network: Network,
     local_costs: LocalCosts | None = None,
     ranks_per_core: float = 1.0,
+    pipeline_chunk_numel: int | None = DEFAULT_PIPELINE_CHUNK_NUMEL,
 ) -> float:
     """Seconds of one aggregation of ``numel`` elements over ``world_size`` ranks, one rank per node.
 
     What ``benchmarks/bench_comm.py`` times for one op: the collectives of the mode (exact modes: one
-    all-reduce in ``comm_dtype``; no buckets, no finite check) plus the aggregation's local work.
+    all-reduce in ``comm_dtype``; no buckets, no finite check) and the aggregation's local work, a
+    compressed mode's overlapped over the vote's pipeline chunks (:func:`pipelined_seconds`).
     ``ranks_per_core``: ranks sharing each CPU core of the machine(s) that run them (the emulated
     cluster puts its p ranks on one machine). The table is one rank's alone on its core; ranks that
     take turns on a core each take ``ranks_per_core`` times as long, so above 1 the local work is
     multiplied by it (at or below 1 it is as measured: idle cores do not speed up one rank's work).
+    ``pipeline_chunk_numel``: that of the ``CompressedBackend`` making the call (``None``: one piece).
     """
     _check_ranks_per_core(ranks_per_core)
     options = parse_config(params)
     costs = DEFAULT_LOCAL_COSTS if local_costs is None else local_costs
+    pieces = [numel]
+    if options.compression != "none":
+        pieces = vote_chunk_sizes(numel, world_size, pipeline_chunk_numel)
     tally = _Tally()
-    tally.add(aggregation_collectives(options, numel, world_size), "spanning", 1, network)
+    for piece in pieces:  # each chunk pays its own rounds
+        tally.add(aggregation_collectives(options, piece, world_size), "spanning", 1, network)
     local = costs.cost(aggregation_key(options)) * numel * max(1.0, ranks_per_core) if world_size > 1 else 0.0
-    return tally.seconds + local
+    return pipelined_seconds(tally.seconds, local, len(pieces))
 
 
 # ---------------------------------------------------------------------------------------------- one step
@@ -272,11 +308,24 @@ def _compressed_modes(world_size: int) -> list[tuple[str, dict[str, Any]]]:
     return modes
 
 
-def _candidate(label: str, params: dict[str, Any], zero_stage: int, tally: _Tally, local_seconds: float) -> Candidate:
+def _candidate(
+    label: str,
+    params: dict[str, Any],
+    zero_stage: int,
+    tally: _Tally,
+    local_seconds: float,
+    overlapped: _Tally | None = None,
+    pieces: int = 1,
+) -> Candidate:
+    """``tally``: every collective of the step; ``overlapped``: those of them the bucket schedule runs
+    over ``pieces`` buckets beside the local work (the rest stand alone)."""
+    hidden = 0.0
+    if overlapped is not None:
+        hidden = overlapped.seconds + local_seconds - pipelined_seconds(overlapped.seconds, local_seconds, pieces)
     return Candidate(
         params=params,
         zero_stage=zero_stage,
-        seconds_per_step=tally.seconds + local_seconds,
+        seconds_per_step=tally.seconds + local_seconds - hidden,
         bytes_per_step_per_rank=tally.bytes_sent,
         comm_seconds=tally.seconds,
         local_seconds=local_seconds,
@@ -323,14 +372,16 @@ def flat_candidate(
     """A compressed mode at ZeRO stage 0: every rank a voter, the vote spanning the cluster."""
     options = parse_config(params)
     p, node_size = cluster.world_size, cluster.gpus_per_node
-    tally = _Tally()
-    for bucket in bucket_sizes(num_params, bucket_size):
-        tally.add(aggregation_collectives(options, bucket, p), "spanning", node_size, network)
+    tally, votes = _Tally(), _Tally()
+    buckets = bucket_sizes(num_params, bucket_size)
+    for bucket in buckets:
+        for one in (tally, votes):
+            one.add(aggregation_collectives(options, bucket, p), "spanning", node_size, network)
     if p > 1 and options.check_finite:
         tally.add(wire.finite_check_collectives(p), "spanning", node_size, network)
     aggregation = costs.cost(aggregation_key(options)) * num_params if p > 1 else 0.0
     local = costs.cost(LION_UPDATE) * num_params + aggregation
-    return _candidate(label, params, 0, tally, local)
+    return _candidate(label, params, 0, tally, local, votes, len(buckets))
 
 
 def hybrid_candidate(
@@ -351,12 +402,15 @@ def hybrid_candidate(
     for bucket in bucket_sizes(num_params, zero_bucket_size):
         tally.add(wire.zero2_collectives(bucket, node_size, ELEMENT_SIZE["fp32"]), "within_node", node_size, network)
     shard = wire.zero_partition_numel(num_params, node_size)
-    for bucket in bucket_sizes(shard, bucket_size):
-        tally.add(aggregation_collectives(options, bucket, nodes), "one_per_node", node_size, network)
+    votes = _Tally()
+    buckets = bucket_sizes(shard, bucket_size)
+    for bucket in buckets:
+        for one in (tally, votes):
+            one.add(aggregation_collectives(options, bucket, nodes), "one_per_node", node_size, network)
     if options.check_finite:  # agreed over the whole world (section 16)
         tally.add(wire.finite_check_collectives(cluster.world_size), "spanning", node_size, network)
     local = (costs.cost(LION_UPDATE) + costs.cost(aggregation_key(options))) * shard
-    return _candidate(f"{label}, ZeRO-2 hybrid", hybrid_params, 2, tally, local)
+    return _candidate(f"{label}, ZeRO-2 hybrid", hybrid_params, 2, tally, local, votes, len(buckets))
 
 
 def plan(
@@ -386,7 +440,7 @@ def plan(
     if num_params < 1:
         raise LionCubConfigError(f"LionCub: the model needs at least 1 parameter, got {num_params}.")
     _check_ranks_per_core(ranks_per_core)
-    costs = DEFAULT_LOCAL_COSTS if local_costs is None else local_costs
+    costs = _with_shared_cores(DEFAULT_LOCAL_COSTS if local_costs is None else local_costs, ranks_per_core)
     candidates = []
     if 0 in zero_stages:
         for dtype in exact_comm_dtypes:
@@ -402,8 +456,6 @@ def plan(
             candidates.append(
                 hybrid_candidate(label, params, num_params, cluster, network, costs, bucket_size, exact_bucket_size)
             )
-    if ranks_per_core > 1:
-        candidates = [_with_shared_cores(candidate, ranks_per_core) for candidate in candidates]
     return sorted(candidates, key=lambda candidate: candidate.seconds_per_step)
 
 
@@ -412,10 +464,12 @@ def _check_ranks_per_core(ranks_per_core: float) -> None:
         raise LionCubConfigError(f"LionCub: ranks per core must be a positive number, got {ranks_per_core!r}.")
 
 
-def _with_shared_cores(candidate: Candidate, ranks_per_core: float) -> Candidate:
-    """``candidate`` with its local work taking ``ranks_per_core`` times as long (ranks taking turns on a core)."""
-    local = candidate.local_seconds * ranks_per_core
-    return replace(candidate, local_seconds=local, seconds_per_step=candidate.comm_seconds + local)
+def _with_shared_cores(costs: LocalCosts, ranks_per_core: float) -> LocalCosts:
+    """``costs`` with every entry ``ranks_per_core`` times as long when above 1 (ranks taking turns on a core)."""
+    if ranks_per_core <= 1:
+        return costs
+    scaled = {key: value * ranks_per_core for key, value in costs.seconds_per_element.items()}
+    return replace(costs, seconds_per_element=scaled)
 
 
 def describe_network(network: Network) -> str:
@@ -444,7 +498,9 @@ __all__ = [
     "bucket_sizes",
     "collective_seconds",
     "describe_network",
+    "pipelined_seconds",
     "plan",
     "predict_aggregation_seconds",
     "rounds",
+    "vote_chunk_sizes",
 ]

@@ -39,3 +39,11 @@ def test_vote_kbit_allreduce_sends_one_packed_sum(ranks: list[dict[str, Any]]) -
 
 def test_compressed_allreduce_matches_reference_simulation(ranks: list[dict[str, Any]]) -> None:
     checks.compressed_allreduce_matches_reference_simulation(ranks)
+
+
+def test_segmented_gloo_collectives_deliver_every_ranks_message(ranks: list[dict[str, Any]]) -> None:
+    checks.segmented_collectives_deliver_every_ranks_message(ranks)
+
+
+def test_votes_over_segmented_gloo_collectives_equal_brute_force(ranks: list[dict[str, Any]]) -> None:
+    checks.segmented_votes_equal_brute_force(ranks)

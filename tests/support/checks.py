@@ -157,6 +157,40 @@ def compressed_allreduce_matches_reference_simulation(ranks: Ranks) -> None:
         same_on_every_rank(ranks, f"legacy/{call}/out")
 
 
+def segmented_collectives_deliver_every_ranks_message(ranks: Ranks) -> None:
+    """gloo collectives cut into 7-byte segments: each rank gets every rank's bytes, counted once."""
+    p = len(ranks)
+    expected_sent = 0
+    for size in sc.SEGMENTED_SIZES:
+        messages = [sc.byte_message(size * p, rank) for rank in range(p)]
+        for rank, results in enumerate(ranks):
+            # all-to-all: row r of what rank `rank` receives is rank r's row `rank`
+            expected = torch.cat([message.view(p, size)[rank] for message in messages])
+            assert torch.equal(results[f"seg-a2a/{size}"], expected)
+            assert torch.equal(results[f"seg-a2a-issued/{size}"], expected)
+            gathered = torch.cat([message[:size] for message in messages])
+            assert torch.equal(results[f"seg-ag/{size}"], gathered)
+            assert torch.equal(results[f"seg-ag-issued/{size}"], gathered)
+        expected_sent += 2 * wire.all_to_all_bytes(size * p, p) + 2 * wire.all_gather_bytes(size, p)
+    for results in ranks:
+        assert results["seg-stats/collectives"] == (4 * len(sc.SEGMENTED_SIZES) if p > 1 else 0)
+        assert results["seg-stats/bytes_sent"] == expected_sent
+
+
+def segmented_votes_equal_brute_force(ranks: Ranks) -> None:
+    """Votes in pipeline chunks over segmented gloo collectives: the brute-force votes, on every rank."""
+    p = len(ranks)
+    inputs = [sc.laplace_input(sc.KBIT_SIZE, rank, 1) for rank in range(p)]
+    assert torch.equal(same_on_every_rank(ranks, "seg-1bit"), brute_force_vote_1bit(inputs, 1))
+    inputs = [sc.laplace_input(sc.KBIT_SIZE, rank, 2) for rank in range(p)]
+    for case in sc.SEGMENTED_KBIT_CASES:
+        if case["algorithm"] == "allreduce" and p > max_world_size_allreduce(case["bits"], case["quantizer"]):
+            continue
+        segments = list(sc.KBIT_SEGMENTS) if case["quantizer"] == "l1" else None
+        expected = brute_force_vote_kbit(inputs, 2, segment_sizes=segments, **case)
+        assert torch.equal(same_on_every_rank(ranks, f"seg-kbit/{sc.case_name(case)}"), expected), case
+
+
 # Every backend check (the k-bit all-reduce byte count needs a world of more than one rank).
 BACKEND_CHECKS: tuple[Callable[[Ranks], None], ...] = (
     vote_1bit_equals_brute_force,

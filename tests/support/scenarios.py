@@ -53,6 +53,22 @@ def seeded_generator(*key: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed % (2**62))
 
 
+# gloo collectives cut into segments (TorchTransport.segment_bytes): a segment size that divides none
+# of the message sizes, in bytes per destination (all-to-all) and per rank (all-gather).
+SEGMENT_BYTES = 7
+SEGMENTED_SIZES = (1, 13, 40)
+SEGMENTED_KBIT_CASES = (
+    {"bits": 4, "quantizer": "sign", "aggregation": "vote", "algorithm": "alltoall"},
+    {"bits": 2, "quantizer": "l1", "aggregation": "mean", "algorithm": "alltoall"},
+    {"bits": 8, "quantizer": "l1", "aggregation": "vote", "algorithm": "allreduce"},
+)
+
+
+def byte_message(numel: int, rank: int) -> Tensor:
+    """Random uint8 bytes: what a rank sends in the segmented-collective scenarios."""
+    return torch.randint(0, 256, (numel,), generator=seeded_generator(3, numel, rank), dtype=torch.uint8)
+
+
 def vote_input(size: int, rank: int, step: int) -> Tensor:
     """Values in {-1, 0, +1}: local zeros and vote ties are common, as the tie rule needs."""
     return torch.randint(-1, 2, (size,), generator=seeded_generator(1, size, rank, step)).float()

@@ -42,7 +42,13 @@ from ds_lioncub.planner.auto import log_auto_resolution, resolve_auto
 from ds_lioncub.planner.calibrate import LoopbackTransport, measure_local_costs
 from ds_lioncub.planner.cli import main
 from ds_lioncub.planner.local_costs import aggregation_key
-from ds_lioncub.planner.model import DEEPSPEED_BUCKET_SIZE, DEFAULT_LATENCY, LIONCUB_BUCKET_SIZE
+from ds_lioncub.planner.model import (
+    DEEPSPEED_BUCKET_SIZE,
+    DEFAULT_LATENCY,
+    LIONCUB_BUCKET_SIZE,
+    collective_seconds,
+    pipelined_seconds,
+)
 from ds_lioncub.units import format_rate
 from tests.support.launch import REPO
 
@@ -242,6 +248,46 @@ def test_one_aggregation_costs_its_rounds_and_bytes(p: int) -> None:
     shared = predict_aggregation_seconds(sign4, n, p, network, costs, ranks_per_core=2.5)
     assert shared == pytest.approx(kbit + 1.5 * 3e-9 * n)
     assert predict_aggregation_seconds(sign4, n, p, network, costs, ranks_per_core=0.5) == pytest.approx(kbit)
+
+
+def flow_shop_makespan(local: list[float], wire_time: list[float]) -> float:
+    """Pieces through the local passes, then the wire, each one piece at a time, in order: a plain loop."""
+    local_done = wire_done = 0.0
+    for local_s, wire_s in zip(local, wire_time, strict=True):
+        local_done += local_s
+        wire_done = max(wire_done, local_done) + wire_s
+    return wire_done
+
+
+@pytest.mark.parametrize(("comm", "local", "pieces"), [(1.0, 0.5, 4), (0.3, 0.9, 7), (0.4, 0.4, 1), (2.0, 0.1, 12)])
+def test_pipelined_seconds_is_the_makespan_of_equal_pieces_through_local_work_and_wire(
+    comm: float, local: float, pieces: int
+) -> None:
+    expected = flow_shop_makespan([local / pieces] * pieces, [comm / pieces] * pieces)
+    assert pipelined_seconds(comm, local, pieces) == pytest.approx(expected)
+
+
+def test_a_large_vote_overlaps_its_chunks_and_a_step_its_buckets() -> None:
+    """Four chunks (buckets) of LionCub's default size: the wire of one beside the local work of another."""
+    p, pieces = 2, 4
+    n = pieces * LIONCUB_BUCKET_SIZE  # also the vote's default pipeline chunk
+    network, costs = Network(GBIT), DEFAULT_LOCAL_COSTS
+    wire_per_piece = sum(
+        collective_seconds(c, "spanning", 1, network) for c in wire.vote_1bit_collectives(LIONCUB_BUCKET_SIZE, p)
+    )
+    vote_local = costs.cost("1bit") * LIONCUB_BUCKET_SIZE
+    one_vote = predict_aggregation_seconds({"compression": "1bit"}, n, p, network)
+    assert one_vote == pytest.approx(flow_shop_makespan([vote_local] * pieces, [wire_per_piece] * pieces))
+    assert one_vote < pieces * (wire_per_piece + vote_local)
+    candidates = {(c.label, c.zero_stage): c for c in plan(n, Cluster(p, 1), network, zero_stages=(0,))}
+    step_local = (costs.cost("1bit") + costs.cost("lion_update")) * LIONCUB_BUCKET_SIZE
+    finite_check = sum(collective_seconds(c, "spanning", 1, network) for c in wire.finite_check_collectives(p))
+    one_bit = candidates[("1-bit vote", 0)]
+    expected = finite_check + flow_shop_makespan([step_local] * pieces, [wire_per_piece] * pieces)
+    assert one_bit.seconds_per_step == pytest.approx(expected)
+    # Exact Lion all-reduces, then steps: nothing overlaps.
+    exact = candidates[("exact Lion, fp32 all-reduce", 0)]
+    assert exact.seconds_per_step == pytest.approx(exact.comm_seconds + exact.local_seconds)
 
 
 def test_link_efficiency_defaults_to_gloos_and_is_checked() -> None:
@@ -465,10 +511,13 @@ def test_ranks_sharing_cores_multiply_every_candidates_local_work(capsys: pytest
     alone = {(c.label, c.zero_stage): c for c in plan(10**7, Cluster(2, 4), Network(GBIT))}
     shared = plan(10**7, Cluster(2, 4), Network(GBIT), ranks_per_core=2.0)
     assert len(shared) == len(alone)
+    # The same as a table measured twice as slow, entry by entry.
+    doubled = {key: 2 * value for key, value in DEFAULT_LOCAL_COSTS.seconds_per_element.items()}
+    slow = {(c.label, c.zero_stage): c for c in plan(10**7, Cluster(2, 4), Network(GBIT), LocalCosts(doubled))}
     for c in shared:
         one = alone[(c.label, c.zero_stage)]
         assert c.local_seconds == pytest.approx(2 * one.local_seconds) and c.comm_seconds == one.comm_seconds
-        assert c.seconds_per_step == pytest.approx(one.comm_seconds + 2 * one.local_seconds)
+        assert c.seconds_per_step == pytest.approx(slow[(c.label, c.zero_stage)].seconds_per_step)
     assert [c.seconds_per_step for c in shared] == sorted(c.seconds_per_step for c in shared)
     args = ["--params", "1e7", "--nodes", "2", "--gpus-per-node", "4", "--inter-node-bandwidth", "1gbit", "--json"]
     assert main([*args, "--ranks-per-core", "2"]) == 0

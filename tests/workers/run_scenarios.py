@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ds_lioncub import LionCub
 from ds_lioncub.comm import CompressedBackend, legacy_padded_numel, packing
+from ds_lioncub.comm.transport import TorchTransport
 from tests.support import scenarios as sc
 
 
@@ -49,6 +50,28 @@ def run_kbit(backend: CompressedBackend, rank: int) -> dict[str, object]:
             results[f"kbit-stats/{name}/{step}"] = backend.comm_stats() - before
         small = backend.vote_kbit(sc.laplace_input(5, rank, 3), 3, **case) if "kbit/" + name + "/1" in results else None
         results[f"kbit-small/{name}"] = small
+    return results
+
+
+def run_segmented(rank: int, world_size: int) -> dict[str, object]:
+    """The gloo collectives cut into segments of a few bytes, alone and under the votes."""
+    transport = TorchTransport()
+    transport.segment_bytes = sc.SEGMENT_BYTES
+    results: dict[str, object] = {}
+    for size in sc.SEGMENTED_SIZES:
+        message = sc.byte_message(size * world_size, rank)
+        results[f"seg-a2a/{size}"] = transport.all_to_all(message)
+        results[f"seg-a2a-issued/{size}"] = transport.wait(transport.start_all_to_all(message))
+        results[f"seg-ag/{size}"] = transport.all_gather(message[:size])
+        results[f"seg-ag-issued/{size}"] = transport.wait(transport.start_all_gather(message[:size]))
+    results["seg-stats/collectives"] = transport.stats.collectives
+    results["seg-stats/bytes_sent"] = transport.stats.bytes_sent
+    backend = CompressedBackend.from_transport(transport, pipeline_chunk_numel=24 * world_size)
+    results["seg-1bit"] = backend.vote_1bit(sc.laplace_input(sc.KBIT_SIZE, rank, 1), 1)
+    for case in sc.SEGMENTED_KBIT_CASES:
+        segments = list(sc.KBIT_SEGMENTS) if case["quantizer"] == "l1" else None
+        update = sc.laplace_input(sc.KBIT_SIZE, rank, 2)
+        results[f"seg-kbit/{sc.case_name(case)}"] = backend.vote_kbit(update, 2, segment_sizes=segments, **case)
     return results
 
 
@@ -194,6 +217,7 @@ def main() -> None:
     results.update(run_votes(backend, rank))
     results.update(run_kbit(backend, rank))
     results.update(run_legacy(backend, rank))
+    results.update(run_segmented(rank, world_size))
     results.update(run_training(rank, world_size))
     dist.barrier()
     torch.save(results, out_dir / f"rank{rank}.pt")

@@ -5,10 +5,34 @@ deepspeed.comm initialises the same default group, so this transport also serves
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
 from ds_lioncub.comm.transport.base import TransportBase, Waitable, torch_distributed_initialised
+
+# gloo moves one message of several MB between two ranks that both send at about half the link rate,
+# and the same bytes as a run of messages of about 1 MiB at 0.9 of it or more (benchmarks/RESULTS.md,
+# "gloo's large messages"), so on gloo the all-to-alls and all-gathers above this go out in segments.
+GLOO_SEGMENT_BYTES = 1 << 20
+
+
+class _Segmented:
+    """Segments of one collective, all issued: waits for each in issue order, then reassembles the result."""
+
+    def __init__(self, works: list[Waitable], reassemble: Callable[[], None]) -> None:
+        self._works = works
+        self._reassemble: Callable[[], None] | None = reassemble
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        if self._reassemble is not None:
+            reassemble, self._reassemble = self._reassemble, None
+            reassemble()
+
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); older torch,
 # which setup.py still admits, has only the old name.
@@ -21,6 +45,11 @@ class TorchTransport(TransportBase):
     Without an initialised process group it is a world of one, where every collective is a copy
     and nothing is counted as sent. Issued collectives (``start_*``) run with ``async_op=True``: gloo
     progresses them on its own threads, NCCL on its stream.
+
+    ``segment_bytes``: on gloo, an all-to-all or all-gather moving more than this many bytes per rank
+    runs as several collectives of at most about this size, all issued at once (the result is the
+    same; the bytes counted are those of the one collective). ``None``, the default on every other
+    backend (NCCL included), never segments.
     """
 
     name = "torch"
@@ -32,21 +61,67 @@ class TorchTransport(TransportBase):
         world_size = dist.get_world_size(process_group) if self.distributed else 1
         rank = dist.get_rank(process_group) if self.distributed else 0
         super().__init__(world_size, rank)
+        on_gloo = self.distributed and dist.get_backend(process_group) == "gloo"
+        self.segment_bytes: int | None = GLOO_SEGMENT_BYTES if on_gloo else None
 
     def _raw_all_to_all(self, send: torch.Tensor, received: torch.Tensor) -> None:
-        dist.all_to_all_single(received, send, group=self.process_group)
+        work = self._raw_all_to_all_async(send, received)
+        if work is not None:
+            work.wait()
 
     def _raw_all_gather(self, send: torch.Tensor, received: torch.Tensor) -> None:
-        _all_gather_flat(received, send, group=self.process_group)
+        work = self._raw_all_gather_async(send, received)
+        if work is not None:
+            work.wait()
 
     def _raw_integer_all_reduce_sum(self, flat: torch.Tensor) -> None:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group)
 
     def _raw_all_to_all_async(self, send: torch.Tensor, received: torch.Tensor) -> Waitable | None:
-        return dist.all_to_all_single(received, send, group=self.process_group, async_op=True)
+        columns = self._segment_columns(send.numel() // self.world_size, send.element_size() * self.world_size)
+        if len(columns) <= 1:
+            return dist.all_to_all_single(received, send, group=self.process_group, async_op=True)
+        # Segment k carries columns [a, b) of every destination's row; its pieces land in the same columns.
+        send_rows, received_rows = send.view(self.world_size, -1), received.view(self.world_size, -1)
+        pieces, works = [], []
+        for begin, end in columns:
+            piece_sent = send_rows[:, begin:end].contiguous()
+            piece_received = torch.empty_like(piece_sent)
+            works.append(dist.all_to_all_single(piece_received, piece_sent, group=self.process_group, async_op=True))
+            pieces.append((begin, end, piece_sent, piece_received))
+
+        def reassemble() -> None:
+            for begin, end, _, piece_received in pieces:
+                received_rows[:, begin:end].copy_(piece_received)
+
+        return _Segmented(works, reassemble)
 
     def _raw_all_gather_async(self, send: torch.Tensor, received: torch.Tensor) -> Waitable | None:
-        return _all_gather_flat(received, send, group=self.process_group, async_op=True)
+        columns = self._segment_columns(send.numel(), send.element_size())
+        if len(columns) <= 1:
+            return _all_gather_flat(received, send, group=self.process_group, async_op=True)
+        # Segment k gathers elements [a, b) of every rank's message; they land at [a, b) of each rank's row.
+        received_rows = received.view(self.world_size, -1)
+        pieces, works = [], []
+        for begin, end in columns:
+            piece_received = send.new_empty((self.world_size, end - begin))
+            works.append(
+                _all_gather_flat(piece_received.view(-1), send[begin:end], group=self.process_group, async_op=True)
+            )
+            pieces.append((begin, end, piece_received))
+
+        def reassemble() -> None:
+            for begin, end, piece_received in pieces:
+                received_rows[:, begin:end].copy_(piece_received)
+
+        return _Segmented(works, reassemble)
+
+    def _segment_columns(self, columns: int, bytes_per_column: int) -> list[tuple[int, int]]:
+        """``[a, b)`` column ranges of at most about ``segment_bytes`` each (one range when not segmenting)."""
+        if self.segment_bytes is None or columns * bytes_per_column <= self.segment_bytes:
+            return [(0, columns)]
+        step = max(1, self.segment_bytes // bytes_per_column)
+        return [(begin, min(columns, begin + step)) for begin in range(0, columns, step)]
 
     def _raw_integer_all_reduce_sum_async(self, flat: torch.Tensor) -> Waitable | None:
         return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
