@@ -155,13 +155,19 @@ class OpSpec:
         return None if p <= largest else f"{self.bits}-bit {self.quantizer} all-reduce holds at most {largest} ranks"
 
 
-def make_op(spec: OpSpec, n: int, rank: int, clock: CollectiveClock) -> Callable[[int], object]:
-    """A closure running the op once (inputs built here, outside the timing); ``clock`` times its collectives."""
+def make_op(
+    spec: OpSpec, n: int, rank: int, clock: CollectiveClock, segment_bytes: int | None = None
+) -> Callable[[int], object]:
+    """A closure running the op once (inputs built here, outside the timing); ``clock`` times its collectives.
+
+    ``segment_bytes``: the compressed ops' ``TorchTransport.segment_bytes`` (``None``: the library's
+    default; 0: never segment).
+    """
     import torch
     import torch.distributed as dist
 
     from ds_lioncub.comm import CompressedBackend
-    from ds_lioncub.comm.transport import COMMUNICATING_METHODS
+    from ds_lioncub.comm.transport import COMMUNICATING_METHODS, TorchTransport
 
     generator = torch.Generator().manual_seed(1000 + rank)
     update = torch.randn(n, generator=generator)
@@ -173,6 +179,8 @@ def make_op(spec: OpSpec, n: int, rank: int, clock: CollectiveClock) -> Callable
         return lambda step: all_reduce()
     backend = CompressedBackend(pipeline_chunk_numel=spec.pipeline_chunk_numel)
     transport = backend.transport
+    if segment_bytes is not None and isinstance(transport, TorchTransport):
+        transport.segment_bytes = segment_bytes or None
     # Instrument this benchmark's own backend instance (the library is not changed).
     for name in COMMUNICATING_METHODS:
         setattr(transport, name, clock.time(getattr(transport, name)))
@@ -226,13 +234,14 @@ def measure(
     rate_bps: int | None,
     mtu: int,
     barrier_traffic: Counters,
+    segment_bytes: int | None = None,
 ) -> Measurement:
     import torch
     import torch.distributed as dist
 
     p, rank = dist.get_world_size(), dist.get_rank()
     clock = CollectiveClock()
-    run_once = make_op(spec, n, rank, clock)
+    run_once = make_op(spec, n, rank, clock, segment_bytes)
     times, collective, tx_counted, tx_frames, busiest = [], [], [], [], []
     for step in range(1, warmup + reps + 1):
         dist.barrier()
@@ -335,7 +344,9 @@ def worker(args: argparse.Namespace) -> int:
                 if n == sizes[0]:
                     skipped.append(f"{spec.label}: {reason}")
                 continue
-            result = measure(spec, n, reps, args.warmup, ifname, rate_bps, args.mtu, calibration)
+            result = measure(
+                spec, n, reps, args.warmup, ifname, rate_bps, args.mtu, calibration, args.gloo_segment_bytes
+            )
             results.append(result)
             if rank == 0:
                 print(
@@ -531,6 +542,8 @@ def driver(args: argparse.Namespace) -> int:
         f"--reps={args.reps}",
         f"--mtu={args.mtu}",
     ]
+    if args.gloo_segment_bytes is not None:
+        forwarded.append(f"--gloo-segment-bytes={args.gloo_segment_bytes}")
     if args.sizes:
         forwarded.append("--sizes=" + ",".join(str(n) for n in args.sizes))
     reports = []
@@ -603,6 +616,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument(
         "--mtu", type=int, default=1500, help="link MTU (the driver sets it; workers use it for frames)"
+    )
+    parser.add_argument(
+        "--gloo-segment-bytes",
+        type=int,
+        default=None,
+        help="the compressed ops' TorchTransport.segment_bytes: gloo collectives above it go out in segments "
+        "(default: the library's, 1 MiB; 0: never segment)",
     )
     parser.add_argument("--out", default=None, help="worker: rank 0 writes its JSON report here")
     args = parser.parse_args(argv)

@@ -143,11 +143,11 @@ class NetworkConfig(DeepSpeedConfigModel):
 
     ring_efficiency: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     """The fraction of the link rate ring collectives (all-reduce, all-gather, reduce-scatter) reach; unset:
-    gloo's, as measured on an emulated network (``ds_lioncub.planner.GLOO_LINK_EFFICIENCY``, 0.93). NCCL
+    gloo's, as measured on an emulated network (``ds_lioncub.planner.GLOO_LINK_EFFICIENCY``, 0.9). NCCL
     comes closer to 1."""
 
     all_to_all_efficiency: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    """The same for pairwise all-to-alls (the 1-bit vote's first collective); unset: gloo's 0.43, which
+    """The same for pairwise all-to-alls (the 1-bit vote's first collective); unset: gloo's 0.68, which
     favours modes built on all-reduces. With NCCL, set it (and ``ring_efficiency``) near 1."""
 
     @field_validator("bandwidth", "intra_node_bandwidth", mode="before")

@@ -204,6 +204,7 @@ def as_table(candidates: Sequence[Candidate], num_params: int, cluster: Cluster,
         lines[-1] += ": compression does not pay here."
     lines += [
         "(Communication and optimizer only: the forward and backward passes are the same in every mode.",
+        " step: comm and local, a compressed mode's votes overlapped with its local work over its buckets.",
         " bytes/step/rank: all a rank sends; out of a node: what crosses one node's link to the network.)",
         "",
         "ds_config:",
