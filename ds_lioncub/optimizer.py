@@ -144,12 +144,15 @@ class LionCub(torch.optim.Optimizer):
         self.telemetry = StepTelemetry(vote_stats=self.options.telemetry.vote_stats)
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
         super().__init__(params, defaults)
-        # compression="auto": the planner's mode for this world, the same on every rank (the inputs are).
+        # Before anything that could issue collectives of option-dependent sizes: every rank the same set-up,
+        # "auto" included as written (a rank that plans alone would wait in the planner's node-size agreement).
+        self._check_same_set_up_on_every_rank()
+        # compression="auto": the planner's mode for this world, the same on every rank (the inputs are);
+        # checked again as resolved.
         self.auto_resolution: AutoResolution | None = None
         if self.options.compression == "auto":
             self._resolve_auto()
-        # Before anything that could issue collectives of option-dependent sizes: every rank the same set-up.
-        self._check_same_set_up_on_every_rank()
+            self._check_same_set_up_on_every_rank()
         self._aggregator: Aggregator | None = build_aggregation(self.options, self.transport, False)
         # overlap=True: the vote over a second group that armed backwards launch on, and their state.
         self._overlap_vote: Vote | None = None

@@ -55,13 +55,15 @@ def test_a_rank_built_differently_raises_the_same_error_on_every_rank(
     [
         ("auto_node_size_differs", ["the ranks differ in the ranks per node", "ranks 0, 2: 3; rank 1: 1"]),
         ("auto_node_size_invalid", ["could not be worked out on rank(s) 1 of 3", "LIONCUB_NODE_SIZE"]),
+        ("auto_on_one_rank", ["the ranks", "option compression", "ranks 0, 2: '1bit'", "rank 1: 'auto'"]),
     ],
 )
 def test_auto_plans_only_with_a_node_size_every_rank_shares(
     ranks: list[dict[str, Any]], scenario: str, fragments: list[str]
 ) -> None:
     """compression="auto" reads G from each rank's environment: a rank that differs, or cannot read it,
-    stops every rank with one message instead of resolving alone while the others wait."""
+    stops every rank with one message instead of resolving alone while the others wait; so does one
+    rank asking for "auto" where the others do not."""
     message = same_message_on_every_rank(ranks, scenario)
     assert message.startswith("LionCubConfigError: LionCub: "), message
     for fragment in fragments:

@@ -714,7 +714,7 @@ def test_network_figures_are_read_in_si_units() -> None:
 
 
 def test_lioncub_resolves_auto_at_construction_and_checks_the_resolved_options(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A world of one: exact Lion; the set-up fingerprint sees the resolved compression, not "auto"."""
+    """A world of one: exact Lion; the set-up fingerprint sees "auto" as written, then the resolved compression."""
     seen: list[Any] = []
     monkeypatch.setattr(
         optimizer_module, "check_same_on_every_rank", lambda transport, components, layout: seen.append(components)
@@ -724,8 +724,10 @@ def test_lioncub_resolves_auto_at_construction_and_checks_the_resolved_options(m
         model.parameters(), compression="auto", network={"bandwidth": "1gbit"}, momentum_sync={"interval": 5}
     )
     assert lioncub.options.compression == "none" and lioncub.auto_resolution is not None
-    assert ("option compression", "'none'") in seen[0]
-    assert not any(label == "option network" and value != "None" for label, value in seen[0])
+    assert len(seen) == 2
+    assert ("option compression", "'auto'") in seen[0]  # before planning: a rank without "auto" is caught here
+    assert ("option compression", "'none'") in seen[1]
+    assert not any(label == "option network" and value != "None" for label, value in seen[1])
 
 
 # ---------------------------------------------------------------------------------------------- local cost tables

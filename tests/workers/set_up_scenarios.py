@@ -38,7 +38,7 @@ def options(rank: int, scenario: str) -> dict[str, Any]:
         base.update(compression="kbit", bits=4)
     if rank == 1 and scenario == "lr":
         base.update(lr=2e-2)
-    if scenario.startswith("auto_"):
+    if scenario.startswith("auto_") and (scenario != "auto_on_one_rank" or rank == 1):
         base.update(compression="auto", network={"bandwidth": "1gbit", "latency": "50us"})
     return base
 
@@ -61,6 +61,7 @@ SCENARIOS = (
     "dtype",
     "auto_node_size_differs",
     "auto_node_size_invalid",
+    "auto_on_one_rank",
     "same_again",
     "checked",
     "perturbed",
