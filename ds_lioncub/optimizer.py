@@ -156,6 +156,7 @@ class LionCub(torch.optim.Optimizer):
         self._aggregator: Aggregator | None = build_aggregation(self.options, self.transport, False)
         # overlap=True: the vote over a second group that armed backwards launch on, and their state.
         self._overlap_vote: Vote | None = None
+        self._overlap_ranks: list[int] = []  # the global ranks of the overlap vote's group
         self._armed: ArmedBackward | None = None
         self._set_up_overlap()
         self._ready = True
@@ -296,12 +297,16 @@ class LionCub(torch.optim.Optimizer):
     def _make_transport(self, process_group: dist.ProcessGroup | None) -> Transport:
         return make_transport(process_group, self.options.comm_backend_name, self.options.cuda_aware)
 
-    def _make_overlap_transport(self) -> Transport:
-        """A transport over a new process group of the voters: launches from gradient hooks may come
-        before or after other collectives of the voters' group (DeepSpeed's, the finite check), in an
-        order that differs between ranks, so they get a group of their own. Only the voters call this."""
+    def _voter_ranks(self) -> list[int]:
+        """The global ranks of the voters' group."""
         group = self.process_group if self.process_group is not None else dist.group.WORLD
-        ranks = dist.get_process_group_ranks(group)
+        return list(dist.get_process_group_ranks(group))
+
+    def _make_overlap_transport(self, ranks: list[int]) -> Transport:
+        """A transport over a new process group of the voters (global ``ranks``): launches from gradient
+        hooks may come before or after other collectives of the voters' group (DeepSpeed's, the finite
+        check), in an order that differs between ranks, so they get a group of their own. Only the
+        voters call this."""
         transport = TorchTransport(dist.new_group(ranks=ranks, use_local_synchronization=True))
         # One tiny collective now, while every voter is here: NCCL creates a group's communicator at its
         # first collective and blocks the host until all ranks join, which inside a gradient hook could
@@ -319,9 +324,14 @@ class LionCub(torch.optim.Optimizer):
         if not self.options.overlap or self.transport.world_size == 1:
             self._overlap_vote = None  # alone there is nothing to hide: steps run as without overlap
             return
-        vote = build_aggregation(self.options, self._make_overlap_transport(), False)
-        assert isinstance(vote, (OneBitVote, KbitVote))  # the config admits overlap with compression only
-        self._overlap_vote = vote
+        ranks = self._voter_ranks()
+        if self._overlap_vote is None or self._overlap_ranks != ranks:
+            # bind() to a group of the same ranks (DeepSpeed's data-parallel group over the whole world)
+            # keeps the group made at construction: a second one would only cost a communicator.
+            vote = build_aggregation(self.options, self._make_overlap_transport(ranks), False)
+            assert isinstance(vote, (OneBitVote, KbitVote))  # the config admits overlap with compression only
+            self._overlap_vote = vote
+            self._overlap_ranks = ranks
         if not getattr(self, "_gradient_hooks", None):
             # The parameters backward accumulates into, by flat position: a mixed-precision wrapper later
             # puts fp32 copies in their place here, but backward keeps filling these.

@@ -64,6 +64,16 @@ def test_overlap_with_backward_gives_the_same_bits_on_every_rank(ranks: list[dic
         assert all(f"overlap-on/{case}/error/3" in results for results in ranks)
 
 
+def test_binding_to_the_same_ranks_keeps_the_overlap_group(ranks: list[dict[str, Any]]) -> None:
+    """DeepSpeed binds LionCub to its data-parallel group, the same ranks as the world: the overlap vote
+    keeps the group made at construction (one communicator, not two) and still votes as without overlap."""
+    for results in ranks:
+        expected = 0 if len(ranks) == 1 else 1  # a world of one has nothing to overlap
+        assert results["overlap-bind/groups-at-construction"] == expected
+        assert results["overlap-bind/groups-after-bind"] == expected
+        assert results["overlap-bind/same-step"] is True
+
+
 def test_bf16_gradient_averaging_stays_close_to_fp32(ranks: list[dict[str, Any]]) -> None:
     for name in PARAM_NAMES:
         bf16 = ranks[0][f"train-param/none-bf16/{name}"]

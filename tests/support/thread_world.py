@@ -160,6 +160,9 @@ class ThreadLionCub(LionCub):
     def _make_transport(self, process_group: Any) -> Transport:
         return self._given_transport
 
-    def _make_overlap_transport(self) -> Transport:
+    def _voter_ranks(self) -> list[int]:
+        return list(range(self._given_transport.world_size))
+
+    def _make_overlap_transport(self, ranks: list[int]) -> Transport:
         overlap: Transport = self._given_transport.overlap  # type: ignore[attr-defined]
         return overlap

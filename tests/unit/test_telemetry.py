@@ -21,21 +21,15 @@ from ds_lioncub.telemetry import StepRecord
 from tests.support import scenarios as sc
 from tests.support.launch import REPO
 from tests.support.reference import brute_force_vote_stats, reference_bucket_sizes
+from tests.support.scenario_optimizer import fresh_params, scenario_lioncub
 
 STEPS = 3
 
 
 def train_alone(options: dict[str, Any]) -> tuple[LionCub, list[StepRecord]]:
     """The scenarios' model at a world of one for STEPS steps; every step's record."""
-    params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
-    optimizer = LionCub(
-        list(params.items()),
-        lr=sc.TRAIN_LR,
-        betas=sc.TRAIN_BETAS,
-        weight_decay=sc.TRAIN_WEIGHT_DECAY,
-        bucket_size=sc.BUCKET_SIZE,
-        **options,
-    )
+    params = fresh_params()
+    optimizer = scenario_lioncub(params, **options)
     records = []
     for step in range(1, STEPS + 1):
         optimizer.zero_grad()

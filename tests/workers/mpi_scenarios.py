@@ -31,6 +31,7 @@ from ds_lioncub.comm import CompressedBackend, MpiTransport, TorchTransport
 from ds_lioncub.deepspeed_integration import find_lioncub
 from tests.support import mpi_cases as mc
 from tests.support import scenarios as sc
+from tests.support.scenario_optimizer import fresh_params, scenario_lioncub, step_with_nan_on_last_rank
 from tests.workers import run_scenarios as rs
 
 BACKENDS = ("torch", "mpi")
@@ -89,16 +90,8 @@ def run_training(rank: int, world_size: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for backend_name in BACKENDS:
         for mode, options in sc.training_modes(world_size).items():
-            params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
-            optimizer = LionCub(
-                list(params.items()),
-                lr=sc.TRAIN_LR,
-                betas=sc.TRAIN_BETAS,
-                weight_decay=sc.TRAIN_WEIGHT_DECAY,
-                bucket_size=sc.BUCKET_SIZE,
-                comm_backend_name=backend_name,
-                **options,
-            )
+            params = fresh_params()
+            optimizer = scenario_lioncub(params, comm_backend_name=backend_name, **options)
             for step in range(1, sc.TRAIN_STEPS + 1):
                 optimizer.zero_grad()
                 sc.loss_of(params, rank, step).backward()
@@ -109,17 +102,8 @@ def run_training(rank: int, world_size: int) -> dict[str, Any]:
                 results[f"{backend_name}:train-param/{mode}/{name}"] = param.detach().clone()
                 results[f"{backend_name}:train-exp-avg/{mode}/final/{name}"] = optimizer.state[param]["exp_avg"].clone()
     # A NaN on the last rank stops every rank, agreed over MPI.
-    params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
-    optimizer = LionCub(list(params.items()), compression="1bit", comm_backend_name="mpi")
-    sc.loss_of(params, rank, 1).backward()
-    if rank == world_size - 1:
-        params["b1"].grad[3] = float("nan")
-    try:
-        optimizer.step()
-        results["mpi:nan-error"] = None
-    except FloatingPointError as error:
-        results["mpi:nan-error"] = str(error)
-    results["mpi:nan-unchanged"] = all(torch.equal(params[n], v) for n, v in sc.init_params().items())
+    nan_results, _ = step_with_nan_on_last_rank(rank, world_size, comm_backend_name="mpi")
+    results.update({f"mpi:{key}": value for key, value in nan_results.items()})
     return results
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from ds_lioncub import LionCub
 from ds_lioncub.comm import CompressedBackend, legacy_padded_numel, packing
 from ds_lioncub.comm.transport import TorchTransport
 from tests.support import scenarios as sc
+from tests.support.scenario_optimizer import fresh_params, scenario_lioncub, step_with_nan_on_last_rank
 
 
 def run_votes(backend: CompressedBackend, rank: int) -> dict[str, object]:
@@ -98,15 +100,8 @@ def train_mode(
     every key starts with ``prefix``."""
     results: dict[str, object] = {}
     keys = prefix + ("train" if pipelined else "train-serial")
-    params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
-    optimizer = LionCub(
-        list(params.items()),
-        lr=sc.TRAIN_LR,
-        betas=sc.TRAIN_BETAS,
-        weight_decay=sc.TRAIN_WEIGHT_DECAY,
-        bucket_size=sc.BUCKET_SIZE,
-        **options,
-    )
+    params = fresh_params()
+    optimizer = scenario_lioncub(params, **options)
     optimizer._pipelined_buckets = pipelined
     for step in range(1, sc.TRAIN_STEPS + 1):
         optimizer.zero_grad()
@@ -130,16 +125,8 @@ def train_mode(
 def train_overlap_case(rank: int, world_size: int, case: str, overlap: bool) -> dict[str, object]:
     """One of scenarios.OVERLAP_CASES for TRAIN_STEPS steps, with or without overlap."""
     options, accumulation, clip, unused_rank, inf_at = sc.OVERLAP_CASES[case]
-    params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
-    optimizer = LionCub(
-        list(params.items()),
-        lr=sc.TRAIN_LR,
-        betas=sc.TRAIN_BETAS,
-        weight_decay=sc.TRAIN_WEIGHT_DECAY,
-        bucket_size=sc.BUCKET_SIZE,
-        overlap=overlap,
-        **options,
-    )
+    params = fresh_params()
+    optimizer = scenario_lioncub(params, overlap=overlap, **options)
     loss_fn = sc.loss_without_b2 if unused_rank is not None and rank == unused_rank % world_size else sc.loss_of
     inf_step = None if inf_at is None or rank != inf_at[0] % world_size else inf_at[1]
     results: dict[str, object] = {}
@@ -167,6 +154,37 @@ def train_overlap_case(rank: int, world_size: int, case: str, overlap: bool) -> 
     return results
 
 
+def overlap_groups_across_bind(rank: int, world_size: int) -> dict[str, object]:
+    """An overlap optimizer bound (as DeepSpeed does) to a new group of the same ranks: the process groups
+    it creates, and one armed step after the bind against the same step without overlap."""
+    real_new_group = dist.new_group
+    created: list[object] = []
+
+    def counting_new_group(*args: Any, **kwargs: Any) -> Any:
+        created.append(kwargs.get("ranks"))
+        return real_new_group(*args, **kwargs)
+
+    results: dict[str, object] = {}
+    params, plain_params = fresh_params(), fresh_params()
+    dist.new_group = counting_new_group  # type: ignore[assignment]
+    try:
+        optimizer = scenario_lioncub(params, compression="1bit", overlap=True)
+        results["overlap-bind/groups-at-construction"] = len(created)
+        same_ranks = real_new_group(ranks=list(range(world_size)))
+        optimizer.bind(same_ranks, None, gradients_averaged=False)
+        results["overlap-bind/groups-after-bind"] = len(created)
+    finally:
+        dist.new_group = real_new_group  # type: ignore[assignment]
+    plain = scenario_lioncub(plain_params, compression="1bit")
+    optimizer.overlap_next_backward()
+    sc.loss_of(params, rank, 1).backward()
+    optimizer.step()
+    sc.loss_of(plain_params, rank, 1).backward()
+    plain.step()
+    results["overlap-bind/same-step"] = all(torch.equal(params[n], plain_params[n]) for n in params)
+    return results
+
+
 def run_training(rank: int, world_size: int) -> dict[str, object]:
     results: dict[str, object] = {"packing-path": packing.packing_path("cpu").path}
     modes = sc.training_modes(world_size)
@@ -183,17 +201,9 @@ def run_training(rank: int, world_size: int) -> dict[str, object]:
     for case in sc.OVERLAP_CASES:
         for overlap in (False, True):
             results.update(train_overlap_case(rank, world_size, case, overlap))
-    params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
-    optimizer = LionCub(list(params.items()), compression="1bit")
-    sc.loss_of(params, rank, 1).backward()
-    if rank == world_size - 1:
-        params["b1"].grad[3] = float("nan")
-    try:
-        optimizer.step()
-        results["nan-error"] = None
-    except FloatingPointError as error:
-        results["nan-error"] = str(error)
-    results["nan-unchanged"] = all(torch.equal(params[n], v) for n, v in sc.init_params().items())
+    results.update(overlap_groups_across_bind(rank, world_size))
+    nan_results, optimizer = step_with_nan_on_last_rank(rank, world_size)
+    results.update(nan_results)
     results["nan-no-state"] = len(optimizer.state) == 0 or all(
         not torch.any(s["exp_avg"]) for s in optimizer.state.values()
     )
