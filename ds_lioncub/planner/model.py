@@ -87,7 +87,7 @@ class LinkEfficiency:
         return self.all_to_all if kind == "all_to_all" else self.ring
 
 
-# gloo over TCP on the emulated network (benchmarks/RESULTS.md, "Planner vs the emulated network"),
+# gloo over TCP on the emulated network (benchmarks/RESULTS.md, "Planner vs the emulated network, pipelined"),
 # fitted on the p = 2, 1 Gbit/s measurements alone by ``python -m benchmarks.validate_planner --fit``:
 # time inside the collectives of calls that ran as one piece against the bytes at the full rate. Its
 # all-to-all stays below its ring even with the transport's 1 MiB segments. NCCL's rings and

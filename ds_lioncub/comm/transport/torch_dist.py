@@ -14,7 +14,8 @@ from ds_lioncub.comm.transport.base import TransportBase, Waitable, torch_distri
 
 # gloo moves one message of several MB between two ranks that both send at about half the link rate,
 # and the same bytes as a run of messages of about 1 MiB at 0.9 of it or more (benchmarks/RESULTS.md,
-# "gloo's large messages"), so on gloo the all-to-alls and all-gathers above this go out in segments.
+# "The 1-bit vote in pipeline chunks"), so on gloo the all-to-alls and all-gathers above this go out in
+# segments.
 GLOO_SEGMENT_BYTES = 1 << 20
 
 
