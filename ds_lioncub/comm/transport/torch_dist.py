@@ -47,10 +47,10 @@ class TorchTransport(TransportBase):
     and nothing is counted as sent. Issued collectives (``start_*``) run with ``async_op=True``: gloo
     progresses them on its own threads, NCCL on its stream.
 
-    ``segment_bytes``: on gloo, an all-to-all or all-gather moving more than this many bytes per rank
-    runs as several collectives of at most about this size, all issued at once (the result is the
-    same; the bytes counted are those of the one collective). ``None``, the default on every other
-    backend (NCCL included), never segments.
+    ``segment_bytes``: on gloo (CPU tensors), an all-to-all or all-gather moving more than this many
+    bytes per rank runs as several collectives of at most about this size, all issued at once (the
+    result is the same; the bytes counted are those of the one collective). ``None``, the default on
+    every other backend (NCCL included), never segments.
     """
 
     name = "torch"
@@ -62,7 +62,8 @@ class TorchTransport(TransportBase):
         world_size = dist.get_world_size(process_group) if self.distributed else 1
         rank = dist.get_rank(process_group) if self.distributed else 0
         super().__init__(world_size, rank)
-        on_gloo = self.distributed and dist.get_backend(process_group) == "gloo"
+        # "gloo", or gloo for CPU tensors in a group of several backends ("cpu:gloo,cuda:nccl").
+        on_gloo = self.distributed and "gloo" in str(dist.get_backend(process_group))
         self.segment_bytes: int | None = GLOO_SEGMENT_BYTES if on_gloo else None
 
     def _raw_all_to_all(self, send: torch.Tensor, received: torch.Tensor) -> None:
@@ -79,7 +80,7 @@ class TorchTransport(TransportBase):
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group)
 
     def _raw_all_to_all_async(self, send: torch.Tensor, received: torch.Tensor) -> Waitable | None:
-        columns = self._segment_columns(send.numel() // self.world_size, send.element_size() * self.world_size)
+        columns = self._segment_columns(send, send.numel() // self.world_size, send.element_size() * self.world_size)
         if len(columns) <= 1:
             return dist.all_to_all_single(received, send, group=self.process_group, async_op=True)
         # Segment k carries columns [a, b) of every destination's row; its pieces land in the same columns.
@@ -98,7 +99,7 @@ class TorchTransport(TransportBase):
         return _Segmented(works, reassemble)
 
     def _raw_all_gather_async(self, send: torch.Tensor, received: torch.Tensor) -> Waitable | None:
-        columns = self._segment_columns(send.numel(), send.element_size())
+        columns = self._segment_columns(send, send.numel(), send.element_size())
         if len(columns) <= 1:
             return _all_gather_flat(received, send, group=self.process_group, async_op=True)
         # Segment k gathers elements [a, b) of every rank's message; they land at [a, b) of each rank's row.
@@ -117,9 +118,10 @@ class TorchTransport(TransportBase):
 
         return _Segmented(works, reassemble)
 
-    def _segment_columns(self, columns: int, bytes_per_column: int) -> list[tuple[int, int]]:
-        """``[a, b)`` column ranges of at most about ``segment_bytes`` each (one range when not segmenting)."""
-        if self.segment_bytes is None or columns * bytes_per_column <= self.segment_bytes:
+    def _segment_columns(self, send: torch.Tensor, columns: int, bytes_per_column: int) -> list[tuple[int, int]]:
+        """``[a, b)`` column ranges of at most about ``segment_bytes`` each; one range for a message that
+        is small, not on the CPU (gloo carries CPU tensors), or when not segmenting."""
+        if self.segment_bytes is None or send.device.type != "cpu" or columns * bytes_per_column <= self.segment_bytes:
             return [(0, columns)]
         step = max(1, self.segment_bytes // bytes_per_column)
         return [(begin, min(columns, begin + step)) for begin in range(0, columns, step)]
