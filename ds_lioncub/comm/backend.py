@@ -23,7 +23,7 @@ this class is their stable public face, taking the step and tie rule as the 1-bi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -162,10 +162,23 @@ class CompressedBackend:
         backend.pipeline_chunk_numel = _checked_chunk_numel(pipeline_chunk_numel)
         return backend
 
-    def _chunks(self, numel: int) -> list[tuple[int, int]]:
-        """The vote's pipeline chunks of ``numel`` elements (one chunk when pipelining is off)."""
-        multiple = vote_padded_numel(1, self.world_size)
-        return chunk_bounds(numel, numel if self.pipeline_chunk_numel is None else self.pipeline_chunk_numel, multiple)
+    def _vote_in_chunks(
+        self,
+        start: Callable[[int, int], PendingAggregate],
+        reduce: Callable[[PendingAggregate], PendingResult],
+        out_flat: torch.Tensor,
+    ) -> None:
+        """``start(begin, end)`` and ``reduce`` per pipeline chunk of ``out_flat``, each result written into
+        its chunk, in the three-stage schedule (one chunk when pipelining is off)."""
+        numel = out_flat.numel()
+        chunk_numel = numel if self.pipeline_chunk_numel is None else self.pipeline_chunk_numel
+        chunks = chunk_bounds(numel, chunk_numel, vote_padded_numel(1, self.world_size))
+        run_three_stages(
+            len(chunks),
+            lambda k: start(*chunks[k]),
+            lambda k, pending: reduce(pending),
+            lambda k, result: finish_aggregate(self.transport, result, out_flat[chunks[k][0] : chunks[k][1]]),
+        )
 
     @property
     def comm_backend_name(self) -> str:
@@ -200,19 +213,12 @@ class CompressedBackend:
             return update.new_empty(update.shape) if out is None else out
         flat = update.reshape(-1)
         target = torch.empty(update.shape, dtype=update.dtype, device=update.device) if out is None else out
-        target_flat = target.view(-1)
-        chunks = self._chunks(flat.numel())
         transport = self.transport
-
-        def start(k: int) -> PendingAggregate:
-            begin, end = chunks[k]
-            return start_sign_vote(transport, flat[begin:end], positive_ties)
-
-        def complete(k: int, result: PendingResult) -> None:
-            begin, end = chunks[k]
-            finish_aggregate(transport, result, target_flat[begin:end])
-
-        run_three_stages(len(chunks), start, lambda k, pending: reduce_sign_vote(transport, pending), complete)
+        self._vote_in_chunks(
+            lambda begin, end: start_sign_vote(transport, flat[begin:end], positive_ties),
+            lambda pending: reduce_sign_vote(transport, pending),
+            target.view(-1),
+        )
         return target
 
     def vote_kbit(
@@ -253,24 +259,17 @@ class CompressedBackend:
         if flat.numel() == 0:
             return update.new_empty(update.shape)
         out = torch.empty(update.shape, dtype=update.dtype, device=update.device)
-        out_flat = out.view(-1)
-        chunks = self._chunks(flat.numel())
         transport = self.transport
         reduce = reduce_kbit_vote if aggregation == "vote" else reduce_kbit_mean
 
-        def start(k: int) -> PendingAggregate:
-            begin, end = chunks[k]
+        def start(begin: int, end: int) -> PendingAggregate:
             chunk_sizes, chunk_scales = (None, None)
             if sizes is not None and scales is not None:
                 chunk_sizes, chunk_scales = _segments_within(sizes, scales, begin, end)
             message = pack_kbit_message(codec, flat[begin:end], positive_ties, chunk_scales, chunk_sizes)
             return start_kbit_sum(transport, codec, message, end - begin, positive_ties)
 
-        def complete(k: int, result: PendingResult) -> None:
-            begin, end = chunks[k]
-            finish_aggregate(transport, result, out_flat[begin:end])
-
-        run_three_stages(len(chunks), start, lambda k, pending: reduce(transport, codec, pending), complete)
+        self._vote_in_chunks(start, lambda pending: reduce(transport, codec, pending), out.view(-1))
         return out
 
     def compressed_allreduce(

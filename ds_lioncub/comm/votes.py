@@ -3,8 +3,7 @@
 Phase 1 (``start_*``) packs the local message and issues the first collective; phase 2
 (``reduce_*``) waits for it, reduces what arrived and issues the second collective where the protocol
 has one; :func:`finish_aggregate` waits for that and unpacks the result. Nothing waits before it
-must, so a caller can do other work, other buckets' included, between the three. ``finish_*`` run
-phase 2 and the unpacking back to back.
+must, so a caller can do other work, other buckets' included, between the three.
 
 - 1-bit vote: all-to-all of packed signs (each rank receives every rank's signs for its chunk of
   the update), per-position majority on the chunk owner, all-gather of the packed chunk votes. The
@@ -129,11 +128,6 @@ def reduce_sign_vote(transport: Transport, pending: PendingAggregate) -> Pending
     return PendingResult(transport.start_all_gather(chunk_vote), numel, _unpacked_signs(numel), packed_signs=True)
 
 
-def finish_sign_vote(transport: Transport, pending: PendingAggregate, out: torch.Tensor) -> torch.Tensor:
-    """Phase 2 and the unpacking: ±1 into ``out`` (contiguous, ``numel`` elements; may be the packed update)."""
-    return finish_aggregate(transport, reduce_sign_vote(transport, pending), out)
-
-
 Decoder = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -196,13 +190,6 @@ def reduce_kbit_vote(transport: Transport, codec: KbitCodec, pending: PendingAgg
     return PendingResult(gathered, numel, _unpacked_signs(numel), packed_signs=True)
 
 
-def finish_kbit_vote(
-    transport: Transport, codec: KbitCodec, pending: PendingAggregate, out: torch.Tensor
-) -> torch.Tensor:
-    """The sign of the summed fields (ties by the tie rule) as ±1 into ``out`` (contiguous, ``numel`` elements)."""
-    return finish_aggregate(transport, reduce_kbit_vote(transport, codec, pending), out)
-
-
 def reduce_kbit_mean(transport: Transport, codec: KbitCodec, pending: PendingAggregate) -> PendingResult:
     """The field sums of every position: the all-reduce's own, or this chunk's, all-gathered under "alltoall"."""
     numel = pending.numel
@@ -234,20 +221,10 @@ def _mean_of_field_sums(codec: KbitCodec, width: int, count: int) -> Decoder:
     return decode
 
 
-def finish_kbit_mean(
-    transport: Transport, codec: KbitCodec, pending: PendingAggregate, out: torch.Tensor
-) -> torch.Tensor:
-    """The signed sum divided by its largest magnitude (p for sign, pL for L1), in [-1, 1], into ``out``."""
-    return finish_aggregate(transport, reduce_kbit_mean(transport, codec, pending), out)
-
-
 __all__ = [
     "PendingAggregate",
     "PendingResult",
     "finish_aggregate",
-    "finish_kbit_mean",
-    "finish_kbit_vote",
-    "finish_sign_vote",
     "issue_sign_vote",
     "pack_kbit_message",
     "pack_sign_message",

@@ -322,7 +322,7 @@ def test_deferred_transport_delivers_nothing_before_the_wait() -> None:
 
 def test_replacing_every_communicating_method_times_a_vote_once_per_collective() -> None:
     """What the benchmarks do for a vote, which issues its collectives and waits for them."""
-    from ds_lioncub.comm.votes import finish_sign_vote, start_sign_vote
+    from ds_lioncub.comm.votes import finish_aggregate, reduce_sign_vote, start_sign_vote
 
     def run(transport: ThreadTransport) -> dict[str, int]:
         calls = dict.fromkeys(COMMUNICATING_METHODS, 0)
@@ -335,7 +335,7 @@ def test_replacing_every_communicating_method_times_a_vote_once_per_collective()
 
             setattr(transport, name, timed)
         update = rank_input(transport.rank, 50, torch.float32)
-        finish_sign_vote(transport, start_sign_vote(transport, update, True), update)
+        finish_aggregate(transport, reduce_sign_vote(transport, start_sign_vote(transport, update, True)), update)
         return calls
 
     expected = dict.fromkeys(COMMUNICATING_METHODS, 0) | {"start_all_to_all": 1, "start_all_gather": 1, "wait": 2}
