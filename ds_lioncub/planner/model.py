@@ -253,6 +253,13 @@ class _Tally:
             if collective.world_size > 1:
                 self.node_link_bytes += wire.link_bytes(collective, placement, node_size).node_link
 
+    def __add__(self, other: _Tally) -> _Tally:
+        return _Tally(
+            self.seconds + other.seconds,
+            self.bytes_sent + other.bytes_sent,
+            self.node_link_bytes + other.node_link_bytes,
+        )
+
 
 # ---------------------------------------------------------------------------------------------- one aggregation
 
@@ -313,25 +320,24 @@ def _candidate(
     label: str,
     params: dict[str, Any],
     zero_stage: int,
-    tally: _Tally,
+    alone: _Tally,
     local_seconds: float,
-    overlapped: _Tally | None = None,
+    votes: _Tally | None = None,
     pieces: int = 1,
 ) -> Candidate:
-    """``tally``: every collective of the step; ``overlapped``: those of them the bucket schedule runs
-    over ``pieces`` buckets beside the local work (the rest stand alone)."""
-    hidden = 0.0
-    if overlapped is not None:
-        hidden = overlapped.seconds + local_seconds - pipelined_seconds(overlapped.seconds, local_seconds, pieces)
+    """``alone``: the step's collectives that run by themselves; ``votes``: those the bucket schedule runs
+    over ``pieces`` buckets beside the local work (:func:`pipelined_seconds`)."""
+    comm = alone if votes is None else alone + votes
+    step = alone.seconds + (local_seconds if votes is None else pipelined_seconds(votes.seconds, local_seconds, pieces))
     return Candidate(
         params=params,
         zero_stage=zero_stage,
-        seconds_per_step=tally.seconds + local_seconds - hidden,
-        bytes_per_step_per_rank=tally.bytes_sent,
-        comm_seconds=tally.seconds,
+        seconds_per_step=step,
+        bytes_per_step_per_rank=comm.bytes_sent,
+        comm_seconds=comm.seconds,
         local_seconds=local_seconds,
         label=label,
-        node_link_bytes_per_step=tally.node_link_bytes,
+        node_link_bytes_per_step=comm.node_link_bytes,
     )
 
 
@@ -373,16 +379,15 @@ def flat_candidate(
     """A compressed mode at ZeRO stage 0: every rank a voter, the vote spanning the cluster."""
     options = parse_config(params)
     p, node_size = cluster.world_size, cluster.gpus_per_node
-    tally, votes = _Tally(), _Tally()
+    alone, votes = _Tally(), _Tally()
     buckets = bucket_sizes(num_params, bucket_size)
     for bucket in buckets:
-        for one in (tally, votes):
-            one.add(aggregation_collectives(options, bucket, p), "spanning", node_size, network)
+        votes.add(aggregation_collectives(options, bucket, p), "spanning", node_size, network)
     if p > 1 and options.check_finite:
-        tally.add(wire.finite_check_collectives(p), "spanning", node_size, network)
+        alone.add(wire.finite_check_collectives(p), "spanning", node_size, network)
     aggregation = costs.cost(aggregation_key(options)) * num_params if p > 1 else 0.0
     local = costs.cost(LION_UPDATE) * num_params + aggregation
-    return _candidate(label, params, 0, tally, local, votes, len(buckets))
+    return _candidate(label, params, 0, alone, local, votes, len(buckets))
 
 
 def hybrid_candidate(
@@ -399,19 +404,17 @@ def hybrid_candidate(
     node_size, nodes = cluster.gpus_per_node, cluster.nodes
     hybrid_params = {**params, "hybrid": {"node_size": node_size}}
     options = parse_config(hybrid_params)
-    tally = _Tally()
+    alone, votes = _Tally(), _Tally()
     for bucket in bucket_sizes(num_params, zero_bucket_size):
-        tally.add(wire.zero2_collectives(bucket, node_size, ELEMENT_SIZE["fp32"]), "within_node", node_size, network)
+        alone.add(wire.zero2_collectives(bucket, node_size, ELEMENT_SIZE["fp32"]), "within_node", node_size, network)
     shard = wire.zero_partition_numel(num_params, node_size)
-    votes = _Tally()
     buckets = bucket_sizes(shard, bucket_size)
     for bucket in buckets:
-        for one in (tally, votes):
-            one.add(aggregation_collectives(options, bucket, nodes), "one_per_node", node_size, network)
+        votes.add(aggregation_collectives(options, bucket, nodes), "one_per_node", node_size, network)
     if options.check_finite:  # agreed over the whole world (section 16)
-        tally.add(wire.finite_check_collectives(cluster.world_size), "spanning", node_size, network)
+        alone.add(wire.finite_check_collectives(cluster.world_size), "spanning", node_size, network)
     local = (costs.cost(LION_UPDATE) + costs.cost(aggregation_key(options))) * shard
-    return _candidate(f"{label}, ZeRO-2 hybrid", hybrid_params, 2, tally, local, votes, len(buckets))
+    return _candidate(f"{label}, ZeRO-2 hybrid", hybrid_params, 2, alone, local, votes, len(buckets))
 
 
 def plan(
