@@ -19,7 +19,7 @@ from tests.support import scenarios as sc
 from tests.support.reference import (
     brute_force_vote_1bit,
     brute_force_vote_kbit,
-    brute_force_vote_stats,
+    brute_force_vote_stats_for_options,
     max_world_size_allreduce,
     reference_bucket_sizes,
     reference_compressed_allreduce,
@@ -354,16 +354,7 @@ def telemetry_vote_rates_equal_brute_force(ranks: Ranks) -> None:
             if not vote_stats:
                 assert all(r.tie_rate is None and r.agreement_rate is None for r in records), mode
                 continue
-            expected = brute_force_vote_stats(
-                updates[step - 1],
-                step,
-                compression=str(options["compression"]),
-                bits=int(options.get("bits", 4)),  # type: ignore[call-overload]
-                quantizer=str(options.get("quantizer", "sign")),
-                algorithm=str(options.get("kbit_algorithm", "allreduce")),
-                tie_break=str(options.get("tie_break", "alternate")),
-                segment_sizes=numels,
-            )
+            expected = brute_force_vote_stats_for_options(updates[step - 1], step, options, numels)
             for rank, record in enumerate(records):
                 where = f"{mode} rank {rank} step {step}"
                 assert record.tie_rate == expected.tie_rate, where

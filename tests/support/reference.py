@@ -11,7 +11,7 @@ packed/distributed implementation cannot hide in a shared helper.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -224,6 +224,23 @@ def brute_force_vote_stats(
         sum(1 for a, b in zip(_resolve_sign(u, tie).tolist(), applied.tolist(), strict=True) if a == b) for u in flat
     ]
     return VoteStats(tied / numel, [count / numel for count in agreements])
+
+
+def brute_force_vote_stats_for_options(
+    updates: list[Tensor], step: int, options: Mapping[str, object], segment_sizes: list[int] | None = None
+) -> VoteStats:
+    """:func:`brute_force_vote_stats` for a LionCub options dict (LionCub's defaults where one is unset)."""
+    return brute_force_vote_stats(
+        updates,
+        step,
+        compression=str(options["compression"]),
+        bits=int(str(options.get("bits", 4))),
+        quantizer=str(options.get("quantizer", "sign")),
+        algorithm=str(options.get("kbit_algorithm", "allreduce")),
+        tie_break=str(options.get("tie_break", "alternate")),
+        l1_clip=float(str(options.get("l1_clip", 2.0))),
+        segment_sizes=segment_sizes,
+    )
 
 
 def reference_bucket_sizes(numels: list[int], capacity: int) -> list[int]:

@@ -20,16 +20,20 @@ def fresh_params() -> dict[str, Tensor]:
     return {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
 
 
+def scenario_settings(**options: Any) -> dict[str, Any]:
+    """The scenarios' lr, betas, weight decay and bucket size, with ``options`` added (or replacing them)."""
+    settings: dict[str, Any] = {
+        "lr": sc.TRAIN_LR,
+        "betas": sc.TRAIN_BETAS,
+        "weight_decay": sc.TRAIN_WEIGHT_DECAY,
+        "bucket_size": sc.BUCKET_SIZE,
+    }
+    return settings | options
+
+
 def scenario_lioncub(params: dict[str, Tensor], **options: Any) -> LionCub:
-    """LionCub over ``params`` with the scenarios' lr, betas, weight decay and bucket size, plus ``options``."""
-    return LionCub(
-        list(params.items()),
-        lr=sc.TRAIN_LR,
-        betas=sc.TRAIN_BETAS,
-        weight_decay=sc.TRAIN_WEIGHT_DECAY,
-        bucket_size=sc.BUCKET_SIZE,
-        **options,
-    )
+    """LionCub over ``params`` with :func:`scenario_settings` and ``options``."""
+    return LionCub(list(params.items()), **scenario_settings(**options))
 
 
 def step_with_nan_on_last_rank(rank: int, world_size: int, **options: Any) -> tuple[dict[str, object], LionCub]:

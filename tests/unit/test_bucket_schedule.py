@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.support import scenarios as sc
+from tests.support.scenario_optimizer import fresh_params, scenario_settings
 from tests.support.thread_world import DeferredThreadTransport, ThreadLionCub, ThreadTransport, on_every_rank
 
 MODES = {
@@ -41,16 +42,8 @@ WORLD_SIZES = (1, 2, 3, 4)
 
 def train(transport: ThreadTransport, pipelined: bool, bucket_size: int, options: dict[str, Any]) -> dict[str, Any]:
     """TRAIN_STEPS steps on this rank's batches; the final parameters, momenta and the collectives issued."""
-    params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
-    optimizer = ThreadLionCub(
-        transport,
-        list(params.items()),
-        lr=sc.TRAIN_LR,
-        betas=sc.TRAIN_BETAS,
-        weight_decay=sc.TRAIN_WEIGHT_DECAY,
-        bucket_size=bucket_size,
-        **options,
-    )
+    params = fresh_params()
+    optimizer = ThreadLionCub(transport, list(params.items()), **scenario_settings(bucket_size=bucket_size, **options))
     optimizer._pipelined_buckets = pipelined
     for step in range(1, sc.TRAIN_STEPS + 1):
         optimizer.zero_grad()

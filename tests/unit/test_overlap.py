@@ -21,6 +21,7 @@ from ds_lioncub import LionCub
 from ds_lioncub.comm import wire
 from ds_lioncub.errors import LionCubConfigError, NonFiniteGradientError
 from tests.support import scenarios as sc
+from tests.support.scenario_optimizer import fresh_params, scenario_settings
 from tests.support.thread_world import (
     DeferredThreadTransport,
     ThreadLionCub,
@@ -68,17 +69,9 @@ def train(
     bucket_size: int = sc.BUCKET_SIZE,
 ) -> dict[str, Any]:
     rank = transport.rank
-    params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
-    optimizer = ThreadLionCub(
-        transport,
-        list(params.items()),
-        lr=sc.TRAIN_LR,
-        betas=sc.TRAIN_BETAS,
-        weight_decay=sc.TRAIN_WEIGHT_DECAY,
-        bucket_size=bucket_size,
-        overlap=overlap,
-        **options,
-    )
+    params = fresh_params()
+    settings = scenario_settings(bucket_size=bucket_size, overlap=overlap, **options)
+    optimizer = ThreadLionCub(transport, list(params.items()), **settings)
 
     def issued() -> int:
         return len(transport.overlap.issued) if overlap else 0  # type: ignore[attr-defined]
@@ -183,7 +176,7 @@ def test_a_skipped_step_drains_and_the_tie_rule_follows_the_step_taken() -> None
     """An armed backward whose step never comes: the next arm waits for and drops its votes."""
 
     def run(transport: ThreadTransport, overlap: bool) -> list[torch.Tensor]:
-        params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
+        params = fresh_params()
         optimizer = ThreadLionCub(transport, list(params.items()), lr=sc.TRAIN_LR, overlap=overlap)
         for step in range(1, 5):
             for attempt in range(2 if step == 2 else 1):  # step 2: the first backward is skipped
@@ -223,7 +216,7 @@ def test_overlap_refuses_what_it_cannot_do_before_training(options: dict[str, An
 def test_a_world_of_one_arms_nothing_and_steps_as_without_overlap() -> None:
     results = []
     for overlap in (False, True):
-        params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
+        params = fresh_params()
         optimizer = LionCub(list(params.items()), lr=sc.TRAIN_LR, overlap=overlap)
         for step in range(1, 4):
             optimizer.zero_grad()
@@ -248,7 +241,7 @@ def test_save_checkpoint_between_an_armed_backward_and_its_step_is_refused() -> 
     save = _wrap_save_checkpoint(never_called)
 
     def run(transport: ThreadTransport) -> str:
-        params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
+        params = fresh_params()
         optimizer = ThreadLionCub(transport, list(params.items()), overlap=True)
         optimizer.overlap_next_backward()
         sc.loss_of(params, transport.rank, 1).backward()
@@ -278,7 +271,7 @@ def test_loading_a_checkpoint_drops_the_votes_of_an_armed_backward() -> None:
     load = _wrap_load_checkpoint(deepspeeds_load)
 
     def run(transport: ThreadTransport) -> bool:
-        params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
+        params = fresh_params()
         optimizer = ThreadLionCub(transport, list(params.items()), overlap=True)
         optimizer.overlap_next_backward()
         sc.loss_of(params, transport.rank, 1).backward()
@@ -296,7 +289,7 @@ def test_a_dropped_optimizer_leaves_no_gradient_hooks_behind() -> None:
     import weakref
 
     def run(transport: ThreadTransport) -> tuple[bool, int]:
-        params = {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
+        params = fresh_params()
         optimizer = ThreadLionCub(transport, list(params.items()), overlap=True)
         hooked = sum(len(param._post_accumulate_grad_hooks or {}) for param in params.values())
         alive = weakref.ref(optimizer)

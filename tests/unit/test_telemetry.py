@@ -20,7 +20,7 @@ from ds_lioncub.integration import engine_hooks
 from ds_lioncub.telemetry import StepRecord
 from tests.support import scenarios as sc
 from tests.support.launch import REPO
-from tests.support.reference import brute_force_vote_stats, reference_bucket_sizes
+from tests.support.reference import brute_force_vote_stats_for_options, reference_bucket_sizes
 from tests.support.scenario_optimizer import fresh_params, scenario_lioncub
 
 STEPS = 3
@@ -63,15 +63,7 @@ def test_vote_rates_alone_equal_the_brute_force_vote(mode: str) -> None:
         if "telemetry" not in options:
             assert record.tie_rate is None and record.agreement_rate is None
             continue
-        expected = brute_force_vote_stats(
-            updates[step - 1],
-            step,
-            compression=str(options["compression"]),
-            bits=int(options.get("bits", 4)),  # type: ignore[call-overload]
-            quantizer=str(options.get("quantizer", "sign")),
-            algorithm=str(options.get("kbit_algorithm", "allreduce")),
-            segment_sizes=numels,
-        )
+        expected = brute_force_vote_stats_for_options(updates[step - 1], step, options, numels)
         assert (record.tie_rate, record.agreement_rate) == (expected.tie_rate, expected.agreement_rates[0])
     assert optimizer.telemetry_totals.steps == STEPS
 
