@@ -14,9 +14,9 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,13 +35,25 @@ from ds_lioncub.aggregation import (
     build_aggregation,
     packed_sign_vote,
 )
+from ds_lioncub.bucket_work import (
+    BucketBuffers,
+    Entry,
+    apply_bucket,
+    apply_voted_signs,
+    bucket_directions,
+    exact_lion_bucket,
+    grad_piece,
+    mean_abs_direction,
+    mean_of_bucket,
+    piece_of,
+    prepare_bucket,
+    prepare_sign_message,
+    update_bucket_momenta,
+    whole_tensor_mean_abs,
+)
 from ds_lioncub.buckets import Piece, plan_buckets
 from ds_lioncub.comm.backend import CompressedBackend
 from ds_lioncub.comm.packing import (
-    MomentumPiece,
-    ParamPiece,
-    apply_packed_signs,
-    lion_direction_pack_signs,
     pack_fields,
     packed_length,
     unpack_fields,
@@ -58,9 +70,8 @@ from ds_lioncub.errors import (
     UnsupportedParameterError,
 )
 from ds_lioncub.fingerprint import agreed_text, check_same_on_every_rank, describe_parameters
-from ds_lioncub.lion import apply_update, lion_direction, update_momentum
 from ds_lioncub.overlap import ArmedBackward
-from ds_lioncub.param_selection import select_parameters
+from ds_lioncub.param_selection import names_by_position, select_parameters
 from ds_lioncub.planner.auto import (
     AUTO_NODE_SIZE_LABEL,
     AutoResolution,
@@ -70,15 +81,6 @@ from ds_lioncub.planner.auto import (
 )
 from ds_lioncub.replica_check import check_replicas
 from ds_lioncub.telemetry import StepRecord, StepTelemetry, TelemetryTotals, pack_local_signs
-
-
-class Entry(NamedTuple):
-    """A parameter taking part in a step, with its gradient and momentum."""
-
-    group: dict[str, Any]
-    param: torch.Tensor
-    grad: torch.Tensor
-    exp_avg: torch.Tensor
 
 
 class LionCub(torch.optim.Optimizer):
@@ -361,22 +363,7 @@ class LionCub(torch.optim.Optimizer):
 
     def _names_by_position(self) -> list[str] | None:
         """Every parameter's name (from named params or the module), by flat position; None if one has none."""
-        from_module = {}
-        if self.module is not None:
-            from_module = {id(p): name for name, p in self.module.named_parameters()}
-        names: list[str] | None = []
-        for group in self.param_groups:
-            given = group.get("param_names")
-            for position, param in enumerate(group["params"]):
-                name = given[position] if given else from_module.get(id(param))
-                if name is None:
-                    names = None
-                    break
-                assert names is not None
-                names.append(name)
-            if names is None:
-                break
-        return names
+        return names_by_position(self.param_groups, self.module)
 
     @contextmanager
     def initialising_states(self) -> Iterator[None]:
@@ -448,9 +435,9 @@ class LionCub(torch.optim.Optimizer):
                 for piece in plan[k]:
                     entry = entries[piece.tensor_index]
                     if entry.param.numel() > self.options.bucket_size and piece.tensor_index not in whole_mean_abs:
-                        whole_mean_abs[piece.tensor_index] = _mean_abs_direction(entry, self.options.bucket_size)
+                        whole_mean_abs[piece.tensor_index] = mean_abs_direction(entry, self.options.bucket_size)
             values = torch.empty(sum(piece.length for piece in plan[k]), dtype=torch.float32, device=params[0].device)
-            return self._bucket_directions(entries, plan[k], values, whole_mean_abs, vote)
+            return bucket_directions(entries, plan[k], values, whole_mean_abs, vote)
 
         filled = [hooked for _, _, hooked in taking_part]
         self._armed = ArmedBackward(plan, filled, params, vote, positive_ties, bucket_now)
@@ -637,19 +624,13 @@ class LionCub(torch.optim.Optimizer):
         """Exact Lion on each bucket's gradients, averaged over the ranks by ``mean`` unless it is None."""
         clock = _AggregationClock(self.transport)
         for k, bucket in enumerate(plan_buckets([entry.param.numel() for entry in entries], self.options.bucket_size)):
-            grads = [_grad_piece(entries[piece.tensor_index].grad, piece) for piece in bucket]
+            grads = [grad_piece(entries[piece.tensor_index].grad, piece) for piece in bucket]
             if mean is not None:
                 sizes = [piece.length for piece in bucket]
-                averaged = clock.run(k, _mean_of_bucket, mean, grads, sizes)
+                averaged = clock.run(k, mean_of_bucket, mean, grads, sizes)
                 self.telemetry.add_bucket(clock.take(k), 0)
                 grads = list(averaged.split(sizes))
-            for piece, grad in zip(bucket, grads, strict=True):
-                entry = entries[piece.tensor_index]
-                beta1, beta2 = entry.group["betas"]
-                exp_avg_slice = _piece_of(entry.exp_avg, piece)
-                direction = torch.sign(lion_direction(exp_avg_slice, grad, beta1))
-                apply_update(_piece_of(entry.param, piece), direction, entry.group["lr"], entry.group["weight_decay"])
-                update_momentum(exp_avg_slice, grad, beta2)
+            exact_lion_bucket(entries, bucket, grads)
 
     def _compressed_step(self, entries: list[Entry], aggregator: Aggregator, positive_ties: bool) -> None:
         """Every bucket through prepare, the aggregation's three stages, and apply, in the bucket schedule.
@@ -670,9 +651,9 @@ class LionCub(torch.optim.Optimizer):
         give the same bits (tests/unit/test_fused_step.py, tests/kernels/test_fused_step.py).
         """
         capacity = self.options.bucket_size
-        whole_mean_abs = _whole_tensor_mean_abs(entries, capacity) if aggregator.needs_whole_tensor_mean_abs else {}
+        whole_mean_abs = whole_tensor_mean_abs(entries, capacity) if aggregator.needs_whole_tensor_mean_abs else {}
         plan = plan_buckets([entry.param.numel() for entry in entries], capacity)
-        scratch = _BucketBuffers(plan)
+        scratch = BucketBuffers(plan)
         clock = _AggregationClock(aggregator.transport)
         local_signs: dict[int, torch.Tensor] = {}
         sign_vote = packed_sign_vote(aggregator)
@@ -687,7 +668,7 @@ class LionCub(torch.optim.Optimizer):
                 if self.telemetry.vote_stats:
                     local_signs[k] = sign_bits_of_message(message, bits, numel)
                 return clock.run(k, sign_vote.issue, message, numel, positive_ties)
-            prepared = self._prepare_bucket(entries, plan[k], scratch, whole_mean_abs, aggregator)
+            prepared = prepare_bucket(entries, plan[k], scratch, whole_mean_abs, aggregator)
             if self.telemetry.vote_stats:  # taken before the buffer is reused
                 local_signs[k] = pack_local_signs(prepared.values, positive_ties)
             return clock.run(k, aggregator.start, prepared, positive_ties)
@@ -700,7 +681,7 @@ class LionCub(torch.optim.Optimizer):
         plan: list[list[Piece]],
         aggregator: Aggregator,
         start: Callable[[int], object],
-        scratch: _BucketBuffers,
+        scratch: BucketBuffers,
         clock: _AggregationClock,
         local_signs: dict[int, torch.Tensor],
     ) -> None:
@@ -741,7 +722,7 @@ class LionCub(torch.optim.Optimizer):
                 if signs is not None:
                     self.telemetry.count_vote(aggregator, received, signs, delta)
                 del received
-                self._apply_bucket(entries, plan[done], delta)
+                apply_bucket(entries, plan[done], delta)
 
         run_three_stages(
             len(plan),
@@ -750,49 +731,6 @@ class LionCub(torch.optim.Optimizer):
             complete,
             pipelined=self._pipelined_buckets,
         )
-
-    def _prepare_bucket(
-        self,
-        entries: list[Entry],
-        bucket: list[Piece],
-        scratch: _BucketBuffers,
-        whole_mean_abs: dict[int, torch.Tensor],
-        aggregator: Aggregator,
-    ) -> Bucket:
-        """The bucket's pre-sign updates ``c`` (in ``scratch``), its momenta updated: the local work before the vote."""
-        prepared = self._bucket_directions(
-            entries, bucket, scratch.for_bucket(entries, bucket), whole_mean_abs, aggregator
-        )
-        self._update_bucket_momenta(entries, bucket)
-        return prepared
-
-    def _bucket_directions(
-        self,
-        entries: Sequence[Entry] | Mapping[int, Entry],
-        bucket: list[Piece],
-        out: torch.Tensor,
-        whole_mean_abs: dict[int, torch.Tensor],
-        aggregator: Aggregator,
-    ) -> Bucket:
-        """The bucket's pre-sign updates ``c`` into ``out``, as a :class:`Bucket`; nothing else is written."""
-        sizes = [piece.length for piece in bucket]
-        for piece, direction in zip(bucket, out.split(sizes), strict=True):
-            entry = entries[piece.tensor_index]
-            lion_direction(
-                _piece_of(entry.exp_avg, piece), _grad_piece(entry.grad, piece), entry.group["betas"][0], out=direction
-            )
-        mean_abs = (
-            [whole_mean_abs.get(piece.tensor_index) for piece in bucket]
-            if aggregator.needs_whole_tensor_mean_abs
-            else []
-        )
-        return Bucket(out, sizes, mean_abs)
-
-    def _update_bucket_momenta(self, entries: list[Entry], bucket: list[Piece]) -> None:
-        """The momentum EMA of the bucket's pieces (piece by piece: the same slices, hence bits, in every schedule)."""
-        for piece in bucket:
-            entry = entries[piece.tensor_index]
-            update_momentum(_piece_of(entry.exp_avg, piece), _grad_piece(entry.grad, piece), entry.group["betas"][1])
 
     def _overlapped_step(self, entries: list[Entry], step: int, positive_ties: bool) -> None:
         """The step of an armed backward: check its votes against the final gradients, vote again where needed.
@@ -818,13 +756,13 @@ class LionCub(torch.optim.Optimizer):
             and all(entry.param is param for entry, param in zip(entries, armed.stepped, strict=False))
         )
         capacity = self.options.bucket_size
-        whole_mean_abs = _whole_tensor_mean_abs(entries, capacity) if vote.needs_whole_tensor_mean_abs else {}
-        scratch = _BucketBuffers(armed.plan)
+        whole_mean_abs = whole_tensor_mean_abs(entries, capacity) if vote.needs_whole_tensor_mean_abs else {}
+        scratch = BucketBuffers(armed.plan)
         clock = _AggregationClock(vote.transport)
         local_signs: dict[int, torch.Tensor] = {}
         changed = []
         for k, (bucket, launched) in enumerate(zip(armed.plan, armed.launched, strict=True)):
-            values = self._bucket_directions(entries, bucket, scratch.for_bucket(entries, bucket), whole_mean_abs, vote)
+            values = bucket_directions(entries, bucket, scratch.for_bucket(entries, bucket), whole_mean_abs, vote)
             if self.telemetry.vote_stats:
                 local_signs[k] = pack_local_signs(values.values, positive_ties)
             final = clock.run(k, vote.pack, values, positive_ties)
@@ -845,7 +783,7 @@ class LionCub(torch.optim.Optimizer):
                 self.revoted_buckets += 1
                 self.telemetry.note_revoted_bucket()
         for bucket in armed.plan:
-            self._update_bucket_momenta(entries, bucket)
+            update_bucket_momenta(entries, bucket)
 
         def start(k: int) -> object:
             launched = armed.launched[k]
@@ -856,12 +794,6 @@ class LionCub(torch.optim.Optimizer):
             return clock.run(k, vote.issue, launched.message, numel, positive_ties)
 
         self._run_bucket_schedule(entries, armed.plan, vote, start, scratch, clock, local_signs)
-
-    def _apply_bucket(self, entries: list[Entry], bucket: list[Piece], delta: torch.Tensor) -> None:
-        """The agreed update ``delta`` applied to the bucket's parameters: the local work after the vote."""
-        for piece, piece_delta in zip(bucket, delta.split([piece.length for piece in bucket]), strict=True):
-            entry = entries[piece.tensor_index]
-            apply_update(_piece_of(entry.param, piece), piece_delta, entry.group["lr"], entry.group["weight_decay"])
 
     def _sync_momentum(self) -> None:
         """Average ``exp_avg`` of the selected parameters over the ranks (every ``momentum_sync.interval`` steps)."""
@@ -874,35 +806,11 @@ class LionCub(torch.optim.Optimizer):
         ]
         mean = ExactMean(self.transport, COMM_DTYPES[self.options.momentum_sync.dtype])
         for bucket in plan_buckets([m.numel() for m in momenta], self.options.bucket_size):
-            slices = [_piece_of(momenta[piece.tensor_index], piece) for piece in bucket]
+            slices = [piece_of(momenta[piece.tensor_index], piece) for piece in bucket]
             sizes = [piece.length for piece in bucket]
             averaged = mean.finish(mean.start(Bucket(torch.cat(slices), sizes, [])))
             for target, value in zip(slices, averaged.split(sizes), strict=True):
                 target.copy_(value)
-
-
-def prepare_sign_message(
-    entries: list[Entry], bucket: list[Piece], positive_ties: bool, bits: int, nbytes: int
-) -> torch.Tensor:
-    """A bucket's local work before a sign vote: its packed sign message (``bits``-wide fields, ``nbytes``
-    bytes) of Lion's direction ``c``, with the bucket's momenta updated (``lion_direction``, then
-    ``update_momentum``, then ``pack_signs``, fused where the packing path has the kernels)."""
-    pieces = []
-    for piece in bucket:
-        entry = entries[piece.tensor_index]
-        beta1, beta2 = entry.group["betas"]
-        pieces.append(MomentumPiece(_piece_of(entry.exp_avg, piece), _grad_piece(entry.grad, piece), beta1, beta2))
-    return lion_direction_pack_signs(pieces, positive_ties, bits=bits, nbytes=nbytes)
-
-
-def apply_voted_signs(entries: list[Entry], bucket: list[Piece], voted: torch.Tensor) -> None:
-    """A bucket's local work after a sign vote: each parameter piece updated by its voted signs (packed,
-    one bit per element), as ``apply_update`` with the signs unpacked to ±1 (fused where compiled)."""
-    pieces = []
-    for piece in bucket:
-        entry = entries[piece.tensor_index]
-        pieces.append(ParamPiece(_piece_of(entry.param, piece), entry.group["lr"], entry.group["weight_decay"]))
-    apply_packed_signs(voted, pieces)
 
 
 def sign_bits_of_message(message: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
@@ -937,21 +845,6 @@ class _AggregationClock:
 _Result = TypeVar("_Result")
 
 
-class _BucketBuffers:
-    """One fp32 buffer per device, as large as the largest bucket of ``plan``, that a step's buckets take turns in."""
-
-    def __init__(self, plan: list[list[Piece]]) -> None:
-        self.numel = max((sum(piece.length for piece in bucket) for bucket in plan), default=0)
-        self._by_device: dict[torch.device, torch.Tensor] = {}
-
-    def for_bucket(self, entries: list[Entry], bucket: list[Piece]) -> torch.Tensor:
-        device = entries[bucket[0].tensor_index].param.device
-        buffer = self._by_device.get(device)
-        if buffer is None:
-            buffer = self._by_device[device] = torch.empty(self.numel, dtype=torch.float32, device=device)
-        return buffer[: sum(piece.length for piece in bucket)]
-
-
 def _takes_part(param: torch.Tensor) -> bool:
     """Whether ``param`` takes part in steps (with a gradient, or as zeros on a rank without one)."""
     return param.requires_grad and param.numel() > 0
@@ -977,41 +870,3 @@ def _gradient_ready(owner: weakref.ref[LionCub], param: torch.Tensor) -> None:
 def _remove_hooks(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()
-
-
-def _piece_of(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
-    """The flat elements of ``tensor`` that ``piece`` covers, as a view to write through.
-
-    ``view`` (not ``reshape``): a non-contiguous tensor must fail loudly, not update a silent copy.
-    """
-    return tensor.view(-1)[piece.start : piece.start + piece.length]
-
-
-def _grad_piece(grad: torch.Tensor, piece: Piece) -> torch.Tensor:
-    """The elements of a gradient that ``piece`` covers; only read, so any layout will do."""
-    return grad.reshape(-1)[piece.start : piece.start + piece.length]
-
-
-def _mean_of_bucket(mean: Aggregator, grads: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
-    """The ranks' mean of a bucket's gradient pieces, concatenated (exact Lion's aggregation)."""
-    return mean.finish(mean.start(Bucket(torch.cat(grads), sizes, []), True))
-
-
-def _whole_tensor_mean_abs(entries: list[Entry], capacity: int) -> dict[int, torch.Tensor]:
-    """The L1 quantizer's mu (mean |c| of the whole tensor) of every tensor cut across buckets, by entry
-    index: needed up front, before the first bucket holding a piece of it."""
-    return {
-        index: _mean_abs_direction(entry, capacity)
-        for index, entry in enumerate(entries)
-        if entry.param.numel() > capacity
-    }
-
-
-def _mean_abs_direction(entry: Entry, chunk: int) -> torch.Tensor:
-    """mean |c| over the whole tensor, computed ``chunk`` elements at a time (temporaries stay bucket-sized)."""
-    beta1 = entry.group["betas"][0]
-    total = torch.zeros((), dtype=torch.float32, device=entry.exp_avg.device)
-    flat_m, flat_g = entry.exp_avg.reshape(-1), entry.grad.reshape(-1)
-    for start in range(0, flat_m.numel(), chunk):
-        total += lion_direction(flat_m[start : start + chunk], flat_g[start : start + chunk], beta1).abs().sum()
-    return total / flat_m.numel()

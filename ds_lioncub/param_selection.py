@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,6 +26,23 @@ def output_head_and_embeddings(module: nn.Module) -> list[torch.Tensor]:
     if linears:
         selected.extend(linears[-1].parameters())
     return selected
+
+
+def names_by_position(param_groups: Sequence[dict[str, Any]], module: nn.Module | None) -> list[str] | None:
+    """Every parameter's name by flat position (group order, then parameter order): from the groups'
+    ``param_names`` (an optimizer built from ``named_parameters()``) or else ``module``; None if one has none."""
+    from_module = {}
+    if module is not None:
+        from_module = {id(p): name for name, p in module.named_parameters()}
+    names: list[str] = []
+    for group in param_groups:
+        given = group.get("param_names")
+        for position, param in enumerate(group["params"]):
+            name = given[position] if given else from_module.get(id(param))
+            if name is None:
+                return None
+            names.append(name)
+    return names
 
 
 def select_parameters(

@@ -1,0 +1,405 @@
+"""VirtualLionCub: N data-parallel Lion Cub workers in one process, through the library's own aggregations.
+
+In Lion Cub every replica applies the same update, so N workers need one copy of the parameters and
+N momenta. Each step, every worker computes its pre-sign update from its own gradient and momentum,
+the aggregation combines the N messages as the collectives would, and the shared parameters take
+the result. Nothing here re-implements the math: the workers' local work is
+:mod:`ds_lioncub.bucket_work` (what :class:`~ds_lioncub.LionCub` runs on each rank), each worker's
+aggregation is the one :func:`~ds_lioncub.aggregation.build_aggregation` builds for a real rank (the
+same codecs, quantizers, tie rule, world-size limits), over a :class:`VirtualTransport` whose
+network moves the bytes in memory. The bucket plan, the tie rule of each step and momentum sync are
+LionCub's. So at p = 2-4 the parameters and every worker's momentum equal real LionCub's on p gloo
+ranks bit for bit (tests/distributed), which is what makes a loss curve at 16-64 workers evidence.
+
+Memory: the parameters once, plus one momentum per worker (``(N, *shape)`` per parameter; exact Lion
+keeps one, since every worker's is the same), plus one bucket of fp32 scratch and the messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ds_lioncub.aggregation import COMM_DTYPES, Aggregator, Bucket, ExactMean, build_aggregation, packed_sign_vote
+from ds_lioncub.bucket_work import (
+    BucketBuffers,
+    Entry,
+    apply_bucket,
+    apply_voted_signs,
+    exact_lion_bucket,
+    grad_piece,
+    piece_of,
+    prepare_bucket,
+    prepare_sign_message,
+    whole_tensor_mean_abs,
+)
+from ds_lioncub.buckets import Piece, plan_buckets
+from ds_lioncub.comm.packing import unpack_signs
+from ds_lioncub.comm.quantize import tie_sign
+from ds_lioncub.comm.transport import CommStats
+from ds_lioncub.config import LionCubConfig, parse_config
+from ds_lioncub.errors import LionCubConfigError, NonFiniteGradientError, UnsupportedParameterError
+from ds_lioncub.lion import lion_direction
+from ds_lioncub.param_selection import names_by_position, select_parameters
+from ds_lioncub.simulate.transport import VirtualNetwork
+from ds_lioncub.telemetry import count_tied_votes
+
+#: Options that describe a real network or job, which a virtual world has none of: refused when given.
+NETWORK_OPTIONS = {
+    "comm_backend_name": "the virtual world moves bytes in memory, not over a transport",
+    "cuda_aware": "the virtual world moves bytes in memory, not over MPI",
+    "overlap": "there is no backward pass to overlap: step() gets every worker's gradients at once",
+    "hybrid": "a virtual worker is one data-parallel rank; ZeRO nodes need real ranks",
+    "consistency_check": "every virtual worker applies the update to the same single copy of the parameters",
+    "network": "compression='auto' plans for a real network; plan with python -m ds_lioncub.planner and pass the mode",
+}
+
+
+@dataclass(frozen=True)
+class AgreementStats:
+    """How the applied update's signs compare with exact Lion's ``sign(mean_i c_i)`` at the same step.
+
+    Fractions of the step's elements (the Lion Cub paper's Figure 5 reports the same rates):
+
+    Attributes:
+        match: the applied sign equals exact Lion's.
+        flip: the applied sign is the opposite of exact Lion's.
+        zero: the applied update or exact Lion's is 0 (a "mean" aggregation where the workers cancel).
+            ``match + flip + zero == 1``.
+        tie: the vote was tied (summed to 0) and the tie rule chose the sign.
+    """
+
+    match: float
+    flip: float
+    zero: float
+    tie: float
+
+
+class VirtualLionCub(torch.optim.Optimizer):
+    """Lion Cub over ``workers`` virtual data-parallel workers in one process.
+
+    Args:
+        params: as for :class:`~ds_lioncub.LionCub`: tensors, ``(name, tensor)`` pairs (names select
+            momentum-sync layers), or param groups with their own lr, betas, weight_decay.
+        workers: N, the virtual data-parallel world size.
+        lr, betas, weight_decay: Lion's hyper-parameters (a learning-rate scheduler changes the groups').
+        module: the model, for ``momentum_sync.layers="auto"`` and names.
+        agreement_stats: record :attr:`last_agreement` each compressed step (one more pass over every
+            worker's ``c`` and one over the result).
+        **options: LionCub's options (compression, bits, quantizer, aggregation, kbit_algorithm,
+            tie_break, l1_clip, comm_dtype, bucket_size, check_finite, momentum_sync), validated as
+            LionCub validates them (a k-bit all-reduce too narrow for N workers raises LionCub's error).
+            Options that need a real network or job (:data:`NETWORK_OPTIONS`, ``compression="auto"``,
+            ``telemetry``) are refused.
+
+    ``step(worker_grads)`` takes ``worker_grads[i][j]``, worker i's gradient of parameter j in the
+    order of ``params`` (``None``: zeros, as on a real rank whose parameter got no gradient).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        workers: int,
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        module: nn.Module | None = None,
+        agreement_stats: bool = False,
+        **options: Any,
+    ) -> None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise LionCubConfigError(f"LionCub: workers must be a positive integer, got {workers!r}.")
+        refused = sorted(set(options) & set(NETWORK_OPTIONS))
+        if refused:
+            reasons = "; ".join(f"{name}: {NETWORK_OPTIONS[name]}" for name in refused)
+            raise LionCubConfigError(
+                f"LionCub: VirtualLionCub does not take {refused} ({reasons}). Drop them; they do not change the math."
+            )
+        if options.get("compression") == "auto":
+            raise LionCubConfigError(
+                "LionCub: VirtualLionCub takes a concrete mode, not compression='auto' (it plans for a real "
+                "network); run python -m ds_lioncub.planner for your cluster and pass the mode it recommends."
+            )
+        if "telemetry" in options:
+            raise LionCubConfigError(
+                "LionCub: VirtualLionCub does not take telemetry; pass agreement_stats=True for the vote's "
+                "agreement with exact Lion, and read worker_comm_stats(i) for bytes."
+            )
+        self.options: LionCubConfig = parse_config({"lr": lr, "betas": betas, "weight_decay": weight_decay, **options})
+        self.workers = workers
+        self.module = module
+        self.agreement_stats = agreement_stats
+        #: What the last compressed step's update agreed with exact Lion (``agreement_stats=True``), else None.
+        self.last_agreement: AgreementStats | None = None
+        defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay, "step": 0}
+        super().__init__(params, defaults)
+        for position, param in enumerate(self._flat_params()):
+            _require_steppable(param, position)
+        self.network = VirtualNetwork(workers)
+        # One aggregation per worker, each over its own rank of the network, built as LionCub builds it.
+        self._aggregators: list[Aggregator] | None = None
+        built = [build_aggregation(self.options, transport, False) for transport in self.network.transports]
+        if all(aggregator is not None for aggregator in built):
+            self._aggregators = [aggregator for aggregator in built if aggregator is not None]
+        sync = self.options.momentum_sync
+        self._momentum_synced: set[int] = set()
+        if sync.interval:
+            names = names_by_position(self.param_groups, module)
+            selected = select_parameters(self._flat_params(), names, sync.layers, module)
+            self._momentum_synced = {position for position, chosen in enumerate(selected) if chosen}
+
+    # ------------------------------------------------------------------ inspection
+
+    @property
+    def exact(self) -> bool:
+        """Whether this is exact Lion (every worker's momentum the same, kept once)."""
+        return self._aggregators is None or self._aggregators[0].reduces_gradients
+
+    def worker_momentum(self, worker: int) -> list[torch.Tensor]:
+        """Worker ``worker``'s ``exp_avg`` tensors in the order of ``params`` (views; zeros before the first step)."""
+        if not 0 <= worker < self.workers:
+            raise IndexError(f"worker {worker} is not in a world of {self.workers}")
+        index = 0 if self.exact else worker
+        return [self._momenta(param)[index] for param in self._flat_params()]
+
+    def worker_comm_stats(self, worker: int) -> CommStats:
+        """The collectives and bytes worker ``worker`` would have sent so far, counted as LionCub counts them."""
+        return self.network.transports[worker].stats + CommStats()
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def step(self, worker_grads: Sequence[Sequence[torch.Tensor | None]]) -> None:  # type: ignore[override]
+        """One step of every worker: ``worker_grads[i][j]`` is worker i's gradient of parameter j."""
+        params = self._flat_params()
+        grads = self._checked_gradients(worker_grads, params)
+        groups = [group for group in self.param_groups for _ in group["params"]]
+        taking_part = [j for j, param in enumerate(params) if param.requires_grad and param.numel() > 0]
+        if self.workers == 1:  # alone, LionCub skips a parameter without a gradient
+            taking_part = [j for j in taking_part if grads[0][j] is not None]
+        if not taking_part:
+            return
+        step = self.param_groups[0]["step"] + 1
+        momenta = [self._momenta(params[j]) for j in taking_part]
+        entries = [
+            [
+                Entry(groups[j], params[j], _or_zeros(grads[i][j], params[j]), momenta[n][0 if self.exact else i])
+                for n, j in enumerate(taking_part)
+            ]
+            for i in range(self.workers)
+        ]
+        plan = plan_buckets([params[j].numel() for j in taking_part], self.options.bucket_size)
+        if self.exact:
+            self._exact_step(entries, plan)
+        else:
+            if self.options.check_finite:
+                self._require_finite_gradients(entries, step)
+            self._compressed_step(entries, plan, tie_sign(step, self.options.tie_break) > 0)
+        for group in self.param_groups:
+            group["step"] = step
+        interval = self.options.momentum_sync.interval
+        if interval and step % interval == 0 and not self.exact:
+            self._sync_momentum(taking_part, momenta)
+        assert self.network.idle, "virtual world: a collective was left incomplete"
+
+    def _exact_step(self, entries: list[list[Entry]], plan: list[list[Piece]]) -> None:
+        """Exact Lion: each bucket's gradients averaged over the workers (rank-order fp32/bf16 sum), one update."""
+        for bucket in plan:
+            sizes = [piece.length for piece in bucket]
+            if self._aggregators is None:  # a world of one: the gradient as it is
+                grads = [grad_piece(entries[0][piece.tensor_index].grad, piece) for piece in bucket]
+            else:
+                pending = [
+                    aggregator.start(
+                        Bucket(torch.cat([grad_piece(e[p.tensor_index].grad, p) for p in bucket]), sizes, []), True
+                    )
+                    for aggregator, e in zip(self._aggregators, entries, strict=True)
+                ]
+                grads = list(self._aggregators[0].finish(pending[0]).split(sizes))
+            exact_lion_bucket(entries[0], bucket, grads)
+
+    def _compressed_step(self, entries: list[list[Entry]], plan: list[list[Piece]], positive_ties: bool) -> None:
+        """Every bucket through each worker's local work and aggregation stages, stage by stage across workers.
+
+        The same work per worker as LionCub's serial bucket schedule (the schedule never changes a bit);
+        the update is applied once, to the shared parameters, from worker 0's copy of the result.
+        """
+        aggregators = self._aggregators
+        assert aggregators is not None
+        capacity = self.options.bucket_size
+        needs_mean_abs = aggregators[0].needs_whole_tensor_mean_abs
+        whole_mean_abs = [whole_tensor_mean_abs(mine, capacity) if needs_mean_abs else {} for mine in entries]
+        scratch = BucketBuffers(plan)
+        sign_votes = [packed_sign_vote(aggregator) for aggregator in aggregators]
+        tally = _AgreementTally() if self.agreement_stats else None
+        for bucket in plan:
+            numel = sum(piece.length for piece in bucket)
+            exact_c = _summed_directions(entries, bucket) if tally is not None else None
+            pending: list[object] = []
+            for i, aggregator in enumerate(aggregators):
+                vote = sign_votes[i]
+                if vote is not None:
+                    bits, nbytes = vote.sign_message_layout(numel)
+                    message = prepare_sign_message(entries[i], bucket, positive_ties, bits, nbytes)
+                    pending.append(vote.issue(message, numel, positive_ties))
+                else:
+                    prepared = prepare_bucket(entries[i], bucket, scratch, whole_mean_abs[i], aggregator)
+                    pending.append(aggregator.start(prepared, positive_ties))
+            results = [aggregator.reduce(mine) for aggregator, mine in zip(aggregators, pending, strict=True)]
+            vote = sign_votes[0]
+            if vote is not None:
+                voted = vote.complete_packed(results[0])
+                if tally is not None and exact_c is not None:
+                    tally.add(exact_c, unpack_signs(voted, numel), aggregators, pending)
+                apply_voted_signs(entries[0], bucket, voted)
+            else:
+                delta = aggregators[0].complete(results[0], scratch.for_bucket(entries[0], bucket))
+                if tally is not None and exact_c is not None:
+                    tally.add(exact_c, delta, aggregators, pending)
+                apply_bucket(entries[0], bucket, delta)
+        if tally is not None:
+            self.last_agreement = tally.stats()
+
+    def _sync_momentum(self, taking_part: list[int], momenta: list[torch.Tensor]) -> None:
+        """Average the selected parameters' momenta over the workers, as LionCub's momentum sync does."""
+        selected = [momenta[n] for n, j in enumerate(taking_part) if j in self._momentum_synced]
+        if not selected or self.workers == 1:
+            return
+        assert self._aggregators is not None
+        dtype = COMM_DTYPES[self.options.momentum_sync.dtype]
+        means = [ExactMean(aggregator.transport, dtype) for aggregator in self._aggregators]
+        for bucket in plan_buckets([m[0].numel() for m in selected], self.options.bucket_size):
+            sizes = [piece.length for piece in bucket]
+            slices = [[piece_of(selected[p.tensor_index][i], p) for p in bucket] for i in range(self.workers)]
+            pending = [mean.start(Bucket(torch.cat(mine), sizes, [])) for mean, mine in zip(means, slices, strict=True)]
+            for mean, started, mine in zip(means, pending, slices, strict=True):
+                for target, value in zip(mine, mean.finish(started).split(sizes), strict=True):
+                    target.copy_(value)
+
+    def _require_finite_gradients(self, entries: list[list[Entry]], step: int) -> None:
+        """Raise before any state changes if a worker has a NaN or inf gradient (a vote would hide it).
+
+        The verdict goes through each worker's 4-byte all-reduce, as on real ranks, so the bytes counted match.
+        """
+        bad = [any(not bool(torch.isfinite(entry.grad).all()) for entry in mine) for mine in entries]
+        flags = [torch.tensor([int(flag)], dtype=torch.int32) for flag in bad]
+        for transport, flag in zip(self.network.transports, flags, strict=True):
+            transport.all_reduce_sum(flag)
+        count = int(flags[0].item())
+        if count:
+            workers = [i for i, flag in enumerate(bad) if flag]
+            raise NonFiniteGradientError(
+                f"LionCub: non-finite (NaN/inf) gradients on {count} of {self.workers} virtual workers at step "
+                f"{step} (workers {workers[:5]}); the step was not applied. Lower the learning rate or clip "
+                f"gradients; check_finite=False turns this check off."
+            )
+
+    # ------------------------------------------------------------------ helpers
+
+    def _flat_params(self) -> list[torch.Tensor]:
+        return [param for group in self.param_groups for param in group["params"]]
+
+    def _momenta(self, param: torch.Tensor) -> torch.Tensor:
+        """``(N, *shape)`` momenta of ``param`` (``(1, *shape)`` for exact Lion), created as zeros."""
+        state = self.state[param]
+        if "worker_exp_avg" not in state:
+            copies = 1 if self.exact else self.workers
+            state["worker_exp_avg"] = torch.zeros((copies, *param.shape), dtype=param.dtype, device=param.device)
+        momenta: torch.Tensor = state["worker_exp_avg"]
+        return momenta
+
+    def _checked_gradients(
+        self, worker_grads: Sequence[Sequence[torch.Tensor | None]], params: list[torch.Tensor]
+    ) -> list[Sequence[torch.Tensor | None]]:
+        if len(worker_grads) != self.workers:
+            raise LionCubConfigError(
+                f"LionCub: step() got gradients of {len(worker_grads)} workers for a world of {self.workers}; "
+                f"pass worker_grads[i][j] for every worker i."
+            )
+        for i, grads in enumerate(worker_grads):
+            if len(grads) != len(params):
+                raise LionCubConfigError(
+                    f"LionCub: worker {i} has {len(grads)} gradients for {len(params)} parameters; pass one per "
+                    f"parameter, in the order of params (None for none)."
+                )
+            for j, (grad, param) in enumerate(zip(grads, params, strict=True)):
+                if grad is not None and grad.shape != param.shape:
+                    raise LionCubConfigError(
+                        f"LionCub: worker {i}'s gradient of parameter #{j} has shape {tuple(grad.shape)}, the "
+                        f"parameter {tuple(param.shape)}; pass gradients in the order of params."
+                    )
+        return list(worker_grads)
+
+
+class _AgreementTally:
+    """Counts of :class:`AgreementStats` over a step's buckets."""
+
+    def __init__(self) -> None:
+        self.elements = 0
+        self.match = 0
+        self.flip = 0
+        self.tie = 0
+
+    def add(
+        self, exact_c: torch.Tensor, applied: torch.Tensor, aggregators: list[Aggregator], pending: list[object]
+    ) -> None:
+        """One bucket: ``exact_c`` (the summed pre-sign updates), ``applied`` (the update), each worker's vote."""
+        exact_sign, applied_sign = torch.sign(exact_c), torch.sign(applied)
+        nonzero = exact_sign != 0
+        self.elements += exact_c.numel()
+        self.match += int(((applied_sign == exact_sign) & nonzero).sum())
+        self.flip += int(((applied_sign == -exact_sign) & nonzero).sum())
+        owner_share = False
+        counts = []
+        for aggregator, mine in zip(aggregators, pending, strict=True):
+            count, owner_share = count_tied_votes(aggregator, mine)  # type: ignore[arg-type]
+            counts.append(int(count))
+        # The chunk owners' counts add up to the bucket's; an all-reduce leaves every rank the whole count.
+        self.tie += sum(counts) if owner_share else counts[0]
+
+    def stats(self) -> AgreementStats:
+        total = max(self.elements, 1)
+        return AgreementStats(
+            match=self.match / total,
+            flip=self.flip / total,
+            zero=(self.elements - self.match - self.flip) / total,
+            tie=self.tie / total,
+        )
+
+
+def _summed_directions(entries: list[list[Entry]], bucket: list[Piece]) -> torch.Tensor:
+    """The workers' pre-sign updates of the bucket summed in worker order: sign(sum) is exact Lion's direction."""
+    first = entries[0][bucket[0].tensor_index].param
+    total = torch.zeros(sum(piece.length for piece in bucket), dtype=torch.float32, device=first.device)
+    for mine in entries:
+        for piece, out in zip(bucket, total.split([piece.length for piece in bucket]), strict=True):
+            entry = mine[piece.tensor_index]
+            out.add_(
+                lion_direction(piece_of(entry.exp_avg, piece), grad_piece(entry.grad, piece), entry.group["betas"][0])
+            )
+    return total
+
+
+def _or_zeros(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(param) if grad is None else grad
+
+
+def _require_steppable(param: torch.Tensor, position: int) -> None:
+    label = f"parameter #{position} of shape {tuple(param.shape)}"
+    if not param.is_floating_point() or param.is_sparse:
+        raise UnsupportedParameterError(
+            f"LionCub: {label} is {param.dtype}{' sparse' if param.is_sparse else ''}; only dense floating-point "
+            f"parameters can be optimized. Leave it out of the optimizer."
+        )
+    if not param.is_contiguous():
+        raise LionCubConfigError(
+            f"LionCub: {label} is not contiguous; make it contiguous before building the optimizer."
+        )
+
+
+__all__ = ["NETWORK_OPTIONS", "AgreementStats", "VirtualLionCub"]
