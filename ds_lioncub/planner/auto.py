@@ -8,7 +8,10 @@ then compares the resolved options across ranks. It is called where the world is
 before it builds LionCub from a ds_config (the engine's ZeRO stage, bucket size and gradient
 communication dtype).
 
-The result is the fastest candidate of :func:`~ds_lioncub.planner.plan` at that ZeRO stage. The
+The result is the fastest candidate of :func:`~ds_lioncub.planner.plan` at that ZeRO stage that the
+convergence study (:mod:`ds_lioncub.planner.convergence`) does not show losing more than 2% of exact
+Lion's loss at the voters' count and ``betas[1]``; passing over a faster mode is said in the sentence
+and logged as a warning. The
 options the user gave are kept, except that ``network`` is dropped (it served its purpose), and
 when exact Lion wins ``momentum_sync`` and ``hybrid`` too (they apply to compressed modes only), and
 ``telemetry.vote_stats`` is turned off (exact Lion takes no vote to measure; the sentence says so);
@@ -25,6 +28,7 @@ from typing import Any
 from ds_lioncub._logging import get_logger
 from ds_lioncub.comm.topology import NODE_SIZE_VARIABLES, plan_hybrid, resolve_node_size
 from ds_lioncub.config import LionCubConfig, parse_config
+from ds_lioncub.planner.convergence import choose
 from ds_lioncub.planner.local_costs import LocalCosts
 from ds_lioncub.planner.model import (
     GLOO_LINK_EFFICIENCY,
@@ -49,7 +53,8 @@ class AutoResolution:
     Attributes:
         options: the concrete options (compression "none", "1bit" or "kbit").
         sentence: what was chosen and why, for the log.
-        fell_back: True when exact Lion was chosen because compression does not pay (log it as a warning).
+        fell_back: True when the choice is a fallback, logged as a warning: exact Lion because compression
+            does not pay, or a slower mode because the convergence study shows a faster one losing Lion's loss.
         candidates: the planner's candidates, fastest first (empty when there was nothing to plan).
     """
 
@@ -141,7 +146,10 @@ def resolve_auto(
         exact_bucket_size=options.bucket_size if exact_bucket_size is None else exact_bucket_size,
         hybrid_with_one_rank_per_node=zero_stage != 0,
     )
-    best = candidates[0]
+    # The fastest mode that the convergence study does not show losing Lion's loss at these voters and beta2.
+    choice = choose(candidates, Cluster(layout.nodes, layout.node_size), options.betas[1])
+    best = choice.best
+    skipped = f" {choice.skipped_sentence()}" if choice.skipped else ""
     exact = next(c for c in candidates if c.compression == "none")
     compressed = next(c for c in candidates if c.compression != "none")
     if best.compression == "none":
@@ -149,14 +157,15 @@ def resolve_auto(
             f"LionCub auto: compression does not pay for {where}: the best compressed mode ({compressed.label}) is "
             f"predicted at {format_seconds(compressed.seconds_per_step)}/step, exact Lion at "
             f"{format_seconds(exact.seconds_per_step)}; using exact Lion (compression 'none', {exact.label})."
+            + skipped
             + _vote_stats_note(options)
         )
         return AutoResolution(_concrete(options, best.params, zero_stage), sentence, True, tuple(candidates))
     sentence = (
         f"LionCub auto: {best.label}, predicted {format_seconds(best.seconds_per_step)}/step vs "
-        f"{format_seconds(exact.seconds_per_step)} for exact Lion, for {where}."
+        f"{format_seconds(exact.seconds_per_step)} for exact Lion, for {where}.{skipped}"
     )
-    return AutoResolution(_concrete(options, best.params, zero_stage), sentence, False, tuple(candidates))
+    return AutoResolution(_concrete(options, best.params, zero_stage), sentence, bool(skipped), tuple(candidates))
 
 
 def auto_node_size(options: LionCubConfig, environ: Mapping[str, str]) -> int:

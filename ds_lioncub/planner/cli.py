@@ -4,12 +4,16 @@
 
     python -m ds_lioncub.planner --params N --nodes M --gpus-per-node G --inter-node-bandwidth RATE
            [--intra-node-bandwidth RATE] [--latency T] [--json] [--local-costs FILE]
-           [--ring-efficiency E] [--all-to-all-efficiency E] [--ranks-per-core R]
+           [--ring-efficiency E] [--all-to-all-efficiency E] [--ranks-per-core R] [--beta2 B]
     python -m ds_lioncub.planner --calibrate [--save FILE]
 
-The default output is a table of every feasible candidate, fastest predicted step first, and the
-ds_config blocks of the best one. ``--json`` prints ``{"recommended": {"params", "zero_stage"},
-"candidates": [{"params", "zero_stage", "seconds_per_step", "bytes_per_step_per_rank"}, ...]}``.
+The default output is a table of every feasible candidate, fastest predicted step first, with what
+the convergence study says of each at its worker count and ``--beta2``
+(:mod:`ds_lioncub.planner.convergence`), and the ds_config blocks of the recommended one: the fastest
+that the study does not show losing more than 2% of Lion's loss (a faster one that does is named,
+with its gap). ``--json`` prints ``{"recommended": {"params", "zero_stage"}, "candidates": [{"params",
+"zero_stage", "seconds_per_step", "bytes_per_step_per_rank"}, ...]}``, plus ``"passed_over": [{"params",
+"zero_stage", "gap_percent", "spread_percent", "why"}, ...]`` when faster candidates were passed over.
 Bad arguments exit with status 2 and argparse's message. The link efficiencies (the fraction of
 the link rate each kind of collective reaches, :class:`~ds_lioncub.planner.model.LinkEfficiency`)
 default to gloo's on the emulated network; NCCL comes near 1 on both.
@@ -24,6 +28,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ds_lioncub.errors import LionCubConfigError
+from ds_lioncub.planner.convergence import (
+    LOSS_THRESHOLD_PERCENT,
+    Choice,
+    StudyCell,
+    choose,
+    load_evidence,
+    read_evidence,
+)
 from ds_lioncub.planner.local_costs import DEFAULT_LOCAL_COSTS, LocalCosts
 from ds_lioncub.planner.model import (
     DEFAULT_LATENCY,
@@ -68,6 +80,16 @@ def _fraction(text: str) -> float:
         raise LionCubConfigError(f"LionCub: {text!r} is not a number (write a fraction such as 0.9)") from None
     if not 0 < value <= 1:
         raise LionCubConfigError(f"LionCub: {text!r} must be a fraction of the link rate in (0, 1]")
+    return value
+
+
+def _beta(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise LionCubConfigError(f"LionCub: {text!r} is not a number (write beta2 as e.g. 0.99)") from None
+    if not 0 <= value < 1:
+        raise LionCubConfigError(f"LionCub: beta2 {text!r} must be in [0, 1), e.g. 0.95 or 0.99")
     return value
 
 
@@ -135,6 +157,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU ranks sharing each core of a machine (e.g. 2 for 4 ranks on 2 cores): the local cost table, "
         "one rank's alone on a core, is multiplied by R when above 1 (default 1)",
     )
+    parser.add_argument(
+        "--beta2",
+        type=_argument(_beta),
+        default=0.99,
+        metavar="B",
+        help="Lion's beta2, for the convergence study's verdict on each mode (default 0.99, LionCub's)",
+    )
+    parser.add_argument(
+        "--convergence-evidence",
+        metavar="FILE",
+        help="a convergence study summary (python -m benchmarks.study_convergence --report writes one; default: "
+        "the study shipped with ds_lioncub, the example GPT at 4-64 workers)",
+    )
     parser.add_argument("--json", action="store_true", help="print the recommendation and candidates as JSON")
     parser.add_argument(
         "--local-costs", metavar="FILE", help="a local cost table saved by --calibrate --save (default: the built-in)"
@@ -162,9 +197,9 @@ def ds_config_blocks(candidate: Candidate) -> dict[str, Any]:
     return blocks
 
 
-def as_json(candidates: Sequence[Candidate]) -> dict[str, Any]:
-    best = candidates[0]
-    return {
+def as_json(candidates: Sequence[Candidate], choice: Choice) -> dict[str, Any]:
+    best = choice.best
+    output: dict[str, Any] = {
         "recommended": {"params": best.params, "zero_stage": best.zero_stage},
         "candidates": [
             {
@@ -176,22 +211,36 @@ def as_json(candidates: Sequence[Candidate]) -> dict[str, Any]:
             for c in candidates
         ],
     }
+    if choice.skipped:  # only then: the schema is unchanged wherever the study passes nothing over
+        output["passed_over"] = [
+            {
+                "params": c.params,
+                "zero_stage": c.zero_stage,
+                "gap_percent": verdict.cell.gap_percent if verdict.cell else None,
+                "spread_percent": verdict.cell.spread_percent if verdict.cell else None,
+                "why": verdict.note,
+            }
+            for c, verdict in choice.skipped
+        ]
+    return output
 
 
-def as_table(candidates: Sequence[Candidate], num_params: int, cluster: Cluster, network: Network) -> str:
-    best = candidates[0]
+def as_table(
+    candidates: Sequence[Candidate], num_params: int, cluster: Cluster, network: Network, choice: Choice
+) -> str:
+    best = choice.best
     lines = [
         f"{num_params:,} parameters on {cluster.nodes} x {cluster.gpus_per_node} ranks, {describe_network(network)}",
         "",
         f"{'mode':<44} {'ZeRO':>4} {'step':>9} {'comm':>9} {'local':>9} {'bytes/step/rank':>16} "
-        f"{'out of a node':>15} {'vs best':>8}",
+        f"{'out of a node':>15} {'vs best':>8}  {'loss vs Lion':>13}",
     ]
-    for c in candidates:
+    for c, verdict in zip(candidates, choice.verdicts, strict=True):
         lines.append(
             f"{c.label:<44} {c.zero_stage:>4} {format_seconds(c.seconds_per_step):>9} "
             f"{format_seconds(c.comm_seconds):>9} {format_seconds(c.local_seconds):>9} "
             f"{c.bytes_per_step_per_rank:>16,} {c.node_link_bytes_per_step:>15,} "
-            f"{c.seconds_per_step / best.seconds_per_step:>7.2f}x"
+            f"{c.seconds_per_step / best.seconds_per_step:>7.2f}x  {_loss_column(c, verdict.cell):>13}"
         )
     exact = [c for c in candidates if c.compression == "none"]
     lines += ["", f"Recommended: {best.label}, predicted {format_seconds(best.seconds_per_step)} per step"]
@@ -201,16 +250,29 @@ def as_table(candidates: Sequence[Candidate], num_params: int, cluster: Cluster,
             f"({exact[0].seconds_per_step / best.seconds_per_step:.1f}x slower)."
         )
     else:
-        lines[-1] += ": compression does not pay here."
+        lines[-1] += ": compression does not pay here." if not choice.skipped else "."
+    if choice.skipped:
+        lines.append(choice.skipped_sentence())
     lines += [
         "(Communication and optimizer only: the forward and backward passes are the same in every mode.",
         " step: comm and local, a compressed mode's votes overlapped with its local work over its buckets.",
-        " bytes/step/rank: all a rank sends; out of a node: what crosses one node's link to the network.)",
+        " bytes/step/rank: all a rank sends; out of a node: what crosses one node's link to the network.",
+        " loss vs Lion: the convergence study's validation-loss gap to exact Lion at the mode's worker",
+        f" count and beta2, mean ± seed spread in %; '!': beyond {LOSS_THRESHOLD_PERCENT:g}% and the spread; '-': not"
+        " studied.)",
         "",
         "ds_config:",
         json.dumps(ds_config_blocks(best), indent=2),
     ]
     return "\n".join(lines)
+
+
+def _loss_column(candidate: Candidate, cell: StudyCell | None) -> str:
+    """The study's gap in a table cell: ``+1.2±0.8%``, ``+3.4±1.0%!`` when it loses, ``-`` when not studied."""
+    if cell is None:
+        return "exact" if candidate.compression == "none" else "-"
+    spread = "?" if cell.spread_percent is None else f"{cell.spread_percent:.1f}"
+    return f"{cell.gap_percent:+.1f}±{spread}%" + ("!" if cell.loses else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -247,10 +309,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     efficiency = LinkEfficiency(args.ring_efficiency, args.all_to_all_efficiency)
     network = Network(args.inter_node_bandwidth, args.intra_node_bandwidth, args.latency, efficiency)
     candidates = plan(args.params, cluster, network, costs, ranks_per_core=args.ranks_per_core)
+    try:
+        evidence = load_evidence() if args.convergence_evidence is None else read_evidence(args.convergence_evidence)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        parser.error(f"--convergence-evidence: {error}")
+    choice = choose(candidates, cluster, args.beta2, evidence)
     if args.json:
-        print(json.dumps(as_json(candidates), indent=2))
+        print(json.dumps(as_json(candidates, choice), indent=2))
     else:
-        print(as_table(candidates, args.params, cluster, network))
+        print(as_table(candidates, args.params, cluster, network, choice))
     return 0
 
 

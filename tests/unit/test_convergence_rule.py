@@ -1,0 +1,115 @@
+"""The planner's and "auto"'s convergence rule: a mode the study shows losing > 2% of Lion's loss is never
+recommended silently.
+
+The cells here are made up for the test (the shipped study is benchmarks/RESULTS.md's); each check
+states what the rule must do with them, independently of how the planner prices the modes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ds_lioncub.config import parse_config
+from ds_lioncub.planner import auto as auto_module
+from ds_lioncub.planner.auto import resolve_auto
+from ds_lioncub.planner.convergence import StudyCell, assess, choose, study_mode, voters
+from ds_lioncub.planner.model import Cluster, Network, plan
+
+REPO = Path(__file__).resolve().parents[2]
+GBIT = 1e9 / 8  # bytes per second
+
+
+def cell(mode: str, workers: int, gap: float, spread: float | None, beta2: float = 0.99) -> StudyCell:
+    return StudyCell(mode=mode, workers=workers, beta2=beta2, gap_percent=gap, spread_percent=spread, seeds=3)
+
+
+def test_modes_map_to_the_study_keys_they_compute() -> None:
+    assert study_mode({"compression": "none"}) is None
+    assert study_mode({"compression": "1bit"}) == "1bit"
+    # A k-bit vote of sign fields sums the same signs with the same tie rule: the 1-bit vote's evidence.
+    for bits in (2, 4, 8):
+        for algorithm in ("allreduce", "alltoall"):
+            assert study_mode({"compression": "kbit", "bits": bits, "kbit_algorithm": algorithm}) == "1bit"
+    assert study_mode({"compression": "kbit", "bits": 8, "quantizer": "l1"}) == "8bit-l1-allreduce"
+    assert study_mode({"compression": "kbit", "bits": 2, "quantizer": "l1", "kbit_algorithm": "alltoall"}) == (
+        "2bit-l1-alltoall"
+    )
+    assert study_mode({"compression": "kbit", "bits": 4, "aggregation": "mean"}) == "unmeasured"
+    assert study_mode({"compression": "1bit", "momentum_sync": {"interval": 10, "layers": "auto"}}) == "1bit+sync"
+    assert study_mode({"compression": "1bit", "momentum_sync": {"interval": 50, "layers": "auto"}}) == "1bit"
+
+
+def test_a_worker_count_takes_the_next_studied_count_and_beta2_the_nearest() -> None:
+    cells = (
+        cell("1bit", 8, 0.5, 1.0),
+        cell("1bit", 32, 4.0, 1.0),
+        cell("1bit", 8, 9.0, 1.0, beta2=0.95),
+    )
+    assert assess({"compression": "1bit"}, 8, 0.99, cells).cell == cells[0]
+    assert assess({"compression": "1bit"}, 9, 0.99, cells).cell == cells[1]  # between 8 and 32: 32's
+    assert assess({"compression": "1bit"}, 2, 0.99, cells).cell == cells[0]
+    beyond = assess({"compression": "1bit"}, 100, 0.98, cells)
+    assert beyond.cell == cells[1] and "the study's largest (you have 100)" in beyond.note
+    assert assess({"compression": "1bit"}, 8, 0.96, cells).cell == cells[2]
+    assert assess({"compression": "kbit", "aggregation": "mean"}, 8, 0.99, cells).cell is None
+    assert not assess({"compression": "none"}, 8, 0.99, cells).loses
+
+
+@pytest.mark.parametrize(
+    ("gap", "spread", "loses"),
+    [(3.0, 1.0, True), (3.0, 3.5, False), (1.9, 0.1, False), (2.0, 0.1, False), (5.0, None, False)],
+)
+def test_a_mode_loses_only_beyond_the_threshold_and_its_seed_spread(
+    gap: float, spread: float | None, loses: bool
+) -> None:
+    assert cell("1bit", 8, gap, spread).loses is loses
+
+
+def test_the_planner_passes_over_a_faster_mode_that_loses_and_says_so() -> None:
+    cluster = Cluster(4, 8)
+    candidates = plan(1_500_000_000, cluster, Network(GBIT, None, 50e-6))
+    fastest = candidates[0]
+    assert fastest.compression != "none"
+    key = study_mode(fastest.params)
+    assert key is not None
+    losing = (cell(key, voters(fastest, cluster), 6.0, 1.0),)
+    choice = choose(candidates, cluster, 0.99, losing)
+    assert choice.best is not fastest and study_mode(choice.best.params) != key
+    assert choice.skipped[0][0] is fastest
+    assert "+6.0% ± 1.0" in choice.skipped_sentence()
+    # Within the seed spread: nothing is passed over.
+    assert choose(candidates, cluster, 0.99, (cell(key, voters(fastest, cluster), 6.0, 7.0),)).best is fastest
+
+
+def test_the_cli_names_what_it_passed_over_in_the_table_and_the_json(tmp_path: Path) -> None:
+    # 4 nodes x 8 ranks at 1 Gbit/s: the 1-bit vote under the ZeRO-2 hybrid wins on speed (32 -> 4 voters).
+    evidence = tmp_path / "study.json"
+    evidence.write_text(json.dumps({"cells": [cell("1bit", 4, 7.5, 2.0).__dict__]}))
+    base = [sys.executable, "-m", "ds_lioncub.planner", "--params", "1.5e9", "--nodes", "4", "--gpus-per-node", "8"]
+    base += ["--inter-node-bandwidth", "1gbit", "--convergence-evidence", str(evidence)]
+    table = subprocess.run(base, cwd=REPO, capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "+7.5±2.0%!" in table
+    assert "Faster but not recommended" in table and "1-bit vote, ZeRO-2 hybrid: +7.5% ± 2.0" in table
+    recommended = next(line for line in table.splitlines() if line.startswith("Recommended:"))
+    assert "sign vote" not in recommended and "1-bit" not in recommended  # every sign vote is the 1-bit vote
+    output = json.loads(subprocess.run([*base, "--json"], cwd=REPO, capture_output=True, text=True, check=True).stdout)
+    assert output["passed_over"][0]["gap_percent"] == 7.5
+    assert study_mode(output["recommended"]["params"]) != "1bit"
+    parse_config(output["recommended"]["params"])
+
+
+def test_auto_takes_the_fastest_mode_that_keeps_lions_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    options = parse_config({"compression": "auto", "network": {"bandwidth": "1gbit"}, "betas": [0.9, 0.95]})
+    plain = resolve_auto(options, 1_500_000_000, 32, 1)
+    assert study_mode(plain.options.model_dump()) == "1bit"
+    losing = (cell("1bit", 32, 4.0, 1.0, beta2=0.95),)
+    monkeypatch.setattr(auto_module, "choose", lambda c, cl, b2: choose(c, cl, b2, losing))
+    resolved = resolve_auto(options, 1_500_000_000, 32, 1)
+    assert study_mode(resolved.options.model_dump()) != "1bit"
+    assert resolved.fell_back and "Faster but not recommended" in resolved.sentence
+    assert "+4.0% ± 1.0 vs Lion's loss (32 workers, beta2 0.95" in resolved.sentence
