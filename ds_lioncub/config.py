@@ -143,14 +143,19 @@ class NetworkConfig(DeepSpeedConfigModel):
 
     ring_efficiency: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     """The fraction of the link rate ring collectives (all-reduce, all-gather, reduce-scatter) reach; unset:
-    gloo's, as measured on an emulated network (``ds_lioncub.planner.GLOO_LINK_EFFICIENCY``, 0.9). NCCL
-    comes closer to 1."""
+    on CPU ranks gloo's, as measured on an emulated network (``ds_lioncub.planner.GLOO_LINK_EFFICIENCY``,
+    0.9), on CUDA ranks NCCL's (1: it comes near the link rate)."""
 
     all_to_all_efficiency: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    """The same for pairwise all-to-alls (the 1-bit vote's first collective); unset: gloo's 0.68, which
-    favours modes built on all-reduces. With NCCL, set it (and ``ring_efficiency``) near 1."""
+    """The same for pairwise all-to-alls (the 1-bit vote's first collective); unset: gloo's 0.68 on CPU
+    ranks (which favours modes built on all-reduces), NCCL's 1 on CUDA ranks."""
 
-    @field_validator("bandwidth", "intra_node_bandwidth", mode="before")
+    device_bandwidth: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """The GPUs' memory bandwidth, which prices the local work of CUDA ranks (a table derived from each
+    pass's bytes, ``ds_lioncub.planner.devices``): a rate such as "3.35TB/s"; unset: an H100's. CPU ranks
+    use the built-in measured table and ignore it."""
+
+    @field_validator("bandwidth", "intra_node_bandwidth", "device_bandwidth", mode="before")
     @classmethod
     def _rate(cls, value: Any) -> Any:
         return None if value is None else _quantity(value, parse_rate, "'1gbit'")

@@ -79,6 +79,7 @@ from ds_lioncub.planner.auto import (
     log_auto_resolution,
     resolve_auto,
 )
+from ds_lioncub.planner.devices import device_of
 from ds_lioncub.replica_check import check_replicas
 from ds_lioncub.telemetry import StepRecord, StepTelemetry, TelemetryTotals, pack_local_signs
 
@@ -271,7 +272,10 @@ class LionCub(torch.optim.Optimizer):
             agreed_text(self.transport, AUTO_NODE_SIZE_LABEL, lambda: str(auto_node_size(self.options, os.environ)))
         )
         self.transport.stats = counted
-        resolution = resolve_auto(self.options, num_params, self.transport.world_size, node_size)
+        # The parameters' device is where the step's local work runs: it picks the planner's cost table.
+        params = self._flat_params()
+        device = device_of(params[0].device.type) if params else "cpu"
+        resolution = resolve_auto(self.options, num_params, self.transport.world_size, node_size, device=device)
         self.auto_resolution = resolution
         self.options = resolution.options
         # The resolution may have turned vote_stats off (exact Lion takes no vote): record what runs.

@@ -28,6 +28,7 @@ from ds_lioncub.fingerprint import agreed_text
 from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE, HybridSetup, check_node_blocks_on_one_host
 from ds_lioncub.optimizer import LionCub
 from ds_lioncub.planner.auto import AUTO_NODE_SIZE_LABEL, auto_node_size, log_auto_resolution, resolve_auto
+from ds_lioncub.planner.devices import device_of
 from ds_lioncub.planner.model import DEEPSPEED_BUCKET_SIZE
 
 # The hybrid relies on private parts of DeepSpeed's engine and ZeRO-1/2 optimizer, checked against these releases.
@@ -66,6 +67,9 @@ def resolve_auto_for_engine(engine: Any, options: LionCubConfig, model_parameter
     # Each rank reads G from its own environment; they must agree before each resolves alone.
     transport = TorchTransport(engine.seq_data_parallel_group)
     node_size = int(agreed_text(transport, AUTO_NODE_SIZE_LABEL, lambda: str(auto_node_size(options, os.environ))))
+    # Where the optimizer's local work runs: the engine's device (its ranks' GPUs under the CUDA
+    # accelerator), or the CPU when ZeRO offloads the optimizer there.
+    device = "cpu" if engine.zero_cpu_offload() else device_of(torch.device(engine.device).type)
     resolution = resolve_auto(
         options,
         _count_trained(model_parameters),
@@ -74,6 +78,7 @@ def resolve_auto_for_engine(engine: Any, options: LionCubConfig, model_parameter
         stage,
         exact_comm_dtypes=(exact_dtype,),
         exact_bucket_size=bucket,
+        device=device,
     )
     log_auto_resolution(resolution, int(engine.global_rank))
     return resolution.options

@@ -29,9 +29,9 @@ from ds_lioncub._logging import get_logger
 from ds_lioncub.comm.topology import NODE_SIZE_VARIABLES, plan_hybrid, resolve_node_size
 from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.planner.convergence import choose
+from ds_lioncub.planner.devices import DEFAULT_GPU, Device, format_bandwidth, link_efficiency_for, local_costs_for
 from ds_lioncub.planner.local_costs import LocalCosts
 from ds_lioncub.planner.model import (
-    GLOO_LINK_EFFICIENCY,
     Candidate,
     Cluster,
     LinkEfficiency,
@@ -103,22 +103,29 @@ def resolve_auto(
     exact_comm_dtypes: Sequence[str] = ("fp32", "bf16"),
     exact_bucket_size: int | None = None,
     local_costs: LocalCosts | None = None,
+    device: Device = "cpu",
 ) -> AutoResolution:
     """The concrete options for ``options`` with ``compression="auto"`` (others are returned as they are).
 
     ``world_size`` ranks in nodes of ``node_size`` (which must divide it) train ``num_params``
     parameters at ZeRO ``zero_stage``. ``exact_comm_dtypes`` and ``exact_bucket_size``: how exact Lion's
     gradients would travel (LionCub's own all-reduce by default: either dtype, in ``bucket_size``
-    buckets; under DeepSpeed the engine's dtype and buckets).
+    buckets; under DeepSpeed the engine's dtype and buckets). ``device``: where the ranks' local work runs
+    ("cpu" or "cuda"): it picks the local cost table (the built-in CPU table, or the table derived from
+    ``network.device_bandwidth``, an H100's unset; ``local_costs`` overrides either) and the link
+    efficiencies left unset (gloo's, or NCCL's).
     """
     if options.compression != "auto":
         return AutoResolution(options, "", fell_back=False)
     assert options.network is not None  # the config's validation requires it with "auto"
     given = options.network
+    default = link_efficiency_for(device)
     efficiency = LinkEfficiency(
-        GLOO_LINK_EFFICIENCY.ring if given.ring_efficiency is None else given.ring_efficiency,
-        GLOO_LINK_EFFICIENCY.all_to_all if given.all_to_all_efficiency is None else given.all_to_all_efficiency,
+        default.ring if given.ring_efficiency is None else given.ring_efficiency,
+        default.all_to_all if given.all_to_all_efficiency is None else given.all_to_all_efficiency,
     )
+    if local_costs is None and device == "cuda":
+        local_costs = local_costs_for("cuda", given.device_bandwidth)
     network = Network(given.bandwidth, given.intra_node_bandwidth, given.latency, efficiency)
     if world_size == 1:
         return _exact(options, "LionCub auto: exact Lion (compression 'none'): a world of one rank sends nothing.")
@@ -129,6 +136,9 @@ def resolve_auto(
         )
     layout = plan_hybrid(world_size, node_size)
     where = f"{num_params:,} parameters on {layout.nodes} x {layout.node_size} ranks at {describe_network(network)}"
+    if device == "cuda":  # the CPU sentence stays as it was; a CUDA one says which table priced the local work
+        priced = f"the {DEFAULT_GPU}'s" if given.device_bandwidth is None else format_bandwidth(given.device_bandwidth)
+        where += f", CUDA ranks (local work at {priced} memory bandwidth)"
     if zero_stage in (1, 2) and layout.nodes == 1:
         return _exact(
             options,

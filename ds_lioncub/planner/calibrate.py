@@ -68,7 +68,7 @@ def calibration_modes() -> list[dict[str, Any]]:
     return modes
 
 
-def _world_for(params: dict[str, Any]) -> int | None:
+def calibration_world(params: dict[str, Any]) -> int | None:
     """The world the mode is measured at: 4, less where a k-bit all-reduce holds fewer; None if it holds no pair."""
     if params["compression"] != "kbit" or params["kbit_algorithm"] == "alltoall":
         return CALIBRATION_WORLD
@@ -82,22 +82,29 @@ def _world_for(params: dict[str, Any]) -> int | None:
     return None
 
 
-def _timed_runs(run: Callable[[], object], repeats: int) -> list[float]:
-    """Seconds of ``repeats`` runs of ``run``, after one warm-up run."""
+def _timed_runs(run: Callable[[], object], repeats: int, synchronize: Callable[[], None]) -> list[float]:
+    """Seconds of ``repeats`` runs of ``run``, after one warm-up run. ``synchronize`` waits for the device:
+    CUDA kernels run asynchronously, so a run ends when its kernels have."""
     run()  # warm-up: first-use builds and self-checks happen here, outside the timing
+    synchronize()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         run()
+        synchronize()
         times.append(time.perf_counter() - start)
     return times
 
 
-def _measurements(numel: int, repeats: int, generator: torch.Generator) -> dict[str, Callable[[], list[float]]]:
+def _measurements(
+    numel: int, repeats: int, generator: torch.Generator, device: torch.device
+) -> dict[str, Callable[[], list[float]]]:
     """Per table key, a function that times its work ``repeats`` times and returns each run's seconds per element."""
-    values = torch.randn(numel, generator=generator)
-    param, exp_avg, grad = values.clone(), torch.zeros(numel), torch.randn(numel, generator=generator)
-    direction = torch.empty(numel)
+    values = torch.randn(numel, generator=generator).to(device)
+    param, exp_avg = values.clone(), torch.zeros(numel, device=device)
+    grad = torch.randn(numel, generator=generator).to(device)
+    direction = torch.empty(numel, device=device)
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
 
     def lion_step() -> None:
         lion_direction(exp_avg, grad, 0.9, out=direction)
@@ -105,7 +112,7 @@ def _measurements(numel: int, repeats: int, generator: torch.Generator) -> dict[
         apply_update(param, direction.sign_(), 1e-4, 0.1)
 
     def per_element(run: Callable[[], object]) -> list[float]:
-        return [seconds / numel for seconds in _timed_runs(run, repeats)]
+        return [seconds / numel for seconds in _timed_runs(run, repeats, synchronize)]
 
     timers: dict[str, Callable[[], list[float]]] = {
         LION_UPDATE: lambda: per_element(lion_step),
@@ -113,13 +120,13 @@ def _measurements(numel: int, repeats: int, generator: torch.Generator) -> dict[
         "none/bf16": lambda: per_element(lambda: values.to(torch.bfloat16).float()),
     }
     for params in calibration_modes():
-        world = _world_for(params)
+        world = calibration_world(params)
         if world is None:
             continue
         options = parse_config(params)
         aggregator = build_aggregation(options, LoopbackTransport(world, 0), False)
         assert aggregator is not None
-        output = torch.empty(numel)
+        output = torch.empty(numel, device=device)
 
         def aggregate(aggregator: Any = aggregator, output: torch.Tensor = output) -> None:
             # start() only reads the values: they stay the same input for every run
@@ -133,9 +140,15 @@ def _measurements(numel: int, repeats: int, generator: torch.Generator) -> dict[
 
 
 def measure_local_costs(
-    numel: int = CALIBRATION_NUMEL, repeats: int = 3, rounds: int = 5, seed: int = 0, threads: int | None = None
+    numel: int = CALIBRATION_NUMEL,
+    repeats: int = 3,
+    rounds: int = 5,
+    seed: int = 0,
+    threads: int | None = None,
+    device: str = "cpu",
 ) -> LocalCosts:
-    """Seconds per element of Lion's update and of every aggregation's local work on this machine (CPU).
+    """Seconds per element of Lion's update and of every aggregation's local work on this machine's ``device``
+    ("cpu", or "cuda": the current CUDA device, the tensors and the packing path a CUDA rank uses).
 
     ``rounds`` passes over every entry, each of ``repeats`` timed runs; the table keeps each entry's
     median run (a burst of other load on the machine spoils a few runs of one pass, not an entry).
@@ -146,7 +159,9 @@ def measure_local_costs(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        timers = _measurements(numel, repeats, torch.Generator().manual_seed(seed))
+        if device == "cuda" and not torch.cuda.is_available():
+            raise LionCubConfigError("LionCub: no CUDA device here to calibrate on; calibrate with device 'cpu'.")
+        timers = _measurements(numel, repeats, torch.Generator().manual_seed(seed), torch.device(device))
         samples: dict[str, list[float]] = {key: [] for key in timers}
         for _ in range(rounds):  # passes over all entries, so that a burst of other load spoils one pass, not an entry
             for key, timer in timers.items():
@@ -155,16 +170,17 @@ def measure_local_costs(
     finally:
         torch.set_num_threads(previous_threads)
     table = {key: statistics.median(runs) for key, runs in samples.items()}
-    path = packing_path("cpu")
-    measured_on = (
-        f"{platform.machine()} {platform.processor() or platform.system()}, {threads_used} torch thread(s), "
-        f"packing path {path.path!r}, {numel} elements, median of {rounds} x {repeats}"
-    )
-    return LocalCosts(table, measured_on)
+    path = packing_path(device)
+    where = f"{platform.machine()} {platform.processor() or platform.system()}, {threads_used} torch thread(s)"
+    if device == "cuda":
+        where = torch.cuda.get_device_name()
+    measured_on = f"{where}, packing path {path.path!r}, {numel} elements, median of {rounds} x {repeats}"
+    return LocalCosts(table, measured_on, device=device)
 
 
 def as_python_table(costs: LocalCosts, command: str) -> str:
-    """``costs`` as the source of ``default_local_costs.py`` (how the default table is refreshed)."""
+    """``costs`` as the source of ``default_local_costs.py`` (how the default table is refreshed; a CUDA table
+    is printed the same way, for RESULTS.md or a table of its own)."""
     rows = "\n".join(f'    "{key}": {value:.4g},' for key, value in sorted(costs.seconds_per_element.items()))
     return (
         f'"""The default local cost table (seconds per element).\n\nMeasured with ``{command}``; see\n'
@@ -173,4 +189,11 @@ def as_python_table(costs: LocalCosts, command: str) -> str:
     )
 
 
-__all__ = ["CALIBRATION_NUMEL", "LoopbackTransport", "as_python_table", "calibration_modes", "measure_local_costs"]
+__all__ = [
+    "CALIBRATION_NUMEL",
+    "LoopbackTransport",
+    "as_python_table",
+    "calibration_modes",
+    "calibration_world",
+    "measure_local_costs",
+]

@@ -3,20 +3,27 @@
 ::
 
     python -m ds_lioncub.planner --params N --nodes M --gpus-per-node G --inter-node-bandwidth RATE
+           [--device cpu|cuda] [--gpu NAME | --device-bandwidth RATE]
            [--intra-node-bandwidth RATE] [--latency T] [--json] [--local-costs FILE]
            [--ring-efficiency E] [--all-to-all-efficiency E] [--ranks-per-core R] [--beta2 B]
-    python -m ds_lioncub.planner --calibrate [--save FILE]
+    python -m ds_lioncub.planner --calibrate [--device cpu|cuda] [--save FILE]
 
 The default output is a table of every feasible candidate, fastest predicted step first, with what
 the convergence study says of each at its worker count and ``--beta2``
 (:mod:`ds_lioncub.planner.convergence`), and the ds_config blocks of the recommended one: the fastest
 that the study does not show losing more than 2% of Lion's loss (a faster one that does is named,
-with its gap). ``--json`` prints ``{"recommended": {"params", "zero_stage"}, "candidates": [{"params",
-"zero_stage", "seconds_per_step", "bytes_per_step_per_rank"}, ...]}``, plus ``"passed_over": [{"params",
-"zero_stage", "gap_percent", "spread_percent", "why"}, ...]`` when faster candidates were passed over.
-Bad arguments exit with status 2 and argparse's message. The link efficiencies (the fraction of
-the link rate each kind of collective reaches, :class:`~ds_lioncub.planner.model.LinkEfficiency`)
-default to gloo's on the emulated network; NCCL comes near 1 on both.
+with its gap). ``--json`` prints ``{"recommended": {"params", "zero_stage"}, "local_costs": {"device",
+"measured_on"}, "candidates": [{"params", "zero_stage", "seconds_per_step", "bytes_per_step_per_rank"},
+...]}``, plus ``"passed_over": [{"params", "zero_stage", "gap_percent", "spread_percent", "why"}, ...]``
+when faster candidates were passed over. Bad arguments exit with status 2 and argparse's message.
+
+The device (:mod:`ds_lioncub.planner.devices`) picks the local cost table and the link efficiencies
+(the fraction of the link rate each kind of collective reaches,
+:class:`~ds_lioncub.planner.model.LinkEfficiency`): CPU ranks the built-in measured table and gloo's
+efficiencies on the emulated network; CUDA ranks a table derived from each pass's bytes over the
+GPU's memory bandwidth and NCCL's (1 on both). It defaults to what ``compression="auto"`` would run on
+here (CUDA where torch sees a CUDA device), to CUDA when a GPU or its bandwidth is given, and to the
+device of a ``--local-costs`` table. The table says which it used.
 """
 
 from __future__ import annotations
@@ -35,6 +42,16 @@ from ds_lioncub.planner.convergence import (
     choose,
     load_evidence,
     read_evidence,
+)
+from ds_lioncub.planner.devices import (
+    DEFAULT_GPU,
+    DEVICES,
+    GPU_MEMORY_BANDWIDTH,
+    NCCL_LINK_EFFICIENCY,
+    Device,
+    link_efficiency_for,
+    local_costs_for,
+    this_machines_device,
 )
 from ds_lioncub.planner.local_costs import DEFAULT_LOCAL_COSTS, LocalCosts
 from ds_lioncub.planner.model import (
@@ -134,20 +151,39 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"per message round, e.g. 5us, 50us, 1ms (default {DEFAULT_LATENCY * 1e6:g}us)",
     )
     parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        help="the ranks' device: its local cost table and its transport's link efficiencies (cpu: the built-in "
+        "measured table and gloo's; cuda: a table derived from the GPU's memory bandwidth and NCCL's). Default: "
+        "cuda with --gpu or --device-bandwidth, else that of --local-costs, else what compression='auto' runs on "
+        "here (cuda where torch sees a CUDA device)",
+    )
+    gpu = parser.add_mutually_exclusive_group()
+    gpu.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help=f"with --device cuda: the GPU whose memory bandwidth prices the local work, one of "
+        f"{', '.join(GPU_MEMORY_BANDWIDTH)} (default {DEFAULT_GPU})",
+    )
+    gpu.add_argument(
+        "--device-bandwidth",
+        type=_argument(parse_rate),
+        metavar="RATE",
+        help="with --device cuda: the GPU's memory bandwidth instead of a named GPU's, e.g. 3.35TB/s",
+    )
+    parser.add_argument(
         "--ring-efficiency",
         type=_argument(_fraction),
-        default=GLOO_LINK_EFFICIENCY.ring,
         metavar="E",
         help="fraction of the link rate ring all-reduces and all-gathers reach "
-        f"(default {GLOO_LINK_EFFICIENCY.ring:g}, gloo's; NCCL: about 1)",
+        f"(default: gloo's {GLOO_LINK_EFFICIENCY.ring:g} for cpu, NCCL's {NCCL_LINK_EFFICIENCY.ring:g} for cuda)",
     )
     parser.add_argument(
         "--all-to-all-efficiency",
         type=_argument(_fraction),
-        default=GLOO_LINK_EFFICIENCY.all_to_all,
         metavar="E",
-        help=f"fraction of the link rate all-to-alls reach (default {GLOO_LINK_EFFICIENCY.all_to_all:g}, gloo's; "
-        "NCCL: about 1)",
+        help="fraction of the link rate all-to-alls reach (default: gloo's "
+        f"{GLOO_LINK_EFFICIENCY.all_to_all:g} for cpu, NCCL's {NCCL_LINK_EFFICIENCY.all_to_all:g} for cuda)",
     )
     parser.add_argument(
         "--ranks-per-core",
@@ -174,7 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--local-costs", metavar="FILE", help="a local cost table saved by --calibrate --save (default: the built-in)"
     )
-    parser.add_argument("--calibrate", action="store_true", help="measure this machine's local cost table and print it")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine's local cost table and print it (on the CUDA device where there is one, "
+        "unless --device cpu)",
+    )
     parser.add_argument("--save", metavar="FILE", help="with --calibrate: write the table there as JSON")
     parser.add_argument(
         "--threads",
@@ -197,10 +238,11 @@ def ds_config_blocks(candidate: Candidate) -> dict[str, Any]:
     return blocks
 
 
-def as_json(candidates: Sequence[Candidate], choice: Choice) -> dict[str, Any]:
+def as_json(candidates: Sequence[Candidate], choice: Choice, costs: LocalCosts = DEFAULT_LOCAL_COSTS) -> dict[str, Any]:
     best = choice.best
     output: dict[str, Any] = {
         "recommended": {"params": best.params, "zero_stage": best.zero_stage},
+        "local_costs": {"device": costs.device, "measured_on": costs.measured_on},
         "candidates": [
             {
                 "params": c.params,
@@ -225,12 +267,28 @@ def as_json(candidates: Sequence[Candidate], choice: Choice) -> dict[str, Any]:
     return output
 
 
+def describe_local_costs(costs: LocalCosts, source: str | None = None) -> str:
+    """Which local cost table priced the local work: the device, where the table came from, and how to change it."""
+    device = "CUDA" if costs.device == "cuda" else "CPU"
+    if costs is DEFAULT_LOCAL_COSTS:
+        return f"local costs: {device} ranks, the built-in table ({costs.measured_on}); GPU ranks: --device cuda"
+    where = "" if source is None else f"{source}, "
+    return f"local costs: {device} ranks, {where}{costs.measured_on}"
+
+
 def as_table(
-    candidates: Sequence[Candidate], num_params: int, cluster: Cluster, network: Network, choice: Choice
+    candidates: Sequence[Candidate],
+    num_params: int,
+    cluster: Cluster,
+    network: Network,
+    choice: Choice,
+    costs: LocalCosts = DEFAULT_LOCAL_COSTS,
+    costs_source: str | None = None,
 ) -> str:
     best = choice.best
     lines = [
         f"{num_params:,} parameters on {cluster.nodes} x {cluster.gpus_per_node} ranks, {describe_network(network)}",
+        describe_local_costs(costs, costs_source),
         "",
         f"{'mode':<44} {'ZeRO':>4} {'step':>9} {'comm':>9} {'local':>9} {'bytes/step/rank':>16} "
         f"{'out of a node':>15} {'vs best':>8}  {'loss vs Lion':>13}",
@@ -275,20 +333,47 @@ def _loss_column(candidate: Candidate, cell: StudyCell | None) -> str:
     return f"{cell.gap_percent:+.1f}±{spread}%" + ("!" if cell.loses else "")
 
 
+def _device(args: argparse.Namespace, parser: argparse.ArgumentParser, file_costs: LocalCosts | None) -> Device:
+    """``--device``, else cuda for a GPU or its bandwidth, else the ``--local-costs`` table's, else this machine's."""
+    if args.device is not None:
+        device: Device = args.device
+    elif args.gpu is not None or args.device_bandwidth is not None:
+        device = "cuda"
+    elif file_costs is not None:
+        device = "cuda" if file_costs.device == "cuda" else "cpu"
+    else:
+        device = this_machines_device()
+    if file_costs is not None and file_costs.device != device:
+        parser.error(f"--local-costs {args.local_costs} is a {file_costs.device} table, but --device is {device}")
+    if file_costs is not None and (args.gpu is not None or args.device_bandwidth is not None):
+        parser.error("--gpu and --device-bandwidth derive a table; --local-costs gives one: use one or the other")
+    if device == "cuda" and args.ranks_per_core != 1.0:
+        parser.error("--ranks-per-core counts CPU ranks taking turns on a core; it does not apply to --device cuda")
+    return device
+
+
+def _calibrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from ds_lioncub.planner.calibrate import as_python_table, measure_local_costs
+
+    device = args.device or this_machines_device()
+    try:
+        costs = measure_local_costs(threads=args.threads, device=device)
+    except LionCubConfigError as error:
+        parser.error(str(error).removeprefix("LionCub: "))
+    if args.save:
+        with open(args.save, "w") as file:
+            file.write(costs.to_json() + "\n")
+    threads = "" if args.threads is None else f" --threads {args.threads}"
+    command = f"python -m ds_lioncub.planner --calibrate --device {device}{threads}"
+    print(as_python_table(costs, command))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.calibrate:
-        from ds_lioncub.planner.calibrate import as_python_table, measure_local_costs
-
-        costs = measure_local_costs(threads=args.threads)
-        if args.save:
-            with open(args.save, "w") as file:
-                file.write(costs.to_json() + "\n")
-        threads = "" if args.threads is None else f" --threads {args.threads}"
-        command = f"python -m ds_lioncub.planner --calibrate{threads}"
-        print(as_python_table(costs, command))
-        return 0
+        return _calibrate(args, parser)
     missing = [
         flag
         for flag, value in (
@@ -301,12 +386,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     if missing:
         parser.error(f"the following arguments are required: {', '.join(missing)}")
+    file_costs = None
     try:
-        costs = DEFAULT_LOCAL_COSTS if args.local_costs is None else LocalCosts.load(args.local_costs)
+        file_costs = None if args.local_costs is None else LocalCosts.load(args.local_costs)
     except (OSError, ValueError) as error:
         parser.error(f"--local-costs: {error}")
+    device = _device(args, parser, file_costs)
+    try:
+        costs = file_costs or local_costs_for(device, args.device_bandwidth, args.gpu)
+    except LionCubConfigError as error:
+        parser.error(str(error).removeprefix("LionCub: "))
     cluster = Cluster(args.nodes, args.gpus_per_node)
-    efficiency = LinkEfficiency(args.ring_efficiency, args.all_to_all_efficiency)
+    default = link_efficiency_for(device)
+    efficiency = LinkEfficiency(
+        default.ring if args.ring_efficiency is None else args.ring_efficiency,
+        default.all_to_all if args.all_to_all_efficiency is None else args.all_to_all_efficiency,
+    )
     network = Network(args.inter_node_bandwidth, args.intra_node_bandwidth, args.latency, efficiency)
     candidates = plan(args.params, cluster, network, costs, ranks_per_core=args.ranks_per_core)
     try:
@@ -315,9 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--convergence-evidence: {error}")
     choice = choose(candidates, cluster, args.beta2, evidence)
     if args.json:
-        print(json.dumps(as_json(candidates, choice), indent=2))
+        print(json.dumps(as_json(candidates, choice, costs), indent=2))
     else:
-        print(as_table(candidates, args.params, cluster, network, choice))
+        print(as_table(candidates, args.params, cluster, network, choice, costs, args.local_costs))
     return 0
 
 

@@ -44,12 +44,15 @@ class LocalCosts:
 
     Attributes:
         seconds_per_element: the table.
-        measured_on: where and how it was measured (machine, packing path, element count).
+        measured_on: where and how it was measured (machine, packing path, element count), or derived.
+        extra: other fields of a saved table, kept as they were.
+        device: the ranks' device it describes, "cpu" or "cuda" (a saved table without one is a CPU's).
     """
 
     seconds_per_element: Mapping[str, float]
     measured_on: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
 
     def cost(self, key: str) -> float:
         """Seconds per element for ``key``; a table without it raises, naming the fix."""
@@ -64,7 +67,12 @@ class LocalCosts:
 
     def to_json(self) -> str:
         return json.dumps(
-            {"measured_on": self.measured_on, "seconds_per_element": dict(self.seconds_per_element), **self.extra},
+            {
+                "measured_on": self.measured_on,
+                "device": self.device,
+                "seconds_per_element": dict(self.seconds_per_element),
+                **self.extra,
+            },
             indent=2,
             sort_keys=True,
         )
@@ -79,8 +87,14 @@ class LocalCosts:
                 f"LionCub: {path} is not a local cost table (it needs a 'seconds_per_element' object of "
                 f"non-negative numbers); write one with python -m ds_lioncub.planner --calibrate --save {path}."
             )
-        extra = {key: value for key, value in data.items() if key not in ("seconds_per_element", "measured_on")}
-        return cls(table, str(data.get("measured_on", "")), extra)
+        device = data.get("device", "cpu")
+        if device not in ("cpu", "cuda"):
+            raise LionCubConfigError(
+                f"LionCub: {path} says its device is {device!r}; a local cost table is a 'cpu' or a 'cuda' one."
+            )
+        fields = ("seconds_per_element", "measured_on", "device")
+        extra = {key: value for key, value in data.items() if key not in fields}
+        return cls(table, str(data.get("measured_on", "")), extra, device)
 
 
 DEFAULT_LOCAL_COSTS = LocalCosts(default_local_costs.SECONDS_PER_ELEMENT, default_local_costs.MEASURED_ON)

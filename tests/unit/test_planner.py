@@ -452,12 +452,15 @@ def test_cli_json_matches_the_schema_and_the_model() -> None:
         "1gbit",
         "--latency",
         "50us",
+        "--device",
+        "cpu",
         "--json",
     ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     output = json.loads(done.stdout)
-    assert set(output) == {"recommended", "candidates"}
+    assert set(output) == {"recommended", "local_costs", "candidates"}
+    assert output["local_costs"] == {"device": "cpu", "measured_on": DEFAULT_LOCAL_COSTS.measured_on}
     assert set(output["recommended"]) == {"params", "zero_stage"}
     rows = output["candidates"]
     for row in rows:
@@ -793,9 +796,15 @@ def test_bytes_out_of_a_node_per_step() -> None:
 class FakeEngine:
     """What resolve_auto_for_engine reads from a DeepSpeed engine."""
 
-    def __init__(self, stage: int, dtype: torch.dtype, world: int) -> None:
+    def __init__(
+        self, stage: int, dtype: torch.dtype, world: int, device: str = "cpu", cpu_offload: bool = False
+    ) -> None:
         self.stage, self.communication_data_type, self.seq_dp_world_size, self.global_rank = stage, dtype, world, 0
         self.seq_data_parallel_group = None  # torch.distributed is not initialised here: a world of one agrees on G
+        self.device, self.cpu_offload = torch.device(device), cpu_offload
+
+    def zero_cpu_offload(self) -> bool:
+        return self.cpu_offload
 
     def zero_optimization_stage(self) -> int:
         return self.stage

@@ -25,6 +25,7 @@ import logging
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -41,6 +42,12 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2]  # the ds_lioncub package: _op
 REPO_DIR = PACKAGE_DIR.parent  # the checkout: ops/csrc and build/ in a source tree
 BUILD_VAR = "DS_BUILD_LIONCUB"
 _LOAD_SOURCES: dict[str, str] = {}
+# The GPU generations a prebuilt CUDA op is compiled for when TORCH_CUDA_ARCH_LIST does not say: V100 (7.0),
+# T4 (7.5), A100 (8.0), H100/H200 (9.0), B200 (10.0), RTX 50xx (12.0). Machine code for X.0 also runs on
+# every X.y after it (A10 and L4 run the 8.0 code), so the minor versions add build time and nothing
+# else for these memory-bound kernels. The toolkit's own list (nvcc --list-gpu-arch) decides which of
+# these it can build: CUDA 13 dropped 7.0, CUDA 12.0-12.7 lack 10.0 and 12.0.
+CUDA_TARGET_ARCHITECTURES = ("7.0", "7.5", "8.0", "9.0", "10.0", "12.0")
 
 
 def _logger() -> logging.Logger:
@@ -56,6 +63,39 @@ def ops_dir() -> Path:
         if (candidate / "csrc").is_dir():
             return candidate
     return REPO_DIR / "ops"
+
+
+def resolve_source(code_path: str, root: Path | None = None) -> Path:
+    """A builder's source or include path (``ops/csrc/...``) inside ``root`` (default :func:`ops_dir`)."""
+    if os.path.isabs(code_path):
+        return Path(code_path)
+    relative = Path(code_path)
+    if relative.parts and relative.parts[0] == "ops":
+        relative = Path(*relative.parts[1:])
+    return (ops_dir() if root is None else root) / relative
+
+
+def nvcc_architectures(nvcc: str) -> list[str]:
+    """The compute capabilities ``nvcc`` can build, as "8.0", "9.0", ... (empty if it cannot be asked)."""
+    try:
+        listed = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    found = []
+    for word in listed.split():
+        digits = word.removeprefix("compute_")
+        if digits.isdigit() and len(digits) >= 2:  # compute_90 -> 9.0, compute_120 -> 12.0
+            found.append(f"{digits[:-1]}.{digits[-1]}")
+    return found
+
+
+def choose_cuda_architectures(available: list[str]) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` for a prebuilt op: :data:`CUDA_TARGET_ARCHITECTURES` that the toolkit can build,
+    the newest also as PTX (which the driver compiles for GPUs newer than all of them); "" if none."""
+    chosen = [arch for arch in CUDA_TARGET_ARCHITECTURES if arch in available]
+    if not chosen:
+        return ""
+    return ";".join(chosen[:-1] + [chosen[-1] + "+PTX"])
 
 
 def default_build_root() -> Path | None:
@@ -110,12 +150,7 @@ class _LionCubBuilderMixin:
         return ["ops/csrc/includes"]
 
     def deepspeed_src_path(self, code_path: str) -> str:
-        if os.path.isabs(code_path):
-            return code_path
-        relative = Path(code_path)
-        if relative.parts and relative.parts[0] == "ops":
-            relative = Path(*relative.parts[1:])
-        return str(ops_dir() / relative)
+        return str(resolve_source(code_path))
 
     def jit_build_dir(self) -> Path:
         root = default_build_root()
@@ -235,6 +270,19 @@ class LionCubPackingCUDABuilder(_LionCubBuilderMixin, CUDAOpBuilder):
     def cxx_args(self) -> list[str]:
         return [arg for arg in super().cxx_args() if arg != "-g"]
 
+    def compute_capability_args(self, cross_compile_archs: str | None = None) -> list[str]:
+        # A prebuilt op (setup.py, not JIT) with no TORCH_CUDA_ARCH_LIST: DeepSpeed 0.19.8 would take its
+        # defaults, 6.0;6.1;7.0 (+8.0;8.6;9.0 on CUDA 11/12 only), which CUDA 13 cannot build ("Unsupported
+        # gpu architecture 'compute_60'") and which miss Hopper and Blackwell there. We ask the toolkit which
+        # it can build and take ours among them. JIT builds keep DeepSpeed's rule: the visible devices.
+        if not self.jit_mode and cross_compile_archs is None and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            from torch.utils.cpp_extension import CUDA_HOME
+
+            if CUDA_HOME is not None:
+                nvcc = str(Path(CUDA_HOME) / "bin" / "nvcc")
+                cross_compile_archs = choose_cuda_architectures(nvcc_architectures(nvcc))
+        return list(super().compute_capability_args(cross_compile_archs or None))
+
 
 PackingBuilder = LionCubPackingCPUBuilder | LionCubPackingCUDABuilder
 
@@ -249,7 +297,11 @@ __all__ = [
     "LionCubPackingCPUBuilder",
     "LionCubPackingCUDABuilder",
     "PackingBuilder",
+    "CUDA_TARGET_ARCHITECTURES",
     "builders",
+    "choose_cuda_architectures",
     "default_build_root",
+    "nvcc_architectures",
     "ops_dir",
+    "resolve_source",
 ]
