@@ -18,7 +18,6 @@ keeps one, since every worker's is the same), plus one bucket of fp32 scratch an
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,10 +42,9 @@ from ds_lioncub.comm.quantize import tie_sign
 from ds_lioncub.comm.transport import CommStats
 from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.errors import LionCubConfigError, NonFiniteGradientError, UnsupportedParameterError
-from ds_lioncub.lion import lion_direction
 from ds_lioncub.param_selection import names_by_position, select_parameters
+from ds_lioncub.simulate.agreement import AgreementStats, AgreementTally, summed_directions
 from ds_lioncub.simulate.transport import VirtualNetwork
-from ds_lioncub.telemetry import count_tied_votes
 
 #: Options that describe a real network or job, which a virtual world has none of: refused when given.
 NETWORK_OPTIONS = {
@@ -57,26 +55,6 @@ NETWORK_OPTIONS = {
     "consistency_check": "every virtual worker applies the update to the same single copy of the parameters",
     "network": "compression='auto' plans for a real network; plan with python -m ds_lioncub.planner and pass the mode",
 }
-
-
-@dataclass(frozen=True)
-class AgreementStats:
-    """How the applied update's signs compare with exact Lion's ``sign(mean_i c_i)`` at the same step.
-
-    Fractions of the step's elements (the Lion Cub paper's Figure 5 reports the same rates):
-
-    Attributes:
-        match: the applied sign equals exact Lion's.
-        flip: the applied sign is the opposite of exact Lion's.
-        zero: the applied update or exact Lion's is 0 (a "mean" aggregation where the workers cancel).
-            ``match + flip + zero == 1``.
-        tie: the vote was tied (summed to 0) and the tie rule chose the sign.
-    """
-
-    match: float
-    flip: float
-    zero: float
-    tie: float
 
 
 class VirtualLionCub(torch.optim.Optimizer):
@@ -236,10 +214,10 @@ class VirtualLionCub(torch.optim.Optimizer):
         whole_mean_abs = [whole_tensor_mean_abs(mine, capacity) if needs_mean_abs else {} for mine in entries]
         scratch = BucketBuffers(plan)
         sign_votes = [packed_sign_vote(aggregator) for aggregator in aggregators]
-        tally = _AgreementTally() if self.agreement_stats else None
+        tally = AgreementTally() if self.agreement_stats else None
         for bucket in plan:
             numel = sum(piece.length for piece in bucket)
-            exact_c = _summed_directions(entries, bucket) if tally is not None else None
+            exact_c = summed_directions(entries, bucket) if tally is not None else None
             pending: list[object] = []
             for i, aggregator in enumerate(aggregators):
                 vote = sign_votes[i]
@@ -334,55 +312,6 @@ class VirtualLionCub(torch.optim.Optimizer):
                         f"parameter {tuple(param.shape)}; pass gradients in the order of params."
                     )
         return list(worker_grads)
-
-
-class _AgreementTally:
-    """Counts of :class:`AgreementStats` over a step's buckets."""
-
-    def __init__(self) -> None:
-        self.elements = 0
-        self.match = 0
-        self.flip = 0
-        self.tie = 0
-
-    def add(
-        self, exact_c: torch.Tensor, applied: torch.Tensor, aggregators: list[Aggregator], pending: list[object]
-    ) -> None:
-        """One bucket: ``exact_c`` (the summed pre-sign updates), ``applied`` (the update), each worker's vote."""
-        exact_sign, applied_sign = torch.sign(exact_c), torch.sign(applied)
-        nonzero = exact_sign != 0
-        self.elements += exact_c.numel()
-        self.match += int(((applied_sign == exact_sign) & nonzero).sum())
-        self.flip += int(((applied_sign == -exact_sign) & nonzero).sum())
-        owner_share = False
-        counts = []
-        for aggregator, mine in zip(aggregators, pending, strict=True):
-            count, owner_share = count_tied_votes(aggregator, mine)  # type: ignore[arg-type]
-            counts.append(int(count))
-        # The chunk owners' counts add up to the bucket's; an all-reduce leaves every rank the whole count.
-        self.tie += sum(counts) if owner_share else counts[0]
-
-    def stats(self) -> AgreementStats:
-        total = max(self.elements, 1)
-        return AgreementStats(
-            match=self.match / total,
-            flip=self.flip / total,
-            zero=(self.elements - self.match - self.flip) / total,
-            tie=self.tie / total,
-        )
-
-
-def _summed_directions(entries: list[list[Entry]], bucket: list[Piece]) -> torch.Tensor:
-    """The workers' pre-sign updates of the bucket summed in worker order: sign(sum) is exact Lion's direction."""
-    first = entries[0][bucket[0].tensor_index].param
-    total = torch.zeros(sum(piece.length for piece in bucket), dtype=torch.float32, device=first.device)
-    for mine in entries:
-        for piece, out in zip(bucket, total.split([piece.length for piece in bucket]), strict=True):
-            entry = mine[piece.tensor_index]
-            out.add_(
-                lion_direction(piece_of(entry.exp_avg, piece), grad_piece(entry.grad, piece), entry.group["betas"][0])
-            )
-    return total
 
 
 def _or_zeros(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
