@@ -8,10 +8,10 @@ the option, the value, what is allowed, and how to fix it.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
 from ds_lioncub.comm.transport import cuda_aware_conflict
@@ -29,6 +29,49 @@ from ds_lioncub.units import parse_duration, parse_rate
 CommDtype = Literal["fp32", "bf16"]
 
 
+# Strict types. Left to itself pydantic reads true as 1, false as 0 and "10" as 10 ("lr": true trained at lr 1.0),
+# and "0"/"no"/1 as booleans. Every option takes its own type only, in the ds_config and in LionCub(...) alike:
+# booleans are not numbers, strings are not numbers, numbers and strings are not booleans. A JSON integer where a
+# real is expected ("weight_decay": 0) and a whole real where an integer is expected ("bucket_size": 5e8, how
+# DeepSpeed configs write sizes) stay valid: they are the same number. network's rates and durations are the one
+# place strings are numbers, because they carry units ("1gbit", "50us"; NetworkConfig).
+
+
+def _only_numbers(value: Any) -> Any:
+    """A number (or None, for the optional ones) passes on to the field's own checks; a boolean or a string does not."""
+    if isinstance(value, bool):
+        raise ValueError("booleans are not numbers (true would be read as 1); write the number itself")
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            raise ValueError("must be a number, written without quotes (strings are not numbers)") from None
+        raise ValueError(f"strings are not numbers; write {value.strip()} without quotes")
+    return value
+
+
+def _only_booleans(value: Any) -> Any:
+    if not isinstance(value, bool):
+        raise ValueError("must be true or false (True or False in Python); numbers and strings are not booleans")
+    return value
+
+
+Real = Annotated[float, BeforeValidator(_only_numbers)]
+"""A real number: an int or a float, never a bool or a string."""
+
+OptionalReal = Annotated[float | None, BeforeValidator(_only_numbers)]
+"""A real number or None (the validator wraps the whole union, so an error names the option, not a union branch)."""
+
+Whole = Annotated[int, BeforeValidator(_only_numbers)]
+"""An integer: an int or a whole float (5e8), never a bool or a string."""
+
+OptionalWhole = Annotated[int | None, BeforeValidator(_only_numbers)]
+"""An integer or None."""
+
+Flag = Annotated[bool, BeforeValidator(_only_booleans)]
+"""true or false, nothing else."""
+
+
 class MomentumSyncConfig(DeepSpeedConfigModel):
     """Selective momentum synchronisation: average some layers' ``exp_avg`` over the ranks now and then.
 
@@ -39,8 +82,14 @@ class MomentumSyncConfig(DeepSpeedConfigModel):
 
     model_config = ConfigDict(use_attribute_docstrings=True)
 
-    interval: int = Field(0, ge=0)
-    """Every K-th step (t % K == 0) the selected ``exp_avg`` tensors are averaged; 0 never syncs. Try 10."""
+    def __init__(self, strict: bool = True, **data: Any) -> None:
+        # DeepSpeed's config models drop every "auto" value (HF's placeholder), but layers="auto" is a value of its
+        # own here: dropped, {"layers": "auto"} would read as an empty block and its missing interval go unnoticed.
+        super().__init__(strict=strict, **data)
+
+    interval: Whole = Field(0, ge=0)
+    """Every K-th step (t % K == 0) the selected ``exp_avg`` tensors are averaged; 0 never syncs. Try 10.
+    ``layers`` or ``dtype`` without an interval, or with interval 0, is refused: they would never take effect."""
 
     layers: list[str] | Literal["all", "auto"] = "auto"
     """Regexes searched in parameter names (``module.named_parameters()`` names), ``"all"``, or
@@ -53,6 +102,13 @@ class MomentumSyncConfig(DeepSpeedConfigModel):
     @classmethod
     def _regexes_compile(cls, layers: list[str] | str) -> list[str] | str:
         if isinstance(layers, list):
+            if not layers:
+                # An empty list selects nothing: the config says "sync" and the job syncs no momentum, like a
+                # regex that matches no parameter name (refused when the optimizer is built).
+                raise ValueError(
+                    "an empty list selects no parameter, so nothing would be synced; list regexes of parameter "
+                    'names (e.g. ["^lm_head\\."]), use "auto" or "all", or drop momentum_sync'
+                )
             for pattern in layers:
                 try:
                     re.compile(pattern)
@@ -60,13 +116,29 @@ class MomentumSyncConfig(DeepSpeedConfigModel):
                     raise ValueError(f"layers entry {pattern!r} is not a valid regex: {error}") from None
         return layers
 
+    @model_validator(mode="after")
+    def _interval_given(self) -> MomentumSyncConfig:
+        # Layers or a dtype with no interval (or interval 0) would never take effect: the job trains without any
+        # sync and nothing says so. The rule reads values, not only which keys were given, so that a valid block
+        # stays valid after model_dump() and parsing again (compression="auto" and the engine do that).
+        given = [name for name in ("layers", "dtype") if name in self.model_fields_set]
+        interval_missing = "interval" not in self.model_fields_set and bool(given)
+        non_default = any(getattr(self, name) != type(self).model_fields[name].default for name in given)
+        if self.interval == 0 and (interval_missing or non_default):
+            shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in given)
+            raise ValueError(
+                f"momentum_sync sets {shown} but its interval is {'missing' if interval_missing else '0'}, and "
+                f"interval 0 never syncs; set momentum_sync.interval (e.g. 10: every 10th step) or drop momentum_sync"
+            )
+        return self
+
 
 class ConsistencyCheckConfig(DeepSpeedConfigModel):
     """Replica checksums: confirm every few steps that all ranks hold bitwise identical parameters."""
 
     model_config = ConfigDict(use_attribute_docstrings=True)
 
-    interval: int = Field(100, ge=0)
+    interval: Whole = Field(100, ge=0)
     """Every K-th step the ranks compare a checksum of their parameters (one read pass over them and an
     8-byte all-gather) and all raise, naming the step and the parameter, if they differ; 0 never checks.
     At 100 the cost is well under 1% of a step (benchmarks/RESULTS.md)."""
@@ -81,7 +153,7 @@ class TelemetryConfig(DeepSpeedConfigModel):
 
     model_config = ConfigDict(use_attribute_docstrings=True)
 
-    vote_stats: bool = False
+    vote_stats: Flag = False
     """Also measure the vote's tie rate (the fraction of elements whose summed vote is 0) and this
     rank's agreement rate (the fraction whose local sign equals the applied sign). Costs, per bucket,
     a packed copy of the local signs (n/8 bytes), two 1-bit votes or a histogram of the summed fields,
@@ -99,7 +171,7 @@ class HybridConfig(DeepSpeedConfigModel):
 
     model_config = ConfigDict(use_attribute_docstrings=True)
 
-    node_size: int | None = Field(None, ge=1)
+    node_size: OptionalWhole = Field(None, ge=1)
     """G, the ranks per node. Default: the launcher's ranks per machine (LOCAL_WORLD_SIZE, LOCAL_SIZE,
     OMPI_COMM_WORLD_LOCAL_SIZE or MPI_LOCALNRANKS); set it to emulate nodes on one machine."""
 
@@ -141,12 +213,12 @@ class NetworkConfig(DeepSpeedConfigModel):
     """Between two ranks of one node, per direction; unset: in-node links are no bottleneck (NVLink
     next to Ethernet). Set it when the ranks of a node talk over something slow."""
 
-    ring_efficiency: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    ring_efficiency: OptionalReal = Field(None, gt=0, le=1, allow_inf_nan=False)
     """The fraction of the link rate ring collectives (all-reduce, all-gather, reduce-scatter) reach; unset:
     on CPU ranks gloo's, as measured on an emulated network (``ds_lioncub.planner.GLOO_LINK_EFFICIENCY``,
     0.9), on CUDA ranks NCCL's (1: it comes near the link rate)."""
 
-    all_to_all_efficiency: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    all_to_all_efficiency: OptionalReal = Field(None, gt=0, le=1, allow_inf_nan=False)
     """The same for pairwise all-to-alls (the 1-bit vote's first collective); unset: gloo's 0.68 on CPU
     ranks (which favours modes built on all-reduces), NCCL's 1 on CUDA ranks."""
 
@@ -179,13 +251,13 @@ class LionCubConfig(DeepSpeedConfigModel):
             strict = True
         super().__init__(strict=strict, **data)
 
-    lr: float = Field(1e-4, ge=0, allow_inf_nan=False)
+    lr: Real = Field(1e-4, ge=0, allow_inf_nan=False)
     """Learning rate, the default of every param group. Lion wants 3-10x less than AdamW."""
 
-    betas: tuple[float, float] = (0.9, 0.99)
+    betas: tuple[Real, Real] = (0.9, 0.99)
     """(beta1, beta2): beta1 mixes momentum and gradient into the update, beta2 is the momentum's EMA."""
 
-    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
+    weight_decay: Real = Field(0.0, ge=0, allow_inf_nan=False)
     """Decoupled weight decay; Lion wants 3-10x more than AdamW (lr * wd is what matters)."""
 
     compression: Literal["none", "1bit", "kbit", "auto"] = "1bit"
@@ -198,7 +270,7 @@ class LionCubConfig(DeepSpeedConfigModel):
     network: NetworkConfig | None = None
     """The links ``compression="auto"`` plans for (required with it, and only used by it)."""
 
-    bits: KbitWidth = 4
+    bits: Annotated[KbitWidth, BeforeValidator(_only_numbers)] = 4
     """Field width for "kbit": 2, 4 or 8 bits per element."""
 
     quantizer: Quantizer = "sign"
@@ -214,17 +286,17 @@ class LionCubConfig(DeepSpeedConfigModel):
     tie_break: TieBreak = "alternate"
     """What an exact zero resolves to: +1 on odd steps and -1 on even ones, or always +1."""
 
-    l1_clip: float = Field(2.0, gt=0, allow_inf_nan=False)
+    l1_clip: Real = Field(2.0, gt=0, allow_inf_nan=False)
     """tau: the L1 quantizer saturates at tau * mean|c|."""
 
     comm_dtype: CommDtype = "fp32"
     """Precision of the gradient all-reduce with compression "none"."""
 
-    bucket_size: int = Field(1 << 23, ge=1024)
+    bucket_size: Whole = Field(1 << 23, ge=1024)
     """Elements per communication bucket: bounds the optimizer's temporaries and sets how many
     collectives a step issues (about 2 per bucket)."""
 
-    check_finite: bool = True
+    check_finite: Flag = True
     """With compression, every step first agrees (one 4-byte all-reduce) that no rank has a NaN/inf
     gradient, and raises on every rank otherwise, since a vote would hide it."""
 
@@ -236,11 +308,11 @@ class LionCubConfig(DeepSpeedConfigModel):
     "mpi" (mpi4py; the job must be an MPI job whose world is the data-parallel group; install with
     ``pip install "ds_lioncub[mpi]"``)."""
 
-    cuda_aware: bool = False
+    cuda_aware: Flag = False
     """With "mpi", hand GPU buffers straight to a CUDA-aware MPI instead of staging them through
     pinned host memory."""
 
-    overlap: bool = False
+    overlap: Flag = False
     """Start each bucket's vote during backward instead of in ``step()``: as soon as a bucket's gradients
     are accumulated, its message is packed and sent while backward goes on. ``step()`` packs every bucket
     again from the final gradients (after clipping or unscaling) and one small all-reduce agrees which
@@ -269,6 +341,15 @@ class LionCubConfig(DeepSpeedConfigModel):
                 f"already (NCCL on GPU, gloo on CPU, whatever the process group was initialised with)"
             )
         return name
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _two_betas(cls, betas: Any) -> Any:
+        # Without this a one-element list reads "betas.1=[0.9]: Field required", which names neither the
+        # option's shape nor the fix.
+        if isinstance(betas, str | bytes | dict | int | float) or (isinstance(betas, list | tuple) and len(betas) != 2):
+            raise ValueError("must be two numbers (beta1, beta2) in [0, 1), e.g. [0.9, 0.99]")
+        return betas
 
     @field_validator("betas")
     @classmethod
@@ -366,10 +447,19 @@ class LionCubConfig(DeepSpeedConfigModel):
         return ", ".join(pairs)
 
 
+# What to add for a required field that is missing (pydantic's own "Field required" shows the enclosing block as
+# the value, which reads as if that block were the bad value).
+_MISSING_FIXES = {
+    "network.bandwidth": 'add "bandwidth" with your nodes\' link rate, e.g. "bandwidth": "1gbit" ("100gbit", "10GB/s")',
+}
+
+
 def _describe(error: ErrorDetails) -> str:
     location = ".".join(str(part) for part in error["loc"])
     if error["type"] == "extra_forbidden":
         return f"unknown option {location!r}"
+    if error["type"] == "missing":
+        return f"{location} is required: {_MISSING_FIXES.get(location, 'add it')}"
     if not location:
         return error["msg"].removeprefix("Value error, ")
     return f"{location}={error['input']!r}: {error['msg'].removeprefix('Value error, ')}"

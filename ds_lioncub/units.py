@@ -10,6 +10,7 @@ second and seconds.
 
 from __future__ import annotations
 
+import math
 import re
 
 from ds_lioncub.errors import LionCubConfigError
@@ -25,6 +26,16 @@ def _split(text: str, what: str, examples: str) -> tuple[float, str]:
     if match is None:
         raise LionCubConfigError(f"LionCub: cannot read {what} {text!r}; write it like {examples}.")
     return float(match["value"]), match["unit"]
+
+
+def _finite(value: float, text: str, what: str, examples: str) -> float:
+    # "1e400gbit" reads as inf: refused here, naming what was typed, rather than later as "inf" (where a latency
+    # of inf was reported as "must be >= 0").
+    if not math.isfinite(value):
+        raise LionCubConfigError(
+            f"LionCub: {what} {text!r} is too large to be a number (it reads as infinity); write it like {examples}."
+        )
+    return value
 
 
 def parse_rate(text: str) -> float:
@@ -44,7 +55,7 @@ def parse_rate(text: str) -> float:
         raise LionCubConfigError(f"LionCub: the rate {text!r} has no unit I know; write it like {RATE_EXAMPLES}.")
     if prefix not in _PREFIX:
         raise LionCubConfigError(f"LionCub: the rate {text!r} has an unknown prefix {prefix!r}; use k, m, g or t.")
-    rate = value * _PREFIX[prefix] * bytes_per_unit
+    rate = _finite(value * _PREFIX[prefix] * bytes_per_unit, text, "the rate", RATE_EXAMPLES)
     if rate <= 0:
         raise LionCubConfigError(f"LionCub: a rate must be positive, got {text!r}.")
     return rate
@@ -56,7 +67,7 @@ def parse_duration(text: str) -> float:
     factor = _SECONDS.get(unit.lower())
     if factor is None:
         raise LionCubConfigError(f"LionCub: the duration {text!r} needs a unit: s, ms, us or ns (e.g. '50us').")
-    return value * factor
+    return _finite(value * factor, text, "the duration", "'5us', '50us' or '1ms'")
 
 
 def format_rate(bytes_per_second: float) -> str:

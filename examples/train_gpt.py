@@ -85,9 +85,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.deepspeed_config is None:
         p.error("--deepspeed_config is required (for example configs/lioncub_1bit.json)")
+    try:
+        # Read here, before any rank joins the process group: a bad file stops every rank with the same message.
+        args.ds_config = read_ds_config(Path(args.deepspeed_config))
+    except ValueError as error:
+        p.error(str(error))
     if args.steps < 1 or args.seq_len < 1 or args.eval_windows < 1:
         p.error("--steps, --seq-len and --eval-windows must be >= 1")
     return args
+
+
+def read_ds_config(path: Path) -> dict[str, Any]:
+    """The ds_config at ``path``; ValueError naming the file (and the line and column) if it cannot be used."""
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ValueError(f"--deepspeed_config {path}: cannot read it ({error.strerror or error})") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"--deepspeed_config {path} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}"
+        ) from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--deepspeed_config {path} must hold a JSON object ({{...}}), not {type(config).__name__}")
+    return config
 
 
 def set_threads(requested: int) -> int:
@@ -250,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     deepspeed.init_distributed(dist_backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     threads = set_threads(args.threads)
-    ds_config: dict[str, Any] = json.loads(Path(args.deepspeed_config).read_text())
+    ds_config: dict[str, Any] = args.ds_config
 
     corpus: Corpus = load_corpus(args.corpus, max_bytes=args.corpus_bytes)
     if len(corpus.train) <= args.seq_len + 1:

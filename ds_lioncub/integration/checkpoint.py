@@ -115,11 +115,21 @@ class _Problems(Exception):
     """What one rank found wrong with the saved set (collected, then agreed on by every rank)."""
 
 
+def _first_sentence(text: str, limit: int = 200) -> str:
+    """The first sentence of ``text`` (torch's load errors go on for several), shortened at a word if still long."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    sentence = line.split(". ", 1)[0].rstrip(".")
+    if len(sentence) > limit:
+        sentence = sentence[:limit].rsplit(" ", 1)[0] + " ..."
+    return sentence
+
+
 def _read(path: str) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # a truncated or damaged file: torch's own message names neither
-        detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        # Its first sentence says what failed; the rest is advice about weights_only or corruption in general.
+        detail = _first_sentence(str(error)) or type(error).__name__
         raise _Problems(f"{os.path.basename(path)} is truncated or unreadable ({detail})") from None
     if not isinstance(state, dict) or "exp_avg" not in state or "world_size" not in state:
         raise _Problems(f"{os.path.basename(path)} is not a LionCub momentum file")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -80,14 +81,37 @@ def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return convert
 
 
-def _positive_count(text: str) -> int:
-    try:
-        value = float(text)
-    except ValueError:
-        raise LionCubConfigError(f"LionCub: {text!r} is not a number (write 1500000000 or 1.5e9)") from None
-    if value < 1 or value != int(value):
-        raise LionCubConfigError(f"LionCub: {text!r} must be a whole number >= 1")
-    return int(value)
+# Upper bounds of the counts. Planning time grows with the model's buckets (about 20 s for 1e12 parameters on a
+# 2-core machine, and the bucket list no longer fits in memory near 1e20), and a count beyond any machine is a typo.
+MAX_PARAMS = 10**13
+MAX_NODES = 10**6
+MAX_RANKS_PER_NODE = 10**4
+MAX_THREADS = 10**4
+
+
+def _count(limit: int, example: str) -> Callable[[str], int]:
+    """A parser of a whole number in [1, ``limit``], written as an integer or as a float such as 1.5e9."""
+
+    def count(text: str) -> int:
+        try:
+            value = float(text)
+        except ValueError:
+            raise LionCubConfigError(f"LionCub: {text!r} is not a number (write {example})") from None
+        # Checked before int(): int(inf) raises OverflowError and int(nan) a ValueError argparse would report
+        # under this function's name.
+        if not math.isfinite(value) or value < 1 or value != int(value):
+            raise LionCubConfigError(f"LionCub: {text!r} must be a whole number >= 1 (write {example})")
+        if value > limit:
+            raise LionCubConfigError(f"LionCub: {text!r} is more than the planner takes: at most {limit:,}")
+        return int(value)
+
+    return count
+
+
+_params_count = _count(MAX_PARAMS, "1500000000 or 1.5e9")
+_nodes_count = _count(MAX_NODES, "e.g. 4")
+_ranks_count = _count(MAX_RANKS_PER_NODE, "e.g. 8")
+_threads_count = _count(MAX_THREADS, "e.g. 4")
 
 
 def _fraction(text: str) -> float:
@@ -127,10 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
         "mode's collectives plus measured local costs), and print the ds_config to use.",
     )
     parser.add_argument(
-        "--params", type=_argument(_positive_count), metavar="N", help="parameters in the model (e.g. 1.5e9)"
+        "--params",
+        type=_argument(_params_count),
+        metavar="N",
+        help=f"parameters in the model (e.g. 1.5e9; at most {MAX_PARAMS:,})",
     )
-    parser.add_argument("--nodes", type=_argument(_positive_count), metavar="M", help="machines, M")
-    parser.add_argument("--gpus-per-node", type=_argument(_positive_count), metavar="G", help="ranks per machine, G")
+    parser.add_argument("--nodes", type=_argument(_nodes_count), metavar="M", help="machines, M")
+    parser.add_argument("--gpus-per-node", type=_argument(_ranks_count), metavar="G", help="ranks per machine, G")
     parser.add_argument(
         "--inter-node-bandwidth",
         type=_argument(parse_rate),
@@ -219,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save", metavar="FILE", help="with --calibrate: write the table there as JSON")
     parser.add_argument(
         "--threads",
-        type=_argument(_positive_count),
+        type=_argument(_threads_count),
         metavar="N",
         help="with --calibrate: torch threads per rank (default: torch's)",
     )
@@ -372,6 +399,12 @@ def _calibrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Options of --calibrate given without it would be ignored: the run would exit 0 and, for --save, write nothing.
+    ignored = [flag for flag, value in (("--save", args.save), ("--threads", args.threads)) if value is not None]
+    if ignored and not args.calibrate:
+        flags = " and ".join(ignored)
+        verb = "apply" if len(ignored) > 1 else "applies"
+        parser.error(f"{flags} only {verb} with --calibrate (measuring this machine): add --calibrate, or drop {flags}")
     if args.calibrate:
         return _calibrate(args, parser)
     missing = [

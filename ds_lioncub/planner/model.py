@@ -121,7 +121,9 @@ class Network:
         if not all(math.isfinite(rate) and rate > 0 for rate in rates):
             raise LionCubConfigError(f"LionCub: bandwidths must be positive and finite, got {rates}.")
         if not (math.isfinite(self.latency) and self.latency >= 0):
-            raise LionCubConfigError(f"LionCub: the latency must be >= 0 seconds, got {self.latency!r}.")
+            raise LionCubConfigError(
+                f"LionCub: the latency must be a finite number of seconds >= 0, got {self.latency!r}."
+            )
 
     @property
     def in_node_bandwidth(self) -> float:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ds_lioncub.comm.packing as packing
+from ds_lioncub.errors import LionCubSetupError
 from ds_lioncub.op_builder import get_logger
 
 
@@ -49,9 +50,21 @@ def test_forcing_an_unavailable_path_raises_and_auto_falls_back() -> None:
     packing.set_packing_path("compiled")
     with pytest.raises(RuntimeError, match="compiled packing op is unavailable"):
         packing.packing_path("meta")
-    packing.set_packing_path("cupy")
-    cpu_choice = packing.packing_path("cpu")  # cupy is for CUDA tensors: CPU tensors go to torch
-    assert cpu_choice.path == "torch" and "CUDA tensors only" in cpu_choice.reason
     packing.set_packing_path("auto")
     meta_choice = packing.packing_path("meta")
     assert meta_choice.path == "torch" and "same bits" in meta_choice.reason
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_forcing_cupy_for_tensors_it_cannot_pack_raises(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    # cupy packs CUDA memory only; forced, it used to leave CPU tensors to torch without a word, although a forced
+    # path that cannot run raises.
+    monkeypatch.setenv(packing.PACKING_ENV, "cupy")
+    packing.set_packing_path(None)
+    with pytest.raises(LionCubSetupError) as raised:
+        packing.packing_path(device)
+    message = str(raised.value)
+    assert message.startswith("LionCub: DS_LIONCUB_PACKING=cupy") and f"{device} tensors" in message, message
+    assert "DS_LIONCUB_PACKING=auto" in message and "torch" in message
+    with pytest.raises(LionCubSetupError, match="CUDA tensors only"):
+        packing.pack_signs(torch.ones(3))  # what training calls: the same refusal, no silent torch path

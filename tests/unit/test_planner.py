@@ -567,6 +567,53 @@ def test_cli_bad_arguments_exit_2_with_a_message(
     assert "usage:" in error and message in error, error
 
 
+CLUSTER_ARGS = ["--nodes", "2", "--gpus-per-node", "2", "--inter-node-bandwidth", "1gbit"]
+# (arguments, words the message must hold): the edges of each number, which gave tracebacks (OverflowError,
+# MemoryError, a LionCubConfigError) or argparse's message with the parser's function name, and no fix.
+EDGE_NUMBERS: list[tuple[list[str], list[str]]] = [
+    (["--params", "inf", *CLUSTER_ARGS], ["--params", "'inf' must be a whole number >= 1", "1.5e9"]),
+    (["--params", "nan", *CLUSTER_ARGS], ["--params", "'nan' must be a whole number >= 1", "1.5e9"]),
+    (["--params", "1e30", *CLUSTER_ARGS], ["--params", "'1e30'", "at most 10,000,000,000,000"]),
+    (["--params", "1e20", *CLUSTER_ARGS], ["--params", "'1e20'", "at most"]),
+    (["--params", "1e6", "--nodes", "1e30", "--gpus-per-node", "2", "--inter-node-bandwidth", "1gbit"], ["--nodes"]),
+    (
+        ["--params", "1e6", "--nodes", "2", "--gpus-per-node", "2", "--inter-node-bandwidth", "1e400gbit"],
+        ["--inter-node-bandwidth", "'1e400gbit'", "infinity", "'1gbit'"],
+    ),
+    (["--params", "1e6", *CLUSTER_ARGS, "--latency", "1e400s"], ["--latency", "'1e400s'", "infinity", "'50us'"]),
+    (["--params", "1e6", *CLUSTER_ARGS, "--save", "costs.json"], ["--save only applies with --calibrate"]),
+    (["--params", "1e6", *CLUSTER_ARGS, "--threads", "2"], ["--threads only applies with --calibrate"]),
+    (["--calibrate", "--threads", "1e30"], ["--threads", "at most 10,000"]),
+]
+
+
+@pytest.mark.parametrize(("args", "words"), EDGE_NUMBERS, ids=[" ".join(a) for a, _ in EDGE_NUMBERS])
+def test_cli_edge_numbers_exit_2_with_the_fix(
+    args: list[str], words: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Any, monkeypatch: Any
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "usage:" in error and "Traceback" not in error, error
+    for word in words:
+        assert word in error, error
+    assert not any(tmp_path.iterdir())  # --save without --calibrate wrote nothing
+
+
+@pytest.mark.parametrize(("parse", "text"), [(parse_rate, "1e400gbit"), (parse_duration, "1e400s")])
+def test_a_quantity_that_reads_as_infinity_is_refused(parse: Any, text: str) -> None:
+    with pytest.raises(LionCubConfigError, match=f"'{text}' is too large to be a number"):
+        parse(text)
+
+
+def test_the_network_names_an_infinite_latency_rightly() -> None:
+    # It said "must be >= 0 seconds, got inf", as if inf were negative.
+    with pytest.raises(LionCubConfigError, match="finite number of seconds >= 0, got inf"):
+        Network(GBIT, None, math.inf)
+
+
 # ---------------------------------------------------------------------------------------------- compression="auto"
 
 

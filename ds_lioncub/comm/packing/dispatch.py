@@ -5,10 +5,10 @@
 (:mod:`.torch_impl`). A compiled op that fails to build or load is logged as a warning and the next
 one is used: every implementation gives the same bytes, so a failed build costs speed, never a result.
 ``DS_LIONCUB_PACKING=auto|compiled|cupy|torch`` (or :func:`set_packing_path`) overrides the choice;
-forcing ``compiled`` where it cannot run, or ``cupy`` for CUDA tensors without cupy, raises
-:class:`~ds_lioncub.errors.LionCubSetupError` instead of falling back (``cupy`` leaves CPU tensors to
-torch). The choice and its reason are logged once per device type and requested mode and shown by
-``python -m ds_lioncub.report``.
+forcing ``compiled`` where it cannot run, or ``cupy`` where it cannot (without cupy, or for tensors
+that are not CUDA tensors: cupy packs CUDA memory only), raises
+:class:`~ds_lioncub.errors.LionCubSetupError` instead of falling back. The choice and its reason
+are logged once per device type and requested mode and shown by ``python -m ds_lioncub.report``.
 
 The compiled and cupy implementations are handed out wrapped in :class:`~.self_check.SelfCheckedPacking`:
 each dtype they are asked to handle is first checked against the torch implementation, and a mismatch
@@ -127,7 +127,14 @@ def _choose(device_type: str, mode: str) -> PackingPath:
             forced = f"{_origin()}=cupy; " if mode == "cupy" else ""
             ops = SelfCheckedPacking(CupyPacking(cupy), f"cupy {cupy.__version__}", device_type, cupy)
             return PackingPath("cupy", forced + why, ops, cupy, degraded)
-        if mode == "cupy" and device_type == "cuda":
+        if mode == "cupy":
+            # Forced, it runs or raises, whatever the device: a job that asked for cupy and silently packed its
+            # CPU tensors with torch would report a path it never ran.
+            if device_type != "cuda":
+                raise LionCubSetupError(
+                    f"LionCub: {_origin()}=cupy, but these are {device_type} tensors and cupy packs CUDA tensors only; "
+                    f"set {_origin()}=auto (the fastest path that runs), compiled or torch"
+                )
             raise LionCubSetupError(f"{_origin()}=cupy, but cupy is unavailable: {why}")
         notes.append(f"cupy: {why}")
     return PackingPath("torch", "; ".join(notes) + "; the pure torch path gives the same bits", _TORCH, None, degraded)
