@@ -81,6 +81,8 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ds_lioncub", "ds_lioncub.*"]),
+    # The convergence study's summary, read by the planner and compression="auto".
+    package_data={"ds_lioncub.planner": ["convergence_evidence.json"]},
     python_requires=">=3.11",
     # torch is pinned by the Makefile (the CPU build on this machine); any torch >= 2.4 works.
     install_requires=["torch>=2.4", "deepspeed==0.19.8", "pydantic>=2", "numpy"],

@@ -11,7 +11,8 @@ the same slices in the same order, so both compute the same bits.
   packing, one pass where compiled);
 - after it: :func:`apply_bucket` (an unpacked result) or :func:`apply_voted_signs` (packed signs);
 - exact Lion: :func:`mean_of_bucket` and :func:`exact_lion_bucket`;
-- the L1 quantizer's whole-tensor scale: :func:`whole_tensor_mean_abs`.
+- the L1 quantizer's whole-tensor scale: :func:`whole_tensor_mean_abs`;
+- the non-finite check's local half: :func:`non_finite_parameters`.
 """
 
 from __future__ import annotations
@@ -152,6 +153,16 @@ def exact_lion_bucket(entries: Sequence[Entry], bucket: list[Piece], grads: list
         update_momentum(exp_avg_slice, grad, beta2)
 
 
+def non_finite_parameters(entries: Sequence[Entry]) -> list[torch.Tensor]:
+    """The parameters whose gradient holds a NaN or inf on this rank."""
+    # A sum is NaN/inf exactly when some element is (short of an fp32 overflow of the sum, itself a
+    # broken gradient): one read pass per tensor, no per-element temporary, one host sync.
+    sums = [entry.grad.sum(dtype=torch.float32) for entry in entries]
+    if not sums or bool(torch.isfinite(torch.stack(sums)).all()):
+        return []
+    return [entry.param for entry, total in zip(entries, sums, strict=True) if not torch.isfinite(total)]
+
+
 def whole_tensor_mean_abs(entries: Sequence[Entry], capacity: int) -> dict[int, torch.Tensor]:
     """The L1 quantizer's mu (mean |c| of the whole tensor) of every tensor cut across buckets, by entry
     index: needed up front, before the first bucket holding a piece of it."""
@@ -182,6 +193,7 @@ __all__ = [
     "grad_piece",
     "mean_abs_direction",
     "mean_of_bucket",
+    "non_finite_parameters",
     "piece_of",
     "prepare_bucket",
     "prepare_sign_message",

@@ -45,6 +45,7 @@ from ds_lioncub.bucket_work import (
     grad_piece,
     mean_abs_direction,
     mean_of_bucket,
+    non_finite_parameters,
     piece_of,
     prepare_bucket,
     prepare_sign_message,
@@ -600,7 +601,7 @@ class LionCub(torch.optim.Optimizer):
         A vote would silently turn a NaN into a -1 (or an L1 scale into garbage); exact Lion at least
         propagates it. One 4-byte all-reduce per step makes every rank reach the same verdict.
         """
-        bad = _non_finite_parameters(entries)
+        bad = non_finite_parameters(entries)
         device = entries[0].grad.device if entries else torch.device("cpu")
         ranks_with_bad = torch.tensor([1 if bad else 0], dtype=torch.int32, device=device)
         self._agreement_transport.all_reduce_sum(ranks_with_bad)
@@ -774,7 +775,7 @@ class LionCub(torch.optim.Optimizer):
             if not same:
                 launched.message = final  # what a vote again sends
             changed.append(0 if same else 1)
-        bad = _non_finite_parameters(entries) if self.options.check_finite else []
+        bad = non_finite_parameters(entries) if self.options.check_finite else []
         device = entries[0].grad.device if entries else torch.device("cpu")
         verdict = torch.tensor([1 if bad else 0, *changed], dtype=torch.int32, device=device)
         self._agreement_transport.all_reduce_sum(verdict)
@@ -852,16 +853,6 @@ _Result = TypeVar("_Result")
 def _takes_part(param: torch.Tensor) -> bool:
     """Whether ``param`` takes part in steps (with a gradient, or as zeros on a rank without one)."""
     return param.requires_grad and param.numel() > 0
-
-
-def _non_finite_parameters(entries: list[Entry]) -> list[torch.Tensor]:
-    """The parameters whose gradient holds a NaN or inf on this rank."""
-    # A sum is NaN/inf exactly when some element is (short of an fp32 overflow of the sum, itself a
-    # broken gradient): one read pass per tensor, no per-element temporary, one host sync.
-    sums = [entry.grad.sum(dtype=torch.float32) for entry in entries]
-    if not sums or bool(torch.isfinite(torch.stack(sums)).all()):
-        return []
-    return [entry.param for entry, total in zip(entries, sums, strict=True) if not torch.isfinite(total)]
 
 
 def _gradient_ready(owner: weakref.ref[LionCub], param: torch.Tensor) -> None:

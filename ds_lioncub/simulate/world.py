@@ -31,6 +31,7 @@ from ds_lioncub.bucket_work import (
     apply_voted_signs,
     exact_lion_bucket,
     grad_piece,
+    non_finite_parameters,
     piece_of,
     prepare_bucket,
     prepare_sign_message,
@@ -264,7 +265,7 @@ class VirtualLionCub(torch.optim.Optimizer):
 
         The verdict goes through each worker's 4-byte all-reduce, as on real ranks, so the bytes counted match.
         """
-        bad = [any(not bool(torch.isfinite(entry.grad).all()) for entry in mine) for mine in entries]
+        bad = [bool(non_finite_parameters(mine)) for mine in entries]
         flags = [torch.tensor([int(flag)], dtype=torch.int32) for flag in bad]
         for transport, flag in zip(self.network.transports, flags, strict=True):
             transport.all_reduce_sum(flag)
