@@ -1,0 +1,276 @@
+"""Issue #22's convergence study: Lion Cub's modes against exact Lion at 4-64 virtual workers.
+
+    python -m benchmarks.study_convergence --jobs 2                  # run (or resume) the whole grid
+    python -m benchmarks.study_convergence --report                  # table, plot: report.md, gap_vs_workers.png
+    python -m benchmarks.study_convergence --workers 32 --modes exact 1bit --beta2 0.99 --seeds 0   # a pilot
+    python -m benchmarks.study_convergence --dry-run                 # list what is still to run
+
+Grid: workers {4, 8, 16, 32, 64} x modes (:data:`MODES`) x beta2 {0.95, 0.99} x seeds {0, 1, 2}, the
+example GPT (``--task small``, or ``large``) trained for ``--steps`` steps in the virtual world
+(:func:`ds_lioncub.simulate.train.train_virtual`): global batch 64 x 64 bytes, the same batches for
+every worker count and mode, lr 1e-3 peak (WarmupCosineLR, 10 warmup steps, ratios 0.1), beta1 0.9,
+weight decay 0.1, gradient clipping 1.0 by DeepSpeed's fp32 rule -- the examples' settings.
+
+Resumable: every finished run writes one JSON under
+``benchmarks/results/convergence_study/<task>_<steps>steps/`` and a run whose JSON exists is skipped.
+Runs go seed-major (every cell's seed 0 before any seed 1), so a grid stopped part-way is complete
+for its first seeds. ``--jobs J`` runs J processes of one torch thread each.
+
+The 4-bit sign vote is the 1-bit majority vote carried in wider fields: same sums, same sign, same
+tie rule, so it trains bit for bit like ``1bit`` (checked: identical losses at 4, 8 and 16 workers,
+all-reduce and all-to-all). It stays in the grid for completeness but is best run last:
+
+    python -m benchmarks.study_convergence --jobs 2 --modes exact 1bit 1bit_sync 2bit_l1_a2a 4bit_l1_a2a 8bit_l1
+    python -m benchmarks.study_convergence --jobs 2                  # then the 4-bit sign runs left
+
+Report (``--report``, from whatever JSONs exist): per beta2, worker count and mode, the validation
+loss relative to exact Lion's at the same worker count and seed, in % (mean ± spread over the seeds
+that both have, spread = 2 x the sample std of the per-seed gaps; "real" only where |mean| > spread),
+exact Lion's own seed-to-seed spread (2 x std of its val loss, in % of its mean), and the applied
+update's sign agreement with exact Lion's (match / flip / tie, averaged over steps and seeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import asdict, dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.study_report import evidence, write_report
+
+RESULTS = Path(__file__).resolve().parent / "results" / "convergence_study"
+WORKERS = (4, 8, 16, 32, 64)
+BETA2 = (0.95, 0.99)
+SEEDS = (0, 1, 2)
+#: The largest world a 4-bit sign all-reduce holds (fields sum to at most 2**4 - 1).
+KBIT4_SIGN_ALLREDUCE_MAX = 15
+
+
+def mode_options(mode: str, workers: int) -> dict[str, Any]:
+    """LionCub's options for a mode of the study at ``workers`` workers."""
+    if mode == "exact":
+        return {"compression": "none"}
+    if mode == "1bit":
+        return {"compression": "1bit"}
+    if mode == "1bit_sync":  # the paper's recipe: embedding and head momentum averaged every 10 steps
+        return {"compression": "1bit", "momentum_sync": {"interval": 10, "layers": "auto"}}
+    if mode == "4bit_sign":  # the all-reduce where it holds the workers, else all-to-all
+        algorithm = "allreduce" if workers <= KBIT4_SIGN_ALLREDUCE_MAX else "alltoall"
+        return {"compression": "kbit", "bits": 4, "quantizer": "sign", "kbit_algorithm": algorithm}
+    if mode == "2bit_l1_a2a":
+        return {"compression": "kbit", "bits": 2, "quantizer": "l1", "kbit_algorithm": "alltoall"}
+    if mode == "4bit_l1_a2a":
+        return {"compression": "kbit", "bits": 4, "quantizer": "l1", "kbit_algorithm": "alltoall"}
+    if mode == "8bit_l1":
+        return {"compression": "kbit", "bits": 8, "quantizer": "l1", "kbit_algorithm": "allreduce"}
+    raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
+
+
+MODES = ("exact", "1bit", "1bit_sync", "4bit_sign", "2bit_l1_a2a", "4bit_l1_a2a", "8bit_l1")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One cell and seed of the grid.
+
+    Fields:
+        task: "small" or "large" (examples.simulate_gpt).
+        steps: optimizer steps.
+        workers, mode, beta2, seed: the cell and seed.
+    """
+
+    task: str
+    steps: int
+    workers: int
+    mode: str
+    beta2: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"N{self.workers:02d}_{self.mode}_b2-{self.beta2}_seed{self.seed}"
+
+    def path(self, root: Path) -> Path:
+        return config_dir(root, self.task, self.steps) / f"{self.name}.json"
+
+    def options(self) -> dict[str, Any]:
+        return {"lr": 1e-3, "betas": (0.9, self.beta2), "weight_decay": 0.1, **mode_options(self.mode, self.workers)}
+
+
+def config_dir(root: Path, task: str, steps: int) -> Path:
+    return root / f"gpt-{task}_{steps}steps"
+
+
+def plan(args: argparse.Namespace) -> list[Run]:
+    """Every run the filters select, seed-major (then beta2, workers, mode)."""
+    runs = [
+        Run(args.task, args.steps, n, mode, beta2, seed)
+        for seed in args.seeds
+        for beta2 in args.beta2
+        for n in args.workers
+        for mode in args.modes
+    ]
+    if args.only:
+        runs = [r for r in runs if any(fnmatch.fnmatch(r.name, pattern) for pattern in args.only)]
+    return runs
+
+
+def _init_worker(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+#: Files whose code decides a run's numbers, fingerprinted in each run's JSON (read when a pool process
+#: first imports them: a process keeps the code it imported, whatever changes on disk later).
+CODE_FILES = (
+    "ds_lioncub/simulate/world.py",
+    "ds_lioncub/simulate/transport.py",
+    "ds_lioncub/bucket_work.py",
+    "ds_lioncub/aggregation.py",
+    "ds_lioncub/simulate/gradients.py",
+    "ds_lioncub/simulate/train.py",
+)
+_CODE: dict[str, str] = {}
+
+
+def code_fingerprint() -> dict[str, str]:
+    """git HEAD and the sha256 (first 12 hex digits) of :data:`CODE_FILES`, computed once per process."""
+    if not _CODE:
+        repo = Path(__file__).resolve().parents[1]
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=False)
+        _CODE["git_head"] = head.stdout.strip()
+        for name in CODE_FILES:
+            path = repo / name
+            _CODE[name] = hashlib.sha256(path.read_bytes()).hexdigest()[:12] if path.exists() else "missing"
+    return _CODE
+
+
+def execute(run: Run, root: Path) -> str:
+    """Train one run and write its JSON (atomically); returns a log line. Runs in a pool process."""
+    from ds_lioncub.simulate.train import train_virtual
+    from examples.simulate_gpt import task_by_name
+
+    task = task_by_name(run.task)
+    code = code_fingerprint()
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    result = train_virtual(task, run.options(), run.workers, run.steps, run.seed)
+    wall = time.perf_counter() - t0
+    record = {
+        **asdict(run),
+        "name": run.name,
+        "task_name": task.name,
+        "options": run.options(),
+        "val_loss": result.val_loss,
+        "final_train_loss": sum(result.train_losses[-10:]) / len(result.train_losses[-10:]),
+        "train_losses": result.train_losses,
+        "agreement": None if result.agreement is None else asdict(result.agreement),
+        "gradient_method": result.gradient_method,
+        "wall_s": wall,
+        "seconds_per_step": wall / run.steps,
+        "gradient_s": result.gradient_seconds,
+        "optimizer_s": result.optimizer_seconds,
+        "torch_threads": torch.get_num_threads(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg()[0],
+        "code": code,
+        "settings": "lr 1e-3 WarmupCosineLR (10 warmup, ratios 0.1), beta1 0.9, wd 0.1, clip 1.0 (deepspeed rule)",
+    }
+    path = run.path(root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)  # a run killed mid-write leaves no JSON, so it runs again on resume
+    return f"{run.name}: val {result.val_loss:.4f} in {wall:.0f} s ({wall / run.steps:.2f} s/step)"
+
+
+def run_grid(runs: list[Run], root: Path, jobs: int, threads: int, max_pool_restarts: int = 5) -> int:
+    """Run every run without a JSON; returns how many still have none (failed: they rerun on the next resume).
+
+    A pool process that dies (killed, or a crash in native code) breaks the whole pool; then a fresh
+    pool takes what is left, up to ``max_pool_restarts`` times.
+    """
+    pending = [r for r in runs if not r.path(root).exists()]
+    print(f"[study] {len(runs)} runs selected, {len(runs) - len(pending)} done, {len(pending)} to run", flush=True)
+    total, done = len(pending), 0
+    for _ in range(max_pool_restarts + 1):
+        broken = False
+        context = get_context("spawn")
+        with ProcessPoolExecutor(jobs, mp_context=context, initializer=_init_worker, initargs=(threads,)) as pool:
+            futures: dict[Future[str], Run] = {pool.submit(execute, r, root): r for r in pending}
+            for future in as_completed(futures):
+                run = futures[future]
+                try:
+                    line = future.result()
+                    done += 1
+                except BrokenProcessPool:
+                    broken = True
+                    continue  # the run has no JSON: the next pool takes it
+                except Exception as error:  # one bad run must not stop the grid; it reruns on resume
+                    done += 1
+                    line = f"{run.name}: FAILED: {type(error).__name__}: {error}"
+                print(f"[study] {done}/{total} {time.strftime('%H:%M:%S')} {line}", flush=True)
+        pending = [r for r in pending if not r.path(root).exists()]
+        if not broken or not pending:
+            break
+        print(f"[study] a pool process died; a fresh pool takes the {len(pending)} runs left", flush=True)
+    return len([r for r in pending if not r.path(root).exists()])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=("small", "large"), default="small", help="examples.simulate_gpt configuration")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
+    p.add_argument("--workers", type=int, nargs="+", default=list(WORKERS))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--beta2", type=float, nargs="+", default=list(BETA2))
+    p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    p.add_argument("--only", nargs="+", default=[], help="run names to keep (globs, e.g. 'N32_*_seed0')")
+    p.add_argument("--jobs", type=int, default=1, help="processes (one torch thread each by default)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--results", type=Path, default=RESULTS, help="results root (default: %(default)s)")
+    p.add_argument("--dry-run", action="store_true", help="list the runs still to do and exit")
+    p.add_argument("--report", action="store_true", help="write the report and plot from the JSONs present")
+    p.add_argument(
+        "--evidence",
+        type=Path,
+        help="with --report: also write the planner's summary there (ship it as "
+        "ds_lioncub/planner/convergence_evidence.json)",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    directory = config_dir(args.results, args.task, args.steps)
+    if args.report:
+        modes = [m for m in args.modes if m != "exact"]
+        print(write_report(directory, args.workers, modes, args.beta2))
+        if args.evidence is not None:
+            summary = evidence(directory, args.workers, modes, args.beta2)
+            args.evidence.write_text(json.dumps(summary, indent=1) + "\n")
+            print(f"[study] {len(summary['cells'])} cells -> {args.evidence}")
+        return 0
+    runs = plan(args)
+    if args.dry_run:
+        for run in runs:
+            print(("done  " if run.path(args.results).exists() else "to do ") + run.name)
+        return 0
+    print(f"[study] results in {directory}; $ {' '.join([sys.executable, *sys.argv])}", flush=True)
+    return 1 if run_grid(runs, args.results, args.jobs, args.threads) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

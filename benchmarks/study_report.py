@@ -1,0 +1,197 @@
+"""The report of the convergence study (benchmarks/study_convergence.py): a Markdown table and a plot.
+
+Reads every run JSON of one study directory. For each (beta2, workers, mode) it pairs the mode's runs
+with exact Lion's runs of the same worker count and seed, and summarises over the seeds both have:
+
+- gap %: 100 x (mode val - exact val) / exact val per seed; mean ± spread, spread = 2 x the sample
+  standard deviation of the per-seed gaps (ds_lioncub.simulate.train.seed_summary); "real" only where
+  |mean| > spread (never with one seed);
+- exact spread %: exact Lion's own seed-to-seed spread at that worker count (2 x the sample std of
+  its val losses, in % of their mean): how far val loss moves between seeds with no compression;
+- match / flip / tie: the applied update's sign against exact Lion's sign(mean_i c_i) at the same
+  step, averaged over steps and seeds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from ds_lioncub.planner.convergence import study_mode
+from ds_lioncub.simulate.train import SeedSummary, gap_percent, seed_summary
+
+MODE_LABELS = {
+    "1bit": "1-bit vote",
+    "1bit_sync": "1-bit + emb/head sync /10",
+    "4bit_sign": "4-bit sign (a-r <=15, else a2a)",
+    "2bit_l1_a2a": "2-bit L1 all-to-all",
+    "4bit_l1_a2a": "4-bit L1 all-to-all",
+    "8bit_l1": "8-bit L1 all-reduce",
+}
+
+
+def load_runs(directory: Path) -> dict[tuple[float, int, str], dict[int, dict[str, Any]]]:
+    """(beta2, workers, mode) -> seed -> the run's JSON."""
+    cells: dict[tuple[float, int, str], dict[int, dict[str, Any]]] = defaultdict(dict)
+    for path in sorted(directory.glob("N*_seed*.json")):
+        record = json.loads(path.read_text())
+        cells[(record["beta2"], record["workers"], record["mode"])][record["seed"]] = record
+    return cells
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def summarise(
+    cells: dict[tuple[float, int, str], dict[int, dict[str, Any]]], beta2: float, workers: int, mode: str
+) -> dict[str, Any] | None:
+    """The row of one cell, or None when no seed has both the mode and exact Lion."""
+    mode_runs = cells.get((beta2, workers, mode), {})
+    exact_runs = cells.get((beta2, workers, "exact"), {})
+    seeds = sorted(set(mode_runs) & set(exact_runs))
+    if not seeds:
+        return None
+    gaps = [gap_percent(mode_runs[s]["val_loss"], exact_runs[s]["val_loss"]) for s in seeds]
+    exact_vals = [exact_runs[s]["val_loss"] for s in sorted(exact_runs)]
+    exact_summary = seed_summary(exact_vals)
+    exact_spread = None if exact_summary.spread is None else 100.0 * exact_summary.spread / exact_summary.mean
+    agreements = [mode_runs[s]["agreement"] for s in seeds if mode_runs[s]["agreement"] is not None]
+    rates = {key: _mean([a[key] for a in agreements]) for key in ("match", "flip", "tie")} if agreements else None
+    return {
+        "seeds": seeds,
+        "gap": seed_summary(gaps),
+        "exact_val": seed_summary([exact_runs[s]["val_loss"] for s in seeds]),
+        "mode_val": seed_summary([mode_runs[s]["val_loss"] for s in seeds]),
+        "exact_spread_percent": exact_spread,
+        "rates": rates,
+        "seconds_per_step": _mean([mode_runs[s]["seconds_per_step"] for s in seeds]),
+    }
+
+
+def _cell_text(summary: SeedSummary) -> str:
+    return summary.text(2)
+
+
+def report_table(
+    cells: dict[tuple[float, int, str], dict[int, dict[str, Any]]],
+    workers: list[int],
+    modes: list[str],
+    beta2s: list[float],
+) -> str:
+    lines = [
+        "| beta2 | workers | mode | seeds | exact Lion val | mode val | gap % (mean ± spread) | real "
+        "| exact spread % | match | flip | tie |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for beta2 in beta2s:
+        for n in workers:
+            for mode in modes:
+                row = summarise(cells, beta2, n, mode)
+                if row is None:
+                    continue
+                rates = row["rates"]
+                rate_text = " | ".join(f"{rates[k]:.3f}" for k in ("match", "flip", "tie")) if rates else "- | - | -"
+                exact_spread = "n/a" if row["exact_spread_percent"] is None else f"{row['exact_spread_percent']:.2f}"
+                lines.append(
+                    f"| {beta2} | {n} | {MODE_LABELS.get(mode, mode)} | {len(row['seeds'])} | "
+                    f"{row['exact_val'].mean:.4f} | {row['mode_val'].mean:.4f} | {_cell_text(row['gap'])} | "
+                    f"{'**yes**' if row['gap'].real else 'no'} | {exact_spread} | {rate_text} |"
+                )
+    return "\n".join(lines)
+
+
+def write_plot(
+    cells: dict[tuple[float, int, str], dict[int, dict[str, Any]]],
+    workers: list[int],
+    modes: list[str],
+    beta2s: list[float],
+    path: Path,
+) -> None:
+    """Gap % vs workers, one line per mode, one panel per beta2; error bars are the spread."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(beta2s), figsize=(6.5 * len(beta2s), 4.5), squeeze=False, sharey=True)
+    for ax, beta2 in zip(axes[0], beta2s, strict=True):
+        for mode in modes:
+            points = [(n, summarise(cells, beta2, n, mode)) for n in workers]
+            kept = [(n, row) for n, row in points if row is not None]
+            if not kept:
+                continue
+            xs = [n for n, _ in kept]
+            ys = [row["gap"].mean for _, row in kept]
+            errs = [row["gap"].spread or 0.0 for _, row in kept]
+            ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=MODE_LABELS.get(mode, mode))
+        ax.axhline(0.0, color="black", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(workers, [str(n) for n in workers])
+        ax.set_xlabel("workers")
+        ax.set_title(f"beta2 = {beta2}")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("val loss vs exact Lion, % (mean ± 2 std over seeds)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(directory: Path, workers: list[int], modes: list[str], beta2s: list[float]) -> str:
+    """Write report.md and gap_vs_workers.png into ``directory``; returns the report's text."""
+    cells = load_runs(directory)
+    if not cells:
+        return f"no runs in {directory} yet"
+    runs = sum(len(seeds) for seeds in cells.values())
+    text = (
+        f"# Convergence study: {directory.name}\n\n"
+        f"{runs} runs. Gap: the mode's validation loss relative to exact Lion's (fp32 mean) at the same worker "
+        f"count and seed, in %; mean ± spread over the seeds both have, spread = 2 x sample std of the per-seed "
+        f"gaps; real only where |mean| > spread. Exact spread: exact Lion's seed-to-seed spread (2 x std of its val "
+        f"loss, % of the mean). match / flip / tie: the applied update's sign against exact Lion's at the same "
+        f"step.\n\n"
+        f"{report_table(cells, workers, modes, beta2s)}\n\n![gap vs workers](gap_vs_workers.png)\n"
+    )
+    (directory / "report.md").write_text(text)
+    write_plot(cells, workers, modes, beta2s, directory / "gap_vs_workers.png")
+    return text
+
+
+def evidence(directory: Path, workers: list[int], modes: list[str], beta2s: list[float]) -> dict[str, Any]:
+    """The study's summary for the planner and ``compression="auto"`` (ds_lioncub/planner/convergence.py):
+    one cell per (planner mode key, workers, beta2) with the gap's mean and spread in %.
+
+    The planner's key comes from each run's own options (``study_mode``); two study modes with the same
+    key (the 4-bit sign vote is the 1-bit vote's arithmetic) give one cell, the first in ``modes``.
+    """
+    cells = load_runs(directory)
+    out: list[dict[str, Any]] = []
+    seen: set[tuple[str, int, float]] = set()
+    for beta2 in beta2s:
+        for n in workers:
+            for mode in modes:
+                row = summarise(cells, beta2, n, mode)
+                if row is None:
+                    continue
+                key = study_mode(next(iter(cells[(beta2, n, mode)].values()))["options"])
+                if key is None or (key, n, beta2) in seen:
+                    continue
+                seen.add((key, n, beta2))
+                gap: SeedSummary = row["gap"]
+                out.append(
+                    {
+                        "mode": key,
+                        "workers": n,
+                        "beta2": beta2,
+                        "gap_percent": round(gap.mean, 3),
+                        "spread_percent": None if gap.spread is None else round(gap.spread, 3),
+                        "seeds": len(row["seeds"]),
+                    }
+                )
+    return {
+        "source": f"benchmarks/study_convergence.py, results {directory.name} (benchmarks/RESULTS.md)",
+        "cells": out,
+    }

@@ -1,0 +1,263 @@
+"""Training in the virtual world: a :class:`Task` trained by :class:`VirtualLionCub` over N workers.
+
+The global batch of step t is the task's, identical for every worker count and mode: N workers split
+it into N equal micro-batches (:mod:`ds_lioncub.simulate.gradients`), so two runs with the same seed
+differ only in how the workers' updates are aggregated. Exact Lion is ``compression="none"``: the fp32
+mean of the N workers' gradients, through the same world.
+
+Learning rate: DeepSpeed's ``WarmupCosineLR`` as the examples configure it (linear warmup from
+``warmup_min_ratio`` x lr to lr over ``warmup_steps``, then cosine decay to ``cos_min_ratio`` x lr at
+the last step), except that the first step runs at the warmup's start, not at lr 0 (DeepSpeed's
+scheduler starts at 0 before its first step, which only moves the momentum).
+
+Gradient clipping (``grad_clip``, the examples' 1.0; 0 disables it) follows ``clip_rule``:
+
+- ``"deepspeed"`` (default): what a DeepSpeed job at ZeRO stage 0 in fp32 does (``clip_grad_norm_``
+  averages the ranks' gradient norms and every rank scales its gradient by one common factor
+  ``min(1, grad_clip / (norm + 1e-6))``). With compression every rank holds its own gradient, so the
+  norm is the mean over the workers of their own norms; with ``compression="none"`` the engine
+  averages the gradients first, so it is the norm of the mean gradient (and exact Lion's trajectory
+  does not depend on N). Lion is invariant to a constant gradient scale; a common factor that changes
+  from step to step reweighs the momentum's history, the same for every worker.
+- ``"per_worker"``: each worker clips its own gradient by its own norm (DeepSpeed's bf16/fp16
+  wrappers do this). With ``compression="none"`` the engine averages before any clipping, so exact
+  Lion clips the mean gradient by its norm under either rule.
+
+Seed statistics (:func:`seed_summary`): over S seeds, a quantity's ``spread`` is twice the sample
+standard deviation (ddof 1) of its per-seed values, about the band that holds 95% of single seeds;
+a gap is called real only when ``|mean| > spread`` (never with one seed).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+
+from ds_lioncub.errors import LionCubConfigError
+from ds_lioncub.simulate.gradients import Batch, GradientBuffers, Method, worker_gradients
+from ds_lioncub.simulate.world import VirtualLionCub
+
+ClipRule = Literal["deepspeed", "per_worker"]
+
+
+class Task(Protocol):
+    """What :func:`train_virtual` trains: a model, its data and its validation loss.
+
+    Attributes:
+        name: a short label for tables and result files.
+        global_batch_size: samples per step (the batch dimension of :meth:`batch`); every worker count
+            used with the task must divide it.
+    """
+
+    name: str
+    global_batch_size: int
+
+    def build_model(self, seed: int) -> nn.Module:
+        """A freshly initialised model, the same for every call with the same seed."""
+        ...
+
+    def batch(self, step: int, seed: int) -> Batch:
+        """The global batch of optimizer step ``step`` (0-based); a function of (step, seed) only."""
+        ...
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """The mean loss over ``batch`` (every sample weighed equally)."""
+        ...
+
+    def validation_loss(self, model: nn.Module) -> float:
+        """The loss on a fixed validation set."""
+        ...
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Means over the compressed steps of :class:`~ds_lioncub.simulate.AgreementStats` (fractions of elements).
+
+    Fields:
+        match, flip, zero: the applied update's sign equals / opposes exact Lion's, or one of them is 0.
+        tie: the vote summed to 0 and the tie rule chose.
+    """
+
+    match: float
+    flip: float
+    zero: float
+    tie: float
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train_virtual` returns.
+
+    Fields:
+        train_losses: the global batch's mean loss at each step, before that step's update.
+        val_loss: the task's validation loss after the last step.
+        agreement: the agreement with exact Lion, averaged over steps (None for exact Lion or when not recorded).
+        gradient_method: "fused" or "loop" (:func:`~ds_lioncub.simulate.gradients.worker_gradients`).
+        gradient_seconds, optimizer_seconds: wall time of the per-worker gradients and of the optimizer
+            steps (clipping included), summed over the steps.
+        lrs: the learning rate each step applied.
+    """
+
+    train_losses: list[float]
+    val_loss: float
+    agreement: Agreement | None
+    gradient_method: str
+    gradient_seconds: float = 0.0
+    optimizer_seconds: float = 0.0
+    lrs: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SeedSummary:
+    """A quantity over seeds (:func:`seed_summary`).
+
+    Fields:
+        values: the per-seed values, in seed order.
+        mean: their mean.
+        spread: 2 x their sample standard deviation (ddof 1); None with fewer than two seeds.
+    """
+
+    values: tuple[float, ...]
+    mean: float
+    spread: float | None
+
+    @property
+    def real(self) -> bool:
+        """Whether the mean lies outside the seed spread (a gap "real", not seed noise)."""
+        return self.spread is not None and abs(self.mean) > self.spread
+
+    def text(self, digits: int = 2) -> str:
+        """``"+1.23 ± 0.45"`` (``"+1.23 ± n/a"`` with one seed)."""
+        spread = "n/a" if self.spread is None else f"{self.spread:.{digits}f}"
+        return f"{self.mean:+.{digits}f} ± {spread}"
+
+
+def seed_summary(values: list[float]) -> SeedSummary:
+    """Mean and spread (2 x sample std) of per-seed values."""
+    if not values:
+        raise ValueError("seed_summary needs at least one value")
+    mean = sum(values) / len(values)
+    spread = None
+    if len(values) > 1:
+        spread = 2.0 * math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    return SeedSummary(values=tuple(values), mean=mean, spread=spread)
+
+
+def gap_percent(mode_val: float, exact_val: float) -> float:
+    """The mode's validation loss relative to exact Lion's of the same seed and worker count, in %."""
+    return 100.0 * (mode_val - exact_val) / exact_val
+
+
+def lr_ratio(step: int, total_steps: int, warmup_steps: int, warmup_min_ratio: float, cos_min_ratio: float) -> float:
+    """The lr multiplier of 0-based ``step``: DeepSpeed's WarmupCosineLR (linear warmup) formula."""
+    if step < warmup_steps:
+        return warmup_min_ratio + (1.0 - warmup_min_ratio) * step / warmup_steps
+    progress = min(1.0, (step - warmup_steps + 1) / max(1, total_steps - warmup_steps))
+    return max(0.0, cos_min_ratio + (1.0 - cos_min_ratio) * (1.0 + math.cos(math.pi * progress)) / 2.0)
+
+
+def clip_worker_gradients(grads: list[list[torch.Tensor]], max_norm: float, rule: ClipRule, exact: bool) -> None:
+    """Scale ``grads[i][j]`` in place as ``rule`` says (module docstring); ``exact``: compression "none"."""
+    if rule not in ("deepspeed", "per_worker"):
+        raise LionCubConfigError(f"LionCub: clip_rule must be 'deepspeed' or 'per_worker', got {rule!r}")
+    if max_norm <= 0:
+        return
+    if exact:  # the engine averages first: one norm, of the mean gradient
+        total = [g.clone() for g in grads[0]]
+        for worker in grads[1:]:
+            torch._foreach_add_(total, worker)
+        torch._foreach_div_(total, len(grads))
+        coefs = [min(1.0, max_norm / (_norm(total) + 1e-6))] * len(grads)
+    else:
+        norms = [_norm(worker) for worker in grads]
+        if rule == "per_worker":
+            coefs = [min(1.0, max_norm / (norm + 1e-6)) for norm in norms]
+        else:
+            coefs = [min(1.0, max_norm / (sum(norms) / len(norms) + 1e-6))] * len(grads)
+    for worker, coef in zip(grads, coefs, strict=True):
+        if coef < 1.0:
+            torch._foreach_mul_(worker, coef)
+
+
+def _norm(tensors: list[torch.Tensor]) -> float:
+    """The L2 norm of all ``tensors`` together, in fp32 (as DeepSpeed's clip_grad_norm_)."""
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])))
+
+
+def train_virtual(
+    task: Task,
+    options: dict[str, Any],
+    workers: int,
+    steps: int,
+    seed: int,
+    *,
+    warmup_steps: int = 10,
+    warmup_min_ratio: float = 0.1,
+    cos_min_ratio: float = 0.1,
+    grad_clip: float = 1.0,
+    clip_rule: ClipRule = "deepspeed",
+    gradient_method: Method = "auto",
+    agreement_stats: bool = True,
+) -> TrainResult:
+    """Train ``task`` for ``steps`` steps with ``VirtualLionCub(workers=workers, **options)``.
+
+    Args:
+        task: the model, data and validation loss.
+        options: LionCub's options (lr is the schedule's peak; betas, weight_decay, compression, ...).
+        workers: N; must divide ``task.global_batch_size``.
+        steps: optimizer steps (also the cosine schedule's length).
+        seed: model initialisation and data order (``task.build_model(seed)``, ``task.batch(t, seed)``).
+        warmup_steps, warmup_min_ratio, cos_min_ratio: the lr schedule (module docstring).
+        grad_clip, clip_rule: gradient clipping (module docstring).
+        gradient_method: how the per-worker gradients are computed ("auto": the fused pass where it can).
+        agreement_stats: record the compressed steps' agreement with exact Lion.
+    """
+    if steps < 1:
+        raise LionCubConfigError(f"LionCub: steps must be >= 1, got {steps}")
+    torch.manual_seed(seed)
+    model = task.build_model(seed)
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    exact = options.get("compression", "1bit") == "none"
+    optimizer = VirtualLionCub(
+        named, workers=workers, module=model, agreement_stats=agreement_stats and not exact, **options
+    )
+    peak = float(optimizer.param_groups[0]["lr"])
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_ratio(s, steps, warmup_steps, warmup_min_ratio, cos_min_ratio)
+    )
+    result = TrainResult(train_losses=[], val_loss=math.nan, agreement=None, gradient_method="")
+    tallies: list[tuple[float, float, float, float]] = []
+    buffers = GradientBuffers()  # one set of (N, *shape) gradient tensors for every step
+    model.train()
+    for step in range(steps):
+        t0 = time.perf_counter()
+        computed = worker_gradients(model, task.loss, task.batch(step, seed), workers, params, gradient_method, buffers)
+        t1 = time.perf_counter()
+        clip_worker_gradients(computed.grads, grad_clip, clip_rule, exact)
+        result.lrs.append(float(optimizer.param_groups[0]["lr"]))
+        optimizer.step(computed.grads)
+        schedule.step()
+        result.optimizer_seconds += time.perf_counter() - t1
+        result.gradient_seconds += t1 - t0
+        result.gradient_method = computed.method
+        result.train_losses.append(computed.loss)
+        if not math.isfinite(computed.loss):
+            raise LionCubConfigError(
+                f"LionCub: the training loss is {computed.loss} at step {step} (peak lr {peak}); lower the lr"
+            )
+        stats = optimizer.last_agreement
+        if stats is not None and not exact:
+            tallies.append((stats.match, stats.flip, stats.zero, stats.tie))
+    model.eval()
+    with torch.no_grad():
+        result.val_loss = float(task.validation_loss(model))
+    if tallies:
+        means = torch.tensor(tallies, dtype=torch.float64).mean(dim=0).tolist()
+        result.agreement = Agreement(match=means[0], flip=means[1], zero=means[2], tie=means[3])
+    return result
