@@ -25,6 +25,8 @@ import torch
 from ds_lioncub.aggregation import Aggregator, Bucket
 from ds_lioncub.buckets import Piece
 from ds_lioncub.comm.packing import MomentumPiece, ParamPiece, apply_packed_signs, lion_direction_pack_signs
+from ds_lioncub.config import parse_config
+from ds_lioncub.errors import LionCubConfigError, UnsupportedParameterError
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
 
 
@@ -35,6 +37,28 @@ class Entry(NamedTuple):
     param: torch.Tensor
     grad: torch.Tensor
     exp_avg: torch.Tensor
+
+
+def check_param_group(group: dict[str, Any]) -> None:
+    """Raise unless a step can serve ``group`` (as torch.optim stores it, defaults filled in): its lr, betas
+    and weight decay valid as options, every parameter dense, floating-point and contiguous (steps update
+    flat views)."""
+    parse_config({key: group[key] for key in ("lr", "betas", "weight_decay")})
+    names = group.get("param_names", [None] * len(group["params"]))
+    for name, param in zip(names, group["params"], strict=True):
+        label = f"parameter {name!r}" if name else f"a parameter of shape {tuple(param.shape)}"
+        if not param.is_floating_point():
+            raise UnsupportedParameterError(
+                f"LionCub: {label} has dtype {param.dtype}; only floating-point parameters can be "
+                f"optimized. Leave it out of the optimizer or set requires_grad=False."
+            )
+        if param.is_sparse:
+            raise UnsupportedParameterError(f"LionCub: {label} is a sparse tensor; LionCub needs dense parameters.")
+        if not param.is_contiguous():
+            raise LionCubConfigError(
+                f"LionCub: {label} is not contiguous; LionCub updates flat views. "
+                f"Make it contiguous (param.data = param.data.contiguous()) before building the optimizer."
+            )
 
 
 def piece_of(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
@@ -189,6 +213,7 @@ __all__ = [
     "apply_bucket",
     "apply_voted_signs",
     "bucket_directions",
+    "check_param_group",
     "exact_lion_bucket",
     "grad_piece",
     "mean_abs_direction",

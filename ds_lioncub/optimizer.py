@@ -41,6 +41,7 @@ from ds_lioncub.bucket_work import (
     apply_bucket,
     apply_voted_signs,
     bucket_directions,
+    check_param_group,
     exact_lion_bucket,
     grad_piece,
     mean_abs_direction,
@@ -66,6 +67,7 @@ from ds_lioncub.comm.transport import CommStats, TorchTransport, Transport, make
 from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.errors import (
     LionCubConfigError,
+    LionCubError,
     LionCubSetupError,
     NonFiniteGradientError,
     UnsupportedParameterError,
@@ -171,27 +173,14 @@ class LionCub(torch.optim.Optimizer):
     # ------------------------------------------------------------------ set-up and validation
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        hyper: dict[str, Any] = {key: param_group[key] for key in ("lr", "betas", "weight_decay") if key in param_group}
-        parse_config({**self.defaults, **hyper})
         current_step = self.param_groups[0]["step"] if self.param_groups else 0
         param_group.setdefault("step", current_step)
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        names = group.get("param_names", [None] * len(group["params"]))
-        for name, param in zip(names, group["params"], strict=True):
-            label = f"parameter {name!r}" if name else f"a parameter of shape {tuple(param.shape)}"
-            if not param.is_floating_point():
-                raise UnsupportedParameterError(
-                    f"LionCub: {label} has dtype {param.dtype}; only floating-point parameters can be "
-                    f"optimized. Leave it out of the optimizer or set requires_grad=False."
-                )
-            if param.is_sparse:
-                raise UnsupportedParameterError(f"LionCub: {label} is a sparse tensor; LionCub needs dense parameters.")
-            if not param.is_contiguous():
-                raise LionCubConfigError(
-                    f"LionCub: {label} is not contiguous; LionCub updates flat views. "
-                    f"Make it contiguous (param.data = param.data.contiguous()) before building the optimizer."
-                )
+        try:
+            check_param_group(self.param_groups[-1])
+        except LionCubError:
+            self.param_groups.pop()  # refused: the optimizer stays as it was
+            raise
         if self._ready:
             self._resolve_names()
 

@@ -157,11 +157,20 @@ def resolve_auto(
         hybrid_with_one_rank_per_node=zero_stage != 0,
     )
     # The fastest mode that the convergence study does not show losing Lion's loss at these voters and beta2.
-    choice = choose(candidates, Cluster(layout.nodes, layout.node_size), options.betas[1])
+    sync = options.momentum_sync.model_dump() if options.momentum_sync.interval else None
+    choice = choose(candidates, Cluster(layout.nodes, layout.node_size), options.betas[1], momentum_sync=sync)
     best = choice.best
     skipped = f" {choice.skipped_sentence()}" if choice.skipped else ""
     exact = next(c for c in candidates if c.compression == "none")
     compressed = next(c for c in candidates if c.compression != "none")
+    if best.compression == "none" and choice.skipped:
+        sentence = (
+            f"LionCub auto: compression would pay for {where} ({compressed.label} predicted at "
+            f"{format_seconds(compressed.seconds_per_step)}/step, exact Lion at "
+            f"{format_seconds(exact.seconds_per_step)}), but every faster mode loses Lion's loss; using exact "
+            f"Lion (compression 'none', {exact.label})." + skipped + _vote_stats_note(options)
+        )
+        return AutoResolution(_concrete(options, best.params, zero_stage), sentence, True, tuple(candidates))
     if best.compression == "none":
         sentence = (
             f"LionCub auto: compression does not pay for {where}: the best compressed mode ({compressed.label}) is "

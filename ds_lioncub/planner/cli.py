@@ -343,8 +343,8 @@ def as_table(
         " step: comm and local, a compressed mode's votes overlapped with its local work over its buckets.",
         " bytes/step/rank: all a rank sends; out of a node: what crosses one node's link to the network.",
         " loss vs Lion: the convergence study's validation-loss gap to exact Lion at the mode's worker",
-        f" count and beta2, mean ± seed spread in %; '!': beyond {LOSS_THRESHOLD_PERCENT:g}% and the spread; '-': not"
-        " studied.)",
+        f" count and beta2, mean ± seed spread in %; '!': beyond {LOSS_THRESHOLD_PERCENT:g}% and the spread; '±?': one"
+        " seed, never called a loss; '-': not studied; judged without momentum sync.)",
         "",
         "ds_config:",
         json.dumps(ds_config_blocks(best), indent=2),

@@ -8,7 +8,8 @@ exact Lion's at the same worker count (the gap, in %) with its seed spread. Its 
 ``compression="auto"``:
 
 - a mode *loses* at N workers and beta2 when the study measured its gap above
-  :data:`LOSS_THRESHOLD_PERCENT` (2%) and beyond its seed spread (a real gap, not seed noise);
+  :data:`LOSS_THRESHOLD_PERCENT` (2%) and beyond its seed spread (a real gap, not seed noise); a cell of
+  one seed has no spread and never loses (the table shows its gap with "±?");
 - the planner never recommends a losing mode without saying so, and ``"auto"`` skips it for the
   fastest mode that does not lose (exact Lion at worst, which loses nothing by definition).
 
@@ -16,7 +17,8 @@ Worker counts between the study's points take the next measured count above (mor
 made a vote more faithful in the study); beyond the largest, the largest, and the verdict says so.
 beta2 takes the nearest studied value. A k-bit vote of sign fields is the 1-bit vote's arithmetic
 (the sum of the workers' signs, the same tie rule; tests/unit/test_virtual_world.py shows them
-bit-identical), so it takes the 1-bit vote's evidence.
+bit-identical), so it takes the 1-bit vote's evidence. The study ran the default tie rule and L1
+clip; other settings of them take the same evidence.
 """
 
 from __future__ import annotations
@@ -99,9 +101,26 @@ def study_mode(params: Mapping[str, Any]) -> str | None:
 
 def read_evidence(path: str | Path) -> tuple[StudyCell, ...]:
     """The cells of a study summary file (``{"cells": [{mode, workers, beta2, gap_percent, spread_percent,
-    seeds}, ...]}``, what benchmarks/study_convergence.py --report writes)."""
+    seeds}, ...]}``, what benchmarks/study_convergence.py --report --evidence writes); raises ValueError
+    naming the first malformed cell."""
     data = json.loads(Path(path).read_text())
-    return tuple(StudyCell(**cell) for cell in data["cells"])
+    cells = []
+    for index, cell in enumerate(data["cells"]):
+        spread = cell.get("spread_percent")
+        well_formed = (
+            isinstance(cell.get("mode"), str)
+            and type(cell.get("workers")) is int
+            and type(cell.get("seeds")) is int
+            and all(type(cell.get(key)) in (int, float) for key in ("beta2", "gap_percent"))
+            and (spread is None or type(spread) in (int, float))
+        )
+        if not well_formed:
+            raise ValueError(
+                f"cell {index} of {path} is not {{mode: str, workers: int, beta2: number, gap_percent: number, "
+                f"spread_percent: number or null, seeds: int}}: {cell}"
+            )
+        cells.append(StudyCell(**cell))
+    return tuple(cells)
 
 
 @cache
@@ -165,10 +184,22 @@ class Choice:
 
 
 def choose(
-    candidates: Sequence[Candidate], cluster: Cluster, beta2: float, cells: tuple[StudyCell, ...] | None = None
+    candidates: Sequence[Candidate],
+    cluster: Cluster,
+    beta2: float,
+    cells: tuple[StudyCell, ...] | None = None,
+    momentum_sync: Mapping[str, Any] | None = None,
 ) -> Choice:
-    """The fastest of ``candidates`` (fastest first) that keeps Lion's loss, and what was passed over."""
-    verdicts = tuple(assess(c.params, voters(c, cluster), beta2, cells) for c in candidates)
+    """The fastest of ``candidates`` (fastest first) that keeps Lion's loss, and what was passed over.
+
+    ``momentum_sync``: the user's block (``compression="auto"`` keeps it on whichever compressed mode it
+    picks), so that a compressed candidate is judged as it would run.
+    """
+    sync = {} if momentum_sync is None else {"momentum_sync": dict(momentum_sync)}
+    verdicts = tuple(
+        assess({**c.params, **(sync if c.compression != "none" else {})}, voters(c, cluster), beta2, cells)
+        for c in candidates
+    )
     skipped: list[tuple[Candidate, Verdict]] = []
     for candidate, verdict in zip(candidates, verdicts, strict=True):
         if not verdict.loses:

@@ -29,6 +29,7 @@ from ds_lioncub.bucket_work import (
     Entry,
     apply_bucket,
     apply_voted_signs,
+    check_param_group,
     exact_lion_bucket,
     grad_piece,
     non_finite_parameters,
@@ -42,7 +43,7 @@ from ds_lioncub.comm.packing import unpack_signs
 from ds_lioncub.comm.quantize import tie_sign
 from ds_lioncub.comm.transport import CommStats
 from ds_lioncub.config import LionCubConfig, parse_config
-from ds_lioncub.errors import LionCubConfigError, NonFiniteGradientError, UnsupportedParameterError
+from ds_lioncub.errors import LionCubConfigError, LionCubError, NonFiniteGradientError
 from ds_lioncub.param_selection import names_by_position, select_parameters
 from ds_lioncub.simulate.agreement import AgreementStats, AgreementTally, summed_directions
 from ds_lioncub.simulate.transport import VirtualNetwork
@@ -115,21 +116,38 @@ class VirtualLionCub(torch.optim.Optimizer):
         self.agreement_stats = agreement_stats
         #: What the last compressed step's update agreed with exact Lion (``agreement_stats=True``), else None.
         self.last_agreement: AgreementStats | None = None
-        defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay, "step": 0}
+        defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
+        self._ready = False
         super().__init__(params, defaults)
-        for position, param in enumerate(self._flat_params()):
-            _require_steppable(param, position)
         self.network = VirtualNetwork(workers)
         # One aggregation per worker, each over its own rank of the network, built as LionCub builds it.
         self._aggregators: list[Aggregator] | None = None
         built = [build_aggregation(self.options, transport, False) for transport in self.network.transports]
         if all(aggregator is not None for aggregator in built):
             self._aggregators = [aggregator for aggregator in built if aggregator is not None]
-        sync = self.options.momentum_sync
         self._momentum_synced: set[int] = set()
+        self._select_synced()
+        self._ready = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch.optim's, with LionCub's checks (valid lr / betas / weight decay, steppable parameters); a
+        group added later joins the momentum-sync selection as in LionCub."""
+        param_group.setdefault("step", self.param_groups[0]["step"] if self.param_groups else 0)
+        super().add_param_group(param_group)
+        try:
+            check_param_group(self.param_groups[-1])
+        except LionCubError:
+            self.param_groups.pop()
+            raise
+        if self._ready:
+            self._select_synced()
+
+    def _select_synced(self) -> None:
+        """The flat positions whose momenta momentum sync averages."""
+        sync = self.options.momentum_sync
         if sync.interval:
-            names = names_by_position(self.param_groups, module)
-            selected = select_parameters(self._flat_params(), names, sync.layers, module)
+            names = names_by_position(self.param_groups, self.module)
+            selected = select_parameters(self._flat_params(), names, sync.layers, self.module)
             self._momentum_synced = {position for position, chosen in enumerate(selected) if chosen}
 
     # ------------------------------------------------------------------ inspection
@@ -142,7 +160,9 @@ class VirtualLionCub(torch.optim.Optimizer):
     def worker_momentum(self, worker: int) -> list[torch.Tensor]:
         """Worker ``worker``'s ``exp_avg`` tensors in the order of ``params`` (views; zeros before the first step)."""
         if not 0 <= worker < self.workers:
-            raise IndexError(f"worker {worker} is not in a world of {self.workers}")
+            raise IndexError(
+                f"LionCub: worker {worker} is not in a world of {self.workers}; ask for 0..{self.workers - 1}."
+            )
         index = 0 if self.exact else worker
         return [self._momenta(param)[index] for param in self._flat_params()]
 
@@ -161,8 +181,6 @@ class VirtualLionCub(torch.optim.Optimizer):
         taking_part = [j for j, param in enumerate(params) if param.requires_grad and param.numel() > 0]
         if self.workers == 1:  # alone, LionCub skips a parameter without a gradient
             taking_part = [j for j in taking_part if grads[0][j] is not None]
-        if not taking_part:
-            return
         step = self.param_groups[0]["step"] + 1
         momenta = [self._momenta(params[j]) for j in taking_part]
         entries = [
@@ -183,7 +201,7 @@ class VirtualLionCub(torch.optim.Optimizer):
             group["step"] = step
         interval = self.options.momentum_sync.interval
         if interval and step % interval == 0 and not self.exact:
-            self._sync_momentum(taking_part, momenta)
+            self._sync_momentum()
         assert self.network.idle, "virtual world: a collective was left incomplete"
 
     def _exact_step(self, entries: list[list[Entry]], plan: list[list[Piece]]) -> None:
@@ -244,9 +262,15 @@ class VirtualLionCub(torch.optim.Optimizer):
         if tally is not None:
             self.last_agreement = tally.stats()
 
-    def _sync_momentum(self, taking_part: list[int], momenta: list[torch.Tensor]) -> None:
-        """Average the selected parameters' momenta over the workers, as LionCub's momentum sync does."""
-        selected = [momenta[n] for n, j in enumerate(taking_part) if j in self._momentum_synced]
+    def _sync_momentum(self) -> None:
+        """Average the selected parameters' momenta over the workers, as LionCub's momentum sync does: every
+        selected parameter that has momenta, whether or not it took part in this step."""
+        params = self._flat_params()
+        selected = [
+            self.state[param]["worker_exp_avg"]
+            for position, param in enumerate(params)
+            if position in self._momentum_synced and "worker_exp_avg" in self.state[param]
+        ]
         if not selected or self.workers == 1:
             return
         assert self._aggregators is not None
@@ -317,19 +341,6 @@ class VirtualLionCub(torch.optim.Optimizer):
 
 def _or_zeros(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(param) if grad is None else grad
-
-
-def _require_steppable(param: torch.Tensor, position: int) -> None:
-    label = f"parameter #{position} of shape {tuple(param.shape)}"
-    if not param.is_floating_point() or param.is_sparse:
-        raise UnsupportedParameterError(
-            f"LionCub: {label} is {param.dtype}{' sparse' if param.is_sparse else ''}; only dense floating-point "
-            f"parameters can be optimized. Leave it out of the optimizer."
-        )
-    if not param.is_contiguous():
-        raise LionCubConfigError(
-            f"LionCub: {label} is not contiguous; make it contiguous before building the optimizer."
-        )
 
 
 __all__ = ["NETWORK_OPTIONS", "AgreementStats", "VirtualLionCub"]

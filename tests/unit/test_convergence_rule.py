@@ -74,16 +74,18 @@ def test_the_planner_passes_over_a_faster_mode_that_loses_and_says_so() -> None:
     cluster = Cluster(4, 8)
     candidates = plan(1_500_000_000, cluster, Network(GBIT, None, 50e-6))
     fastest = candidates[0]
-    assert fastest.compression != "none"
+    assert fastest.compression != "none" and fastest.zero_stage == 2  # the ZeRO-2 hybrid: the 4 nodes vote
     key = study_mode(fastest.params)
     assert key is not None
-    losing = (cell(key, voters(fastest, cluster), 6.0, 1.0),)
+    losing = (cell(key, 4, 6.0, 1.0),)
     choice = choose(candidates, cluster, 0.99, losing)
     assert choice.best is not fastest and study_mode(choice.best.params) != key
     assert choice.skipped[0][0] is fastest
     assert "+6.0% ± 1.0" in choice.skipped_sentence()
     # Within the seed spread: nothing is passed over.
-    assert choose(candidates, cluster, 0.99, (cell(key, voters(fastest, cluster), 6.0, 7.0),)).best is fastest
+    assert choose(candidates, cluster, 0.99, (cell(key, 4, 6.0, 7.0),)).best is fastest
+    # Judged at 32 voters (stage 0) the same mode would take 32's cell: the hybrid's is the nodes'.
+    assert voters(fastest, cluster) == 4 and voters(candidates[-1], cluster) in (4, 32)
 
 
 def test_the_cli_names_what_it_passed_over_in_the_table_and_the_json(tmp_path: Path) -> None:
@@ -108,8 +110,41 @@ def test_auto_takes_the_fastest_mode_that_keeps_lions_loss(monkeypatch: pytest.M
     plain = resolve_auto(options, 1_500_000_000, 32, 1)
     assert study_mode(plain.options.model_dump()) == "1bit"
     losing = (cell("1bit", 32, 4.0, 1.0, beta2=0.95),)
-    monkeypatch.setattr(auto_module, "choose", lambda c, cl, b2: choose(c, cl, b2, losing))
+    monkeypatch.setattr(auto_module, "choose", lambda c, cl, b2, momentum_sync=None: choose(c, cl, b2, losing))
     resolved = resolve_auto(options, 1_500_000_000, 32, 1)
     assert study_mode(resolved.options.model_dump()) != "1bit"
     assert resolved.fell_back and "Faster but not recommended" in resolved.sentence
     assert "+4.0% ± 1.0 vs Lion's loss (32 workers, beta2 0.95" in resolved.sentence
+
+
+def test_auto_says_when_every_faster_mode_loses(monkeypatch: pytest.MonkeyPatch) -> None:
+    options = parse_config({"compression": "auto", "network": {"bandwidth": "1gbit"}})
+    modes = ("1bit", "2bit-l1-alltoall", "4bit-l1-alltoall", "8bit-l1-allreduce", "8bit-l1-alltoall")
+    modes += ("2bit-l1-allreduce", "4bit-l1-allreduce")
+    losing = tuple(cell(mode, 64, 9.0, 1.0) for mode in modes)
+    monkeypatch.setattr(auto_module, "choose", lambda c, cl, b2, momentum_sync=None: choose(c, cl, b2, losing))
+    resolved = resolve_auto(options, 1_500_000_000, 32, 1)
+    assert resolved.options.compression == "none" and resolved.fell_back
+    assert "compression would pay" in resolved.sentence and "every faster mode loses Lion's loss" in resolved.sentence
+    assert "does not pay" not in resolved.sentence
+
+
+def test_auto_judges_a_compressed_mode_with_the_users_momentum_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    sync = {"interval": 10, "layers": "auto"}
+    options = parse_config({"compression": "auto", "network": {"bandwidth": "1gbit"}, "momentum_sync": sync})
+    # Plain 1-bit loses at 32 workers, 1-bit with the head's momentum synced does not.
+    cells = (cell("1bit", 32, 5.0, 1.0), cell("1bit+sync", 32, 0.5, 1.0))
+    monkeypatch.setattr(
+        auto_module, "choose", lambda c, cl, b2, momentum_sync=None: choose(c, cl, b2, cells, momentum_sync)
+    )
+    resolved = resolve_auto(options, 1_500_000_000, 32, 1)
+    assert study_mode(resolved.options.model_dump()) == "1bit+sync" and not resolved.fell_back
+
+
+def test_a_malformed_evidence_file_exits_2_naming_the_cell(tmp_path: Path) -> None:
+    evidence = tmp_path / "study.json"
+    evidence.write_text(json.dumps({"cells": [{**cell("1bit", 4, 1.0, 0.5).__dict__, "workers": "4"}]}))
+    command = [sys.executable, "-m", "ds_lioncub.planner", "--params", "1e6", "--nodes", "2", "--gpus-per-node", "1"]
+    command += ["--inter-node-bandwidth", "1gbit", "--convergence-evidence", str(evidence)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 2 and "cell 0" in done.stderr and "Traceback" not in done.stderr

@@ -256,3 +256,85 @@ def test_kbit_votes_of_sign_fields_train_exactly_as_the_one_bit_vote(workers: in
         _, params = run_virtual(workers, options)
         for name in PARAM_NAMES:
             assert torch.equal(params[name], one_bit[name]), (options, name)
+
+
+def two_group_model() -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """The scenarios' parameters in two groups of their own lr / betas / weight decay, b2 frozen."""
+    params = fresh_params()
+    params["b2"].requires_grad_(False)
+    groups = [
+        {"params": [params["w1"], params["b1"]], "param_names": ["w1", "b1"]},
+        {"params": [params["w2"], params["b2"]], "param_names": ["w2", "b2"], "lr": 0.003, "betas": (0.8, 0.95)},
+    ]
+    return params, groups
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"compression": "1bit"}, {"compression": "kbit", "bits": 8, "quantizer": "l1"}, {"compression": "none"}],
+    ids=["1bit", "8bit-l1", "none"],
+)
+def test_groups_missing_gradients_and_frozen_parameters_follow_lioncub(options: dict[str, Any]) -> None:
+    # A world of one is where LionCub itself runs in this process: the same groups, a parameter without a
+    # gradient on some steps (skipped alone) and a frozen one must leave both with the same bits.
+    real_params, real_groups = two_group_model()
+    virtual_params, virtual_groups = two_group_model()
+    settings = scenario_settings(**options)
+    real = LionCub(real_groups, **settings)
+    virtual = VirtualLionCub(virtual_groups, workers=1, **settings)
+    for step in range(1, sc.TRAIN_STEPS + 1):
+        grads = sc.model_grads([p.detach() for p in real_params.values()], 0, step)
+        missing = step % 3 == 0  # w2 gets no gradient on steps 3 and 6
+        for name, param, grad in zip(PARAM_NAMES, real_params.values(), grads, strict=True):
+            param.grad = None if (missing and name == "w2") or name == "b2" else grad.clone()
+        real.step()
+        virtual.step(
+            [[None if (missing and n == "w2") or n == "b2" else g for n, g in zip(PARAM_NAMES, grads, strict=True)]]
+        )
+    for name in PARAM_NAMES:
+        assert torch.equal(virtual_params[name].detach(), real_params[name].detach()), name
+    for param, momentum in zip(real_params.values(), virtual.worker_momentum(0), strict=True):
+        expected = real.state[param]["exp_avg"] if "exp_avg" in real.state[param] else torch.zeros_like(param)
+        assert torch.equal(momentum, expected)
+    assert virtual.param_groups[1]["step"] == real.param_groups[1]["step"] == sc.TRAIN_STEPS
+
+
+def test_a_missing_gradient_counts_as_zeros_on_a_worker_of_many() -> None:
+    workers = 6
+    with_none, with_zeros = fresh_params(), fresh_params()
+    a = VirtualLionCub(list(with_none.items()), workers=workers, **scenario_settings(compression="1bit"))
+    b = VirtualLionCub(list(with_zeros.items()), workers=workers, **scenario_settings(compression="1bit"))
+    for step in range(1, 4):
+        grads = [sc.model_grads([p.detach() for p in with_none.values()], worker, step) for worker in range(workers)]
+        a.step(
+            [[None if (worker == 2 and j == 1) else g for j, g in enumerate(mine)] for worker, mine in enumerate(grads)]
+        )
+        grads[2][1] = torch.zeros_like(grads[2][1])
+        b.step(grads)
+    for name in PARAM_NAMES:
+        assert torch.equal(with_none[name], with_zeros[name]), name
+
+
+def test_the_step_counts_when_nothing_takes_part() -> None:
+    params = fresh_params()
+    optimizer = VirtualLionCub(list(params.items()), workers=1, compression="1bit")
+    optimizer.step([[None] * len(params)])
+    assert optimizer.param_groups[0]["step"] == 1  # as LionCub's: the tie rule and the sync stay in phase
+
+
+def test_an_added_group_is_checked_and_joins_momentum_sync() -> None:
+    params = fresh_params()
+    first = {name: params[name] for name in ("w1", "b1")}
+    optimizer = VirtualLionCub(
+        list(first.items()), workers=2, compression="1bit", momentum_sync={"interval": 1, "layers": "all"}
+    )
+    with pytest.raises(LionCubConfigError, match="betas"):
+        optimizer.add_param_group({"params": [params["w2"]], "param_names": ["w2"], "betas": (1.5, 0.9)})
+    with pytest.raises(LionCubConfigError, match="dtype torch.int64"):
+        optimizer.add_param_group({"params": [torch.zeros(3, dtype=torch.int64)], "param_names": ["ints"]})
+    assert len(optimizer.param_groups) == 1
+    optimizer.add_param_group({"params": [params["w2"], params["b2"]], "param_names": ["w2", "b2"]})
+    grads = [sc.model_grads([p.detach() for p in params.values()], worker, 1) for worker in range(2)]
+    optimizer.step(grads)
+    w2 = [optimizer.worker_momentum(worker)[2] for worker in range(2)]
+    assert torch.equal(w2[0], w2[1]) and w2[0].abs().sum() > 0  # synced: the new group is in the selection
