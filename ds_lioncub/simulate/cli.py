@@ -37,8 +37,8 @@ import torch
 
 from ds_lioncub.config import parse_config
 from ds_lioncub.errors import LionCubConfigError, LionCubError
+from ds_lioncub.simulate.agreement import AgreementStats
 from ds_lioncub.simulate.train import (
-    Agreement,
     ClipRule,
     SeedSummary,
     Task,
@@ -81,7 +81,7 @@ class Row:
     exact_val: SeedSummary
     mode_val: SeedSummary
     gap: SeedSummary
-    agreement: Agreement | None
+    agreement: AgreementStats | None
 
 
 def read_ds_config(path: Path) -> tuple[dict[str, Any], RunSettings]:
@@ -177,7 +177,7 @@ def compare(
         agreements = [r.agreement for r in mode_runs if r.agreement is not None]
         mean_agreement = None
         if agreements:
-            mean_agreement = Agreement(
+            mean_agreement = AgreementStats(
                 *(sum(getattr(a, f) for a in agreements) / len(agreements) for f in ("match", "flip", "zero", "tie"))
             )
         rows.append(

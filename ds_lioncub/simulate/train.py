@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ds_lioncub.errors import LionCubConfigError
+from ds_lioncub.simulate.agreement import AgreementStats
 from ds_lioncub.simulate.gradients import Batch, GradientBuffers, Method, worker_gradients
 from ds_lioncub.simulate.world import VirtualLionCub
 
@@ -74,21 +75,6 @@ class Task(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class Agreement:
-    """Means over the compressed steps of :class:`~ds_lioncub.simulate.AgreementStats` (fractions of elements).
-
-    Fields:
-        match, flip, zero: the applied update's sign equals / opposes exact Lion's, or one of them is 0.
-        tie: the vote summed to 0 and the tie rule chose.
-    """
-
-    match: float
-    flip: float
-    zero: float
-    tie: float
-
-
 @dataclass
 class TrainResult:
     """What :func:`train_virtual` returns.
@@ -105,7 +91,7 @@ class TrainResult:
 
     train_losses: list[float]
     val_loss: float
-    agreement: Agreement | None
+    agreement: AgreementStats | None
     gradient_method: str
     gradient_seconds: float = 0.0
     optimizer_seconds: float = 0.0
@@ -259,5 +245,5 @@ def train_virtual(
         result.val_loss = float(task.validation_loss(model))
     if tallies:
         means = torch.tensor(tallies, dtype=torch.float64).mean(dim=0).tolist()
-        result.agreement = Agreement(match=means[0], flip=means[1], zero=means[2], tie=means[3])
+        result.agreement = AgreementStats(match=means[0], flip=means[1], zero=means[2], tie=means[3])
     return result
