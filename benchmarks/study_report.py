@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,21 @@ def summarise(
     }
 
 
+def summarised_cells(
+    cells: dict[tuple[float, int, str], dict[int, dict[str, Any]]],
+    workers: list[int],
+    modes: list[str],
+    beta2s: list[float],
+) -> Iterator[tuple[float, int, str, dict[str, Any]]]:
+    """(beta2, workers, mode, :func:`summarise`'s row) of every cell with a seed of both the mode and exact Lion."""
+    for beta2 in beta2s:
+        for n in workers:
+            for mode in modes:
+                row = summarise(cells, beta2, n, mode)
+                if row is not None:
+                    yield beta2, n, mode, row
+
+
 def _cell_text(summary: SeedSummary) -> str:
     return summary.text(2)
 
@@ -86,20 +102,15 @@ def report_table(
         "| exact spread % | match | flip | tie |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for beta2 in beta2s:
-        for n in workers:
-            for mode in modes:
-                row = summarise(cells, beta2, n, mode)
-                if row is None:
-                    continue
-                rates = row["rates"]
-                rate_text = " | ".join(f"{rates[k]:.3f}" for k in ("match", "flip", "tie")) if rates else "- | - | -"
-                exact_spread = "n/a" if row["exact_spread_percent"] is None else f"{row['exact_spread_percent']:.2f}"
-                lines.append(
-                    f"| {beta2} | {n} | {MODE_LABELS.get(mode, mode)} | {len(row['seeds'])} | "
-                    f"{row['exact_val'].mean:.4f} | {row['mode_val'].mean:.4f} | {_cell_text(row['gap'])} | "
-                    f"{'**yes**' if row['gap'].real else 'no'} | {exact_spread} | {rate_text} |"
-                )
+    for beta2, n, mode, row in summarised_cells(cells, workers, modes, beta2s):
+        rates = row["rates"]
+        rate_text = " | ".join(f"{rates[k]:.3f}" for k in ("match", "flip", "tie")) if rates else "- | - | -"
+        exact_spread = "n/a" if row["exact_spread_percent"] is None else f"{row['exact_spread_percent']:.2f}"
+        lines.append(
+            f"| {beta2} | {n} | {MODE_LABELS.get(mode, mode)} | {len(row['seeds'])} | "
+            f"{row['exact_val'].mean:.4f} | {row['mode_val'].mean:.4f} | {_cell_text(row['gap'])} | "
+            f"{'**yes**' if row['gap'].real else 'no'} | {exact_spread} | {rate_text} |"
+        )
     return "\n".join(lines)
 
 
@@ -170,27 +181,22 @@ def evidence(directory: Path, workers: list[int], modes: list[str], beta2s: list
     cells = load_runs(directory)
     out: list[dict[str, Any]] = []
     seen: set[tuple[str, int, float]] = set()
-    for beta2 in beta2s:
-        for n in workers:
-            for mode in modes:
-                row = summarise(cells, beta2, n, mode)
-                if row is None:
-                    continue
-                key = study_mode(next(iter(cells[(beta2, n, mode)].values()))["options"])
-                if key is None or (key, n, beta2) in seen:
-                    continue
-                seen.add((key, n, beta2))
-                gap: SeedSummary = row["gap"]
-                out.append(
-                    {
-                        "mode": key,
-                        "workers": n,
-                        "beta2": beta2,
-                        "gap_percent": round(gap.mean, 3),
-                        "spread_percent": None if gap.spread is None else round(gap.spread, 3),
-                        "seeds": len(row["seeds"]),
-                    }
-                )
+    for beta2, n, mode, row in summarised_cells(cells, workers, modes, beta2s):
+        key = study_mode(next(iter(cells[(beta2, n, mode)].values()))["options"])
+        if key is None or (key, n, beta2) in seen:
+            continue
+        seen.add((key, n, beta2))
+        gap: SeedSummary = row["gap"]
+        out.append(
+            {
+                "mode": key,
+                "workers": n,
+                "beta2": beta2,
+                "gap_percent": round(gap.mean, 3),
+                "spread_percent": None if gap.spread is None else round(gap.spread, 3),
+                "seeds": len(row["seeds"]),
+            }
+        )
     return {
         "source": f"benchmarks/study_convergence.py, results {directory.name} (benchmarks/RESULTS.md)",
         "cells": out,
