@@ -38,6 +38,7 @@ from typing import Any
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.planner.convergence import (
     LOSS_THRESHOLD_PERCENT,
+    MIN_SEEDS,
     Choice,
     StudyCell,
     choose,
@@ -343,8 +344,9 @@ def as_table(
         " step: comm and local, a compressed mode's votes overlapped with its local work over its buckets.",
         " bytes/step/rank: all a rank sends; out of a node: what crosses one node's link to the network.",
         " loss vs Lion: the convergence study's validation-loss gap to exact Lion at the mode's worker",
-        f" count and beta2, mean ± seed spread in %; '!': beyond {LOSS_THRESHOLD_PERCENT:g}% and the spread; '±?': one"
-        " seed, never called a loss; '-': not studied; judged without momentum sync.)",
+        " count and beta2, mean ± seed spread in %, judged without momentum sync;",
+        f" '!': beyond {LOSS_THRESHOLD_PERCENT:g}% and the spread of {MIN_SEEDS}+ seeds; '(n)': only n seeds, too few to"
+        " call a loss; '-': not studied.)",
         "",
         "ds_config:",
         json.dumps(ds_config_blocks(best), indent=2),
@@ -357,7 +359,8 @@ def _loss_column(candidate: Candidate, cell: StudyCell | None) -> str:
     if cell is None:
         return "exact" if candidate.compression == "none" else "-"
     spread = "?" if cell.spread_percent is None else f"{cell.spread_percent:.1f}"
-    return f"{cell.gap_percent:+.1f}±{spread}%" + ("!" if cell.loses else "")
+    few = "" if cell.seeds >= MIN_SEEDS else f"({cell.seeds})"
+    return f"{cell.gap_percent:+.1f}±{spread}%" + ("!" if cell.loses else few)
 
 
 def _device(args: argparse.Namespace, parser: argparse.ArgumentParser, file_costs: LocalCosts | None) -> Device:

@@ -8,8 +8,8 @@ exact Lion's at the same worker count (the gap, in %) with its seed spread. Its 
 ``compression="auto"``:
 
 - a mode *loses* at N workers and beta2 when the study measured its gap above
-  :data:`LOSS_THRESHOLD_PERCENT` (2%) and beyond its seed spread (a real gap, not seed noise); a cell of
-  one seed has no spread and never loses (the table shows its gap with "±?");
+  :data:`LOSS_THRESHOLD_PERCENT` (2%) and beyond its seed spread (a real gap, not seed noise), over at
+  least :data:`MIN_SEEDS` seeds (a cell of fewer is shown, with its seed count, but never loses);
 - the planner never recommends a losing mode without saying so, and ``"auto"`` skips it for the
   fastest mode that does not lose (exact Lion at worst, which loses nothing by definition).
 
@@ -34,6 +34,8 @@ from ds_lioncub.planner.model import Candidate, Cluster
 
 #: A mode that loses more than this much of exact Lion's validation loss (in %) is not recommended silently.
 LOSS_THRESHOLD_PERCENT = 2.0
+#: Seeds a cell needs before its gap can count as a loss: a spread from fewer says too little.
+MIN_SEEDS = 3
 EVIDENCE_FILE = Path(__file__).with_name("convergence_evidence.json")
 
 
@@ -59,9 +61,10 @@ class StudyCell:
 
     @property
     def loses(self) -> bool:
-        """A real gap (beyond the seed spread) above the threshold."""
+        """A real gap (beyond the seed spread of at least :data:`MIN_SEEDS` seeds) above the threshold."""
         return (
-            self.spread_percent is not None
+            self.seeds >= MIN_SEEDS
+            and self.spread_percent is not None
             and self.gap_percent > LOSS_THRESHOLD_PERCENT
             and self.gap_percent > self.spread_percent
         )
@@ -211,6 +214,7 @@ def choose(
 __all__ = [
     "EVIDENCE_FILE",
     "LOSS_THRESHOLD_PERCENT",
+    "MIN_SEEDS",
     "Choice",
     "StudyCell",
     "Verdict",

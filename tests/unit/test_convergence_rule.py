@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 GBIT = 1e9 / 8  # bytes per second
 
 
-def cell(mode: str, workers: int, gap: float, spread: float | None, beta2: float = 0.99) -> StudyCell:
-    return StudyCell(mode=mode, workers=workers, beta2=beta2, gap_percent=gap, spread_percent=spread, seeds=3)
+def cell(mode: str, workers: int, gap: float, spread: float | None, beta2: float = 0.99, seeds: int = 3) -> StudyCell:
+    return StudyCell(mode=mode, workers=workers, beta2=beta2, gap_percent=gap, spread_percent=spread, seeds=seeds)
 
 
 def test_modes_map_to_the_study_keys_they_compute() -> None:
@@ -68,6 +68,7 @@ def test_a_mode_loses_only_beyond_the_threshold_and_its_seed_spread(
     gap: float, spread: float | None, loses: bool
 ) -> None:
     assert cell("1bit", 8, gap, spread).loses is loses
+    assert not cell("1bit", 8, gap, spread, seeds=2).loses  # a spread of two seeds says too little
 
 
 def test_the_planner_passes_over_a_faster_mode_that_loses_and_says_so() -> None:
