@@ -345,8 +345,8 @@ def as_table(
         " bytes/step/rank: all a rank sends; out of a node: what crosses one node's link to the network.",
         " loss vs Lion: the convergence study's validation-loss gap to exact Lion at the mode's worker",
         " count and beta2, mean ± seed spread in %, judged without momentum sync;",
-        f" '!': beyond {LOSS_THRESHOLD_PERCENT:g}% and the spread of {MIN_SEEDS}+ seeds; '(n)': only n seeds, too few to"
-        " call a loss; '-': not studied.)",
+        f" '!': beyond {LOSS_THRESHOLD_PERCENT:g}% and the spread of {MIN_SEEDS}+ seeds; '(n)': only n seeds,"
+        " too few to call a loss; '-': not studied.)",
         "",
         "ds_config:",
         json.dumps(ds_config_blocks(best), indent=2),
