@@ -137,7 +137,9 @@ def write_plot(
             xs = [n for n, _ in kept]
             ys = [row["gap"].mean for _, row in kept]
             errs = [row["gap"].spread or 0.0 for _, row in kept]
-            ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=MODE_LABELS.get(mode, mode))
+            # One colour per mode in every panel, whichever modes a panel has.
+            color = f"C{list(MODE_LABELS).index(mode) % 10}" if mode in MODE_LABELS else None
+            ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, color=color, label=MODE_LABELS.get(mode, mode))
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xticks(workers, [str(n) for n in workers])
@@ -145,7 +147,8 @@ def write_plot(
         ax.set_title(f"beta2 = {beta2}")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("val loss vs exact Lion, % (mean ± 2 std over seeds)")
-    axes[0][-1].legend(fontsize=8)
+    for ax in axes[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
