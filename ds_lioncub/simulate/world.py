@@ -164,7 +164,13 @@ class VirtualLionCub(torch.optim.Optimizer):
                 f"LionCub: worker {worker} is not in a world of {self.workers}; ask for 0..{self.workers - 1}."
             )
         index = 0 if self.exact else worker
-        return [self._momenta(param)[index] for param in self._flat_params()]
+        # Read, never create: a parameter's momenta come into being at its first step, as LionCub's exp_avg.
+        return [
+            self.state[param]["worker_exp_avg"][index]
+            if "worker_exp_avg" in self.state[param]
+            else torch.zeros_like(param)
+            for param in self._flat_params()
+        ]
 
     def worker_comm_stats(self, worker: int) -> CommStats:
         """The collectives and bytes worker ``worker`` would have sent so far, counted as LionCub counts them."""
@@ -335,6 +341,12 @@ class VirtualLionCub(torch.optim.Optimizer):
                     raise LionCubConfigError(
                         f"LionCub: worker {i}'s gradient of parameter #{j} has shape {tuple(grad.shape)}, the "
                         f"parameter {tuple(param.shape)}; pass gradients in the order of params."
+                    )
+                if grad is not None and (grad.dtype != param.dtype or grad.device != param.device):
+                    raise LionCubConfigError(
+                        f"LionCub: worker {i}'s gradient of parameter #{j} is {grad.dtype} on {grad.device}, the "
+                        f"parameter {param.dtype} on {param.device}; a rank's gradient has its parameter's dtype and "
+                        f"device: convert it (grad.to(param))."
                     )
         return list(worker_grads)
 

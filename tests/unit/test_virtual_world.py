@@ -338,3 +338,13 @@ def test_an_added_group_is_checked_and_joins_momentum_sync() -> None:
     optimizer.step(grads)
     w2 = [optimizer.worker_momentum(worker)[2] for worker in range(2)]
     assert torch.equal(w2[0], w2[1]) and w2[0].abs().sum() > 0  # synced: the new group is in the selection
+
+
+def test_gradients_of_another_dtype_are_refused_and_reading_momenta_creates_none() -> None:
+    params = fresh_params()
+    optimizer = VirtualLionCub(list(params.items()), workers=2, compression="1bit")
+    assert all(m.abs().sum() == 0 for m in optimizer.worker_momentum(1))
+    assert not any("worker_exp_avg" in state for state in optimizer.state.values())  # reading is not a step
+    grads = [sc.model_grads(list(params.values()), worker, 1) for worker in range(2)]
+    with pytest.raises(LionCubConfigError, match="is torch.float64 on cpu, the parameter torch.float32"):
+        optimizer.step([grads[0], [grads[1][0].double(), *grads[1][1:]]])
