@@ -90,14 +90,19 @@ MAX_RANKS_PER_NODE = 10**4
 MAX_THREADS = 10**4
 
 
+def _as_float(text: str, hint: str = "") -> float:
+    """``text`` as a float, or the planner's "is not a number" error with ``hint`` (e.g. " (write 0.9)")."""
+    try:
+        return float(text)
+    except ValueError:
+        raise LionCubConfigError(f"LionCub: {text!r} is not a number{hint}") from None
+
+
 def _count(limit: int, example: str) -> Callable[[str], int]:
     """A parser of a whole number in [1, ``limit``], written as an integer or as a float such as 1.5e9."""
 
     def count(text: str) -> int:
-        try:
-            value = float(text)
-        except ValueError:
-            raise LionCubConfigError(f"LionCub: {text!r} is not a number (write {example})") from None
+        value = _as_float(text, f" (write {example})")
         # Checked before int(): int(inf) raises OverflowError and int(nan) a ValueError argparse would report
         # under this function's name.
         if not math.isfinite(value) or value < 1 or value != int(value):
@@ -116,30 +121,21 @@ _threads_count = _count(MAX_THREADS, "e.g. 4")
 
 
 def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise LionCubConfigError(f"LionCub: {text!r} is not a number (write a fraction such as 0.9)") from None
+    value = _as_float(text, " (write a fraction such as 0.9)")
     if not 0 < value <= 1:
         raise LionCubConfigError(f"LionCub: {text!r} must be a fraction of the link rate in (0, 1]")
     return value
 
 
 def _beta(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise LionCubConfigError(f"LionCub: {text!r} is not a number (write beta2 as e.g. 0.99)") from None
+    value = _as_float(text, " (write beta2 as e.g. 0.99)")
     if not 0 <= value < 1:
         raise LionCubConfigError(f"LionCub: beta2 {text!r} must be in [0, 1), e.g. 0.95 or 0.99")
     return value
 
 
 def _positive_number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise LionCubConfigError(f"LionCub: {text!r} is not a number") from None
+    value = _as_float(text)
     if not (value > 0 and value != float("inf")):
         raise LionCubConfigError(f"LionCub: {text!r} must be a positive number")
     return value
