@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_packing import _machine
+from benchmarks.bench_packing import _machine, _sync
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before ds_lioncub (and DeepSpeed) is imported
 SECTION = "## Fused step kernels"
@@ -61,17 +61,23 @@ BYTES_PER_ELEMENT["composition step"] = (
 BYTES_PER_ELEMENT["fused step"] = BYTES_PER_ELEMENT["fused prepare"] + BYTES_PER_ELEMENT["fused apply"]
 
 
-def _median_pair(op: Callable[[], object], copy: Callable[[], object], reps: int) -> tuple[float, float, float]:
-    """Median times of ``op`` and ``copy`` and of their ratio, timed back to back in each round."""
+def _median_pair(
+    op: Callable[[], object], copy: Callable[[], object], reps: int, device: torch.device
+) -> tuple[float, float, float]:
+    """Median times of ``op`` and ``copy`` and of their ratio, timed back to back in each round (on a GPU
+    from a synchronised start to a synchronised end)."""
     op()
     copy()
     op_times, copy_times, ratios = [], [], []
     for _ in range(reps):
+        _sync(device)
         start = time.perf_counter()
         copy()
+        _sync(device)
         t_copy = time.perf_counter() - start
         start = time.perf_counter()
         op()
+        _sync(device)
         t_op = time.perf_counter() - start
         op_times.append(t_op)
         copy_times.append(t_copy)
@@ -79,29 +85,29 @@ def _median_pair(op: Callable[[], object], copy: Callable[[], object], reps: int
     return statistics.median(op_times), statistics.median(copy_times), statistics.median(ratios)
 
 
-def measure(numel: int, threads: list[int], reps: int) -> tuple[list[dict[str, object]], str]:
+def measure(numel: int, threads: list[int], reps: int, device: torch.device) -> tuple[list[dict[str, object]], str]:
     from ds_lioncub.comm import packing
     from ds_lioncub.comm.packing import MomentumPiece, ParamPiece
     from ds_lioncub.lion import apply_update, lion_direction, update_momentum
 
     packing.set_packing_path("compiled")
-    path = packing.packing_path("cpu")
+    path = packing.packing_path(device)
     gen = torch.Generator().manual_seed(numel)
-    m, g, p = (torch.randn(numel, generator=gen) for _ in range(3))
-    voted = torch.randint(0, 256, (numel // 8,), generator=gen, dtype=torch.uint8)
-    src, dst = torch.randn(numel, generator=gen), torch.empty(numel)
-    kept_c = torch.empty(numel)
+    m, g, p = (torch.randn(numel, generator=gen).to(device) for _ in range(3))
+    voted = torch.randint(0, 256, (numel // 8,), generator=gen, dtype=torch.uint8).to(device)
+    src, dst = torch.randn(numel, generator=gen).to(device), torch.empty(numel, device=device)
+    kept_c = torch.empty(numel, device=device)
     beta1, beta2 = BETAS
 
     def composition_prepare(c: torch.Tensor | None = None) -> torch.Tensor:
-        c = torch.empty(numel) if c is None else c
+        c = torch.empty(numel, device=device) if c is None else c
         lion_direction(m, g, beta1, out=c)
         update_momentum(m, g, beta2)
         packing.pack_signs(c, True, nbytes=numel // 8)
         return c
 
     def composition_apply(c: torch.Tensor | None = None) -> None:
-        c = torch.empty(numel) if c is None else c
+        c = torch.empty(numel, device=device) if c is None else c
         packing.unpack_signs(voted, numel, out=c)
         apply_update(p, c, LR, WEIGHT_DECAY)
 
@@ -128,7 +134,7 @@ def measure(numel: int, threads: list[int], reps: int) -> tuple[list[dict[str, o
     for nthreads in threads:
         torch.set_num_threads(nthreads)
         for name, op in cases.items():
-            op_s, copy_s, ratio = _median_pair(op, cases["copy_"], reps)
+            op_s, copy_s, ratio = _median_pair(op, cases["copy_"], reps, device)
             nbytes = BYTES_PER_ELEMENT[name.replace("*", "")]
             rows.append(
                 {
@@ -202,12 +208,16 @@ def main() -> int:
     parser.add_argument("--numel", type=int, default=8 << 20, help="elements of the bucket (default 8 Mi)")
     parser.add_argument("--threads", type=int, nargs="+", help="thread counts (default: 1 and all)")
     parser.add_argument("--reps", type=int, default=15, help="rounds per case")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for the CUDA op (threads then do not matter)")
     parser.add_argument("--write", type=Path, help=f"replace the '{SECTION}' section of this markdown file")
     args = parser.parse_args()
     numel = args.numel - args.numel % 8
-    threads = args.threads or sorted({1, torch.get_num_threads()})
+    device = torch.device(args.device)
+    threads = args.threads or (
+        [torch.get_num_threads()] if device.type == "cuda" else sorted({1, torch.get_num_threads()})
+    )
     notes = {"load_before": _load(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    rows, path = measure(numel, threads, args.reps)
+    rows, path = measure(numel, threads, args.reps, device)
     notes.update(
         load_after=_load(),
         path=path,

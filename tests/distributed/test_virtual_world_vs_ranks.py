@@ -22,22 +22,24 @@ pytestmark = pytest.mark.distributed
 PARAM_NAMES = list(sc.PARAM_SHAPES)
 
 
-def virtual_run(world_size: int, options: dict[str, Any]) -> dict[str, Any]:
+def virtual_run(world_size: int, options: dict[str, Any], device: str | torch.device = "cpu") -> dict[str, Any]:
     """``sc.TRAIN_STEPS`` steps of ``world_size`` virtual workers on the real ranks' gradients (the results
-    keyed like the ranks' own)."""
+    keyed like the ranks' own, on the CPU). The gradients are computed on the CPU from the parameters, as
+    the ranks computed them, and moved to ``device``."""
     options = {key: value for key, value in options.items() if key != "telemetry"}  # the ranks' telemetry is opt-in
-    params = fresh_params()
+    params = fresh_params(device)
     optimizer = VirtualLionCub(list(params.items()), workers=world_size, **scenario_settings(**options))
     results: dict[str, Any] = {}
     for step in range(1, sc.TRAIN_STEPS + 1):
         before = [optimizer.worker_comm_stats(i) for i in range(world_size)]
-        optimizer.step([sc.model_grads(list(params.values()), rank, step) for rank in range(world_size)])
+        on_cpu = [param.detach().cpu() for param in params.values()]
+        optimizer.step([[grad.to(device) for grad in sc.model_grads(on_cpu, rank, step)] for rank in range(world_size)])
         for rank in range(world_size):
             results[f"stats/{rank}/{step}"] = optimizer.worker_comm_stats(rank) - before[rank]
             for name, momentum in zip(PARAM_NAMES, optimizer.worker_momentum(rank), strict=True):
-                results[f"exp-avg/{rank}/{step}/{name}"] = momentum.clone()
+                results[f"exp-avg/{rank}/{step}/{name}"] = momentum.cpu().clone()
     for name, param in params.items():
-        results[f"param/{name}"] = param.detach().clone()
+        results[f"param/{name}"] = param.detach().cpu().clone()
     return results
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from tests.support.checks import same_message_on_every_rank
 from tests.support.launch import REPO, run_deepspeed
 from tests.support.planned_cases import AUTO_NETWORK, LAUNCHED_NODE_SIZE, LAUNCHED_WORLD, recommended
 from tests.support.reference import reference_bucket_sizes
-from tests.workers.ds_engine_scenarios import STEPS, TELEMETRY_BUCKET_SIZE, TELEMETRY_JOB
+from tests.workers.ds_engine_scenarios import OVERFLOW_STEP, STEPS, TELEMETRY_BUCKET_SIZE, TELEMETRY_JOB
 
 pytestmark = pytest.mark.deepspeed
 
@@ -317,23 +318,63 @@ def test_bad_ds_config_is_rejected_identically_on_every_rank(
         assert fragment in message
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="fp16 needs a CUDA device (CI and this CPU machine have none)"
-)
-def test_fp16_on_cuda(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def cuda_precisions(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The fp16 phase's records (fp16, fp16 with an overflow, bf16), one per rank, on up to 2 CUDA devices."""
+    if not torch.cuda.is_available():
+        pytest.skip("the fp16 and bf16 engine checks need a CUDA device (CI and this CPU machine have none)")
+    out = tmp_path_factory.mktemp("cuda-precisions")
     ranks = min(torch.cuda.device_count(), 2)
-    files = [tmp_path / f"fp16-rank{rank}.pt" for rank in range(ranks)]
-    run_deepspeed(
-        WORKER, ranks, ["--out", str(tmp_path), "--phase", "fp16"], files, environment={"DS_ACCELERATOR": "cuda"}
-    )
-    records = [torch.load(path, weights_only=False)["fp16"] for path in files]
+    files = [out / f"fp16-rank{rank}.pt" for rank in range(ranks)]
+    run_deepspeed(WORKER, ranks, ["--out", str(out), "--phase", "fp16"], files, environment={"DS_ACCELERATOR": "cuda"})
+    return [torch.load(path, weights_only=False) for path in files]
+
+
+@pytest.mark.gpu
+def test_fp16_on_cuda(cuda_precisions: list[dict[str, Any]]) -> None:
+    records = [ranks["fp16"] for ranks in cuda_precisions]
     assert records[0]["moved_at_init"] == 0.0
     for record in records:  # a step skipped on overflow never reaches LionCub and is recorded as skipped
         assert record["telemetry_totals"].skipped_steps == record["skipped_steps"]
         assert record["telemetry_totals"].steps == len(record["losses"])
     losses = records[0]["losses"]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.05
+    for name, value in records[0]["params"].items():
+        for record in records[1:]:
+            assert torch.equal(record["params"][name], value)
+
+
+@pytest.mark.gpu
+def test_fp16_overflow_is_skipped_by_every_rank_and_changes_nothing(cuda_precisions: list[dict[str, Any]]) -> None:
+    records = [ranks["fp16-overflow"] for ranks in cuda_precisions]
+    for record in records:
+        before, after = record["before"], record["after"]
+        assert after["skipped"] == before["skipped"] + 1
+        assert after["lioncub_step"] == before["lioncub_step"]
+        for name, value in before["params"].items():
+            assert torch.equal(after["params"][name], value), name
+        for old, new in zip(before["momenta"], after["momenta"], strict=True):
+            assert torch.equal(old, new)
+        step = OVERFLOW_STEP - 1  # the scale halves at the overflow (hysteresis 1) and nowhere else before it
+        assert record["scale"][step] == record["scale"][step - 1] / 2
+        assert record["telemetry_totals"].skipped_steps == record["skipped_steps"] >= 1
+        assert all(math.isfinite(loss) for loss in record["losses"])  # the loss itself; its backward got x inf
+        losses = record["losses"]
+        assert sum(losses[-3:]) / 3 < sum(losses[:2]) / 2 - 0.05  # it trains on after the skipped step
+    for name, value in records[0]["params"].items():
+        for record in records[1:]:
+            assert torch.equal(record["params"][name], value)
+
+
+@pytest.mark.gpu
+def test_bf16_on_cuda_trains_with_ranks_identical(cuda_precisions: list[dict[str, Any]]) -> None:
+    records = [ranks["bf16"] for ranks in cuda_precisions]
+    assert records[0]["dtype"] == "torch.bfloat16"
+    losses = records[0]["losses"]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.05
+    assert records[0]["comm_stats"].bytes_sent > 0  # the 4-bit sign vote really ran its collectives
+    for record in records:
+        assert all(torch.isfinite(value).all() for value in record["params"].values())
     for name, value in records[0]["params"].items():
         for record in records[1:]:
             assert torch.equal(record["params"][name], value)

@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 def worker_environment(**extra: str) -> dict[str, str]:
     """This process's environment for a job's ranks: this checkout first on PYTHONPATH (the ranks import
     ds_lioncub, tests.support and examples from it, whatever is pip-installed), one thread per rank."""
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
+    path = os.pathsep.join(part for part in (str(REPO), os.environ.get("PYTHONPATH", "")) if part)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
 def run_ranks(script: Path, world_size: int, work_dir: Path, timeout_s: float = 240.0) -> list[dict[str, object]]:

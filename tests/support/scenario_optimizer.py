@@ -15,9 +15,9 @@ from ds_lioncub import LionCub
 from tests.support import scenarios as sc
 
 
-def fresh_params() -> dict[str, Tensor]:
-    """The scenarios' initial parameters, as new leaf tensors that require grad."""
-    return {name: value.clone().requires_grad_(True) for name, value in sc.init_params().items()}
+def fresh_params(device: str | torch.device = "cpu") -> dict[str, Tensor]:
+    """The scenarios' initial parameters, as new leaf tensors on ``device`` that require grad."""
+    return {name: value.clone().to(device).requires_grad_(True) for name, value in sc.init_params().items()}
 
 
 def scenario_settings(**options: Any) -> dict[str, Any]:

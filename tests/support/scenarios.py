@@ -40,7 +40,7 @@ OVERLAP_CASES: dict[str, tuple[dict[str, object], int, float | None, int | None,
 
 def loss_without_b2(params: dict[str, Tensor], rank: int, step: int) -> Tensor:
     """:func:`loss_of` without b2: b2 gets no gradient on a rank that uses this loss."""
-    x, y = batch(rank, step)
+    x, y = (t.to(params["w1"].device) for t in batch(rank, step))
     hidden = torch.tanh(x @ params["w1"] + params["b1"])
     return ((hidden @ params["w2"] - y) ** 2).mean()
 
@@ -117,8 +117,8 @@ def batch(rank: int, step: int) -> tuple[Tensor, Tensor]:
 
 
 def loss_of(params: dict[str, Tensor], rank: int, step: int) -> Tensor:
-    """A two-layer MLP regression loss on this rank's batch for ``step``."""
-    x, y = batch(rank, step)
+    """A two-layer MLP regression loss on this rank's batch for ``step`` (on the parameters' device)."""
+    x, y = (t.to(params["w1"].device) for t in batch(rank, step))
     hidden = torch.tanh(x @ params["w1"] + params["b1"])
     return ((hidden @ params["w2"] + params["b2"] - y) ** 2).mean()
 

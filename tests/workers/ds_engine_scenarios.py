@@ -316,6 +316,58 @@ def run_fp16(data: torch.Tensor) -> dict[str, Any]:
     return {"fp16": record}
 
 
+OVERFLOW_STEP = 3
+
+
+def run_fp16_overflow(data: torch.Tensor) -> dict[str, Any]:
+    """fp16 (CUDA only): an infinite loss at step OVERFLOW_STEP overflows the scaled gradients on every rank.
+
+    Every rank must skip that step together: parameters, momenta and LionCub's step count as before it,
+    the loss scale halved, and training going on afterwards."""
+    config = json.loads((REPO / "configs" / "lioncub_1bit.json").read_text())
+    config["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    engine = build(config)
+    lioncub = find_lioncub(engine.optimizer)
+    record: dict[str, Any] = {"losses": [], "scale": []}
+    rank = dist.get_rank()
+    for step in range(1, STEPS + 1):
+        if step == OVERFLOW_STEP:
+            record["before"] = {
+                "params": {name: p.cpu() for name, p in full_params(engine).items()},
+                "momenta": [m.cpu() for m in momenta(engine)],
+                "lioncub_step": lioncub.param_groups[0]["step"],
+                "skipped": engine.skipped_steps,
+            }
+        x, y = batch(data, rank, step, 0, engine.train_micro_batch_size_per_gpu())
+        _, loss = engine(x.to(engine.device), y.to(engine.device))
+        engine.backward(loss * float("inf") if step == OVERFLOW_STEP else loss)
+        engine.step()
+        record["losses"].append(loss.item())
+        record["scale"].append(float(engine.optimizer.loss_scale))
+        if step == OVERFLOW_STEP:
+            record["after"] = {
+                "params": {name: p.cpu() for name, p in full_params(engine).items()},
+                "momenta": [m.cpu() for m in momenta(engine)],
+                "lioncub_step": lioncub.param_groups[0]["step"],
+                "skipped": engine.skipped_steps,
+            }
+    record["params"] = {name: p.cpu() for name, p in full_params(engine).items()}
+    record["skipped_steps"] = engine.skipped_steps
+    record["telemetry_totals"] = lioncub.telemetry_totals
+    return {"fp16-overflow": record}
+
+
+def run_bf16(data: torch.Tensor) -> dict[str, Any]:
+    """bf16 (here on CUDA): the 4-bit sign config as shipped, its parameters kept in bf16 by the engine."""
+    config = json.loads((REPO / "configs" / "lioncub_4bit_sign.json").read_text())
+    engine = build(config)
+    record: dict[str, Any] = {"dtype": str(next(engine.module.parameters()).dtype)}
+    record["losses"] = train(engine, data, 1, STEPS, record)
+    record["params"] = {name: p.cpu() for name, p in full_params(engine).items()}
+    record["comm_stats"] = find_lioncub(engine.optimizer).comm_stats()
+    return {"bf16": record}
+
+
 DAMAGES = ("missing", "truncated", "foreign", "other_model")
 
 
@@ -392,6 +444,8 @@ def main() -> None:
         results.update(run_damaged_checkpoints(args))
     else:
         results.update(run_fp16(data))
+        results.update(run_fp16_overflow(data))
+        results.update(run_bf16(data))
     torch.save(results, args.out / f"{args.phase}-rank{dist.get_rank()}.pt")
     dist.barrier()
 

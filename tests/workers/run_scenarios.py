@@ -122,10 +122,12 @@ def train_mode(
     return results
 
 
-def train_overlap_case(rank: int, world_size: int, case: str, overlap: bool) -> dict[str, object]:
-    """One of scenarios.OVERLAP_CASES for TRAIN_STEPS steps, with or without overlap."""
+def train_overlap_case(
+    rank: int, world_size: int, case: str, overlap: bool, device: str | torch.device = "cpu"
+) -> dict[str, object]:
+    """One of scenarios.OVERLAP_CASES for TRAIN_STEPS steps, with or without overlap (results on the CPU)."""
     options, accumulation, clip, unused_rank, inf_at = sc.OVERLAP_CASES[case]
-    params = fresh_params()
+    params = fresh_params(device)
     optimizer = scenario_lioncub(params, overlap=overlap, **options)
     loss_fn = sc.loss_without_b2 if unused_rank is not None and rank == unused_rank % world_size else sc.loss_of
     inf_step = None if inf_at is None or rank != inf_at[0] % world_size else inf_at[1]
@@ -146,9 +148,9 @@ def train_overlap_case(rank: int, world_size: int, case: str, overlap: bool) -> 
         except FloatingPointError as error:
             results[f"{prefix}/error/{step}"] = str(error)
     for name, param in params.items():
-        results[f"{prefix}/param/{name}"] = param.detach().clone()
+        results[f"{prefix}/param/{name}"] = param.detach().cpu().clone()
         momentum = optimizer.state[param].get("exp_avg")  # none for b2 when a world of one leaves it out
-        results[f"{prefix}/exp-avg/{name}"] = None if momentum is None else momentum.clone()
+        results[f"{prefix}/exp-avg/{name}"] = None if momentum is None else momentum.cpu().clone()
     results[f"{prefix}/revoted"] = optimizer.revoted_buckets
     results[f"{prefix}/launched-in-backward"] = optimizer.buckets_launched_in_backward
     return results
