@@ -372,7 +372,8 @@ def test_bf16_on_cuda_trains_with_ranks_identical(cuda_precisions: list[dict[str
     assert records[0]["dtype"] == "torch.bfloat16"
     losses = records[0]["losses"]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.05
-    assert records[0]["comm_stats"].bytes_sent > 0  # the 4-bit sign vote really ran its collectives
+    if len(records) > 1:  # a world of one has nobody to send to (the transport's shortcut)
+        assert records[0]["comm_stats"].bytes_sent > 0  # the 4-bit sign vote really ran its collectives
     for record in records:
         assert all(torch.isfinite(value).all() for value in record["params"].values())
     for name, value in records[0]["params"].items():

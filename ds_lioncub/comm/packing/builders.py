@@ -24,6 +24,7 @@ import importlib.util
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -96,6 +97,26 @@ def choose_cuda_architectures(available: list[str]) -> str:
     if not chosen:
         return ""
     return ";".join(chosen[:-1] + [chosen[-1] + "+PTX"])
+
+
+# One TORCH_CUDA_ARCH_LIST entry: "9.0", "9.0a" (architecture-specific), "10.0f" (family), each maybe "+PTX".
+_ARCH_ENTRY = re.compile(r"(\d+\.\d+)([a-z]*)(\+PTX)?")
+
+
+def generic_architectures(arch_list: str) -> str:
+    """``arch_list`` (a ``TORCH_CUDA_ARCH_LIST``) with the suffixes of architecture-specific and family targets
+    dropped: "8.0;9.0a" -> "8.0;9.0", "10.0f+PTX" -> "10.0+PTX"; ";"-separated, other entries as they are.
+
+    Images built for Hopper often set such entries (9.0a), and DeepSpeed 0.19.8 cannot parse them: its
+    builder fails with ``invalid literal for int() with base 10: '0a'`` (seen on an H200). The packing
+    kernels use no architecture-specific instruction, so the generic code of the same generation is
+    the same kernel for these GPUs."""
+    entries = [entry.strip() for entry in arch_list.replace(" ", ";").split(";") if entry.strip()]
+    generic = []
+    for entry in entries:
+        match = _ARCH_ENTRY.fullmatch(entry)
+        generic.append(match.group(1) + (match.group(3) or "") if match else entry)
+    return ";".join(dict.fromkeys(generic))
 
 
 def default_build_root() -> Path | None:
@@ -275,6 +296,17 @@ class LionCubPackingCUDABuilder(_LionCubBuilderMixin, CUDAOpBuilder):
         # defaults, 6.0;6.1;7.0 (+8.0;8.6;9.0 on CUDA 11/12 only), which CUDA 13 cannot build ("Unsupported
         # gpu architecture 'compute_60'") and which miss Hopper and Blackwell there. We ask the toolkit which
         # it can build and take ours among them. JIT builds keep DeepSpeed's rule: the visible devices.
+        # Architecture-specific entries (9.0a) break DeepSpeed's parsing of the list: build their generic
+        # code instead, from the list a JIT build captured and from the environment alike.
+        listed = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        if listed and generic_architectures(listed) != listed.strip():
+            _logger().info(
+                f"TORCH_CUDA_ARCH_LIST={listed!r}: building {generic_architectures(listed)!r} for {self.NAME}"
+            )
+            os.environ["TORCH_CUDA_ARCH_LIST"] = generic_architectures(listed)
+        captured = getattr(self, "_jit_arch_list", None)
+        if captured:
+            self._jit_arch_list = generic_architectures(captured)
         if not self.jit_mode and cross_compile_archs is None and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
             from torch.utils.cpp_extension import CUDA_HOME
 

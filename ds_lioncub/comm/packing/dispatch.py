@@ -126,7 +126,7 @@ def _choose(device_type: str, mode: str) -> PackingPath:
         if cupy is not None:
             forced = f"{_origin()}=cupy; " if mode == "cupy" else ""
             ops = SelfCheckedPacking(CupyPacking(cupy), f"cupy {cupy.__version__}", device_type, cupy)
-            return PackingPath("cupy", forced + why, ops, cupy, degraded)
+            return PackingPath("cupy", "; ".join([forced + why, *notes]), ops, cupy, degraded)
         if mode == "cupy":
             # Forced, it runs or raises, whatever the device: a job that asked for cupy and silently packed its
             # CPU tensors with torch would report a path it never ran.
