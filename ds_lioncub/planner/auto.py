@@ -137,8 +137,13 @@ def resolve_auto(
     layout = plan_hybrid(world_size, node_size)
     where = f"{num_params:,} parameters on {layout.nodes} x {layout.node_size} ranks at {describe_network(network)}"
     if device == "cuda":  # the CPU sentence stays as it was; a CUDA one says which table priced the local work
-        priced = f"the {DEFAULT_GPU}'s" if given.device_bandwidth is None else format_bandwidth(given.device_bandwidth)
-        where += f", CUDA ranks (local work at {priced} memory bandwidth)"
+        if given.device_bandwidth is None:
+            where += f", CUDA ranks (local work as measured on an {DEFAULT_GPU})"
+        else:
+            bandwidth = format_bandwidth(given.device_bandwidth)
+            where += (
+                f", CUDA ranks (local work as measured on an {DEFAULT_GPU}, scaled to {bandwidth} memory bandwidth)"
+            )
     if zero_stage in (1, 2) and layout.nodes == 1:
         return _exact(
             options,

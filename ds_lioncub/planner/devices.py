@@ -1,21 +1,22 @@
 """The device dimension of the planner: which local cost table and which link efficiencies a device gets.
 
 CPU ranks take the measured table (:data:`~ds_lioncub.planner.local_costs.DEFAULT_LOCAL_COSTS`) and
-gloo's link efficiencies. CUDA ranks take a table *derived* from formulas until a measured one
-replaces it (``python -m ds_lioncub.planner --calibrate`` on a CUDA machine, then ``--local-costs``),
-and NCCL's link efficiencies.
+gloo's link efficiencies. CUDA ranks take NCCL's link efficiencies and a GPU's table: the one measured
+on that GPU where there is one (:mod:`ds_lioncub.planner.gpu_local_costs`: the H100 and the H200), else
+the H100's scaled by memory bandwidth (the H100's over the GPU's: :data:`GPU_MEMORY_BANDWIDTH`, or the
+user's figure). ``python -m ds_lioncub.planner --calibrate`` on a CUDA machine, then ``--local-costs``,
+replaces either with the user's own.
 
-The derived table: every pass the local work makes over a bucket streams its bytes through the
-GPU's memory, and on a GPU these element-wise passes are bound by memory bandwidth, not arithmetic.
-So each entry is the bytes each pass reads and writes per element of the bucket, added up over the
-passes, divided by the GPU's memory bandwidth (its datasheet peak, :data:`GPU_MEMORY_BANDWIDTH`, or
-the user's figure). The passes counted are exactly those ``--calibrate`` times
-(:mod:`ds_lioncub.planner.calibrate`): Lion's update as torch's separate element-wise operations,
-each aggregation as ``build_aggregation`` runs it on rank 0 of :data:`DERIVED_WORLD` ranks; so a
-measured table and the derived one compare entry by entry. What this leaves out, so that the
-derived table is a lower bound: kernel launches and Python per call (a few microseconds each, per
-bucket), caches (a bucket is 32 MB, beyond them), and kernels that reach less than the peak
-bandwidth. The fused step kernels move fewer bytes than the separate passes counted here.
+Why scaling by bandwidth holds: the local work is element-wise passes over a bucket, bound by memory
+bandwidth. :func:`derived_gpu_costs` counts the bytes of exactly the passes ``--calibrate`` times
+(:mod:`ds_lioncub.planner.calibrate`: Lion's update as torch's separate element-wise operations, each
+aggregation as ``build_aggregation`` runs it on rank 0 of :data:`DERIVED_WORLD` ranks) over the
+bandwidth. That is a lower bound: it leaves out kernel launches and Python per call, and kernels
+reaching less than the peak. Measured on an H100 and an H200, the tables are 1.3-9x that bound, by
+the same factor on both GPUs within a few percent per entry (benchmarks/RESULTS.md, "On a GPU"):
+the H100 table scaled by 3.35/4.8 predicts the H200's to within 3%. So the factor belongs to the
+code, not the GPU, and the H100's measured table times the bandwidth ratio prices a GPU of the
+same kind (A100, B200) better than the bound does.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any, Literal
 
 from ds_lioncub.config import parse_config
 from ds_lioncub.errors import LionCubConfigError
+from ds_lioncub.planner import gpu_local_costs
 from ds_lioncub.planner.calibrate import calibration_modes, calibration_world
 from ds_lioncub.planner.local_costs import DEFAULT_LOCAL_COSTS, LION_UPDATE, LocalCosts, aggregation_key
 from ds_lioncub.planner.model import GLOO_LINK_EFFICIENCY, LinkEfficiency
@@ -34,14 +36,16 @@ from ds_lioncub.planner.model import GLOO_LINK_EFFICIENCY, LinkEfficiency
 Device = Literal["cpu", "cuda"]
 DEVICES: tuple[Device, ...] = ("cpu", "cuda")
 
-# NCCL's rings and all-to-alls come near the link rate; no measurement of ours says otherwise yet
-# (no GPU has been lent to this project), so the full rate until one does.
+# NCCL's rings and all-to-alls come near the link rate; no measurement of ours says otherwise yet (the
+# GPUs lent so far were single ones: no link between two GPUs to measure), so the full rate until one does.
 NCCL_LINK_EFFICIENCY = LinkEfficiency(ring=1.0, all_to_all=1.0)
 
 # Peak memory bandwidth per GPU, bytes per second, from the vendor's datasheets (SXM parts):
 # A100 80GB 2,039 GB/s; H100 80GB 3.35 TB/s; H200 141GB 4.8 TB/s; B200 8 TB/s.
 GPU_MEMORY_BANDWIDTH: dict[str, float] = {"A100": 2.039e12, "H100": 3.35e12, "H200": 4.8e12, "B200": 8.0e12}
 DEFAULT_GPU = "H100"
+# The GPU whose measured table prices the GPUs without one (scaled by bandwidth).
+REFERENCE_GPU = "H100"
 
 # The world the derived table assumes, as --calibrate measures: only the all-to-all owner's passes
 # depend on it (the owner handles p rows of n/p elements), and little.
@@ -155,20 +159,45 @@ def gpu_bandwidth(name: str) -> float:
     )
 
 
+def measured_gpu_costs(gpu: str) -> LocalCosts | None:
+    """The table measured on ``gpu`` (:mod:`ds_lioncub.planner.gpu_local_costs`), or None if there is none."""
+    name = gpu.strip().upper()
+    if name not in gpu_local_costs.SECONDS_PER_ELEMENT:
+        return None
+    return LocalCosts(
+        gpu_local_costs.SECONDS_PER_ELEMENT[name], f"measured: {gpu_local_costs.MEASURED_ON[name]}", device="cuda"
+    )
+
+
+def scaled_gpu_costs(bandwidth: float, gpu: str | None = None) -> LocalCosts:
+    """The :data:`REFERENCE_GPU`'s measured table scaled to a GPU of ``bandwidth`` bytes per second."""
+    _check_bandwidth(bandwidth)
+    reference = measured_gpu_costs(REFERENCE_GPU)
+    assert reference is not None  # shipped with the package
+    factor = GPU_MEMORY_BANDWIDTH[REFERENCE_GPU] / bandwidth
+    table = {key: value * factor for key, value in reference.seconds_per_element.items()}
+    whose = f"the {gpu}'s " if gpu else ""
+    measured_on = (
+        f"the {REFERENCE_GPU}'s measured table scaled by memory bandwidth, "
+        f"{format_bandwidth(GPU_MEMORY_BANDWIDTH[REFERENCE_GPU])} over {whose}{format_bandwidth(bandwidth)}"
+    )
+    return LocalCosts(table, measured_on, device="cuda")
+
+
 def local_costs_for(device: Device, bandwidth: float | None = None, gpu: str | None = None) -> LocalCosts:
-    """The default table for ``device``: the built-in CPU table, or a GPU's derived one (``bandwidth`` if
-    given, else that of ``gpu``, else :data:`DEFAULT_GPU`'s)."""
+    """The default table for ``device``: the built-in CPU table; for CUDA, ``gpu``'s measured table (default
+    :data:`DEFAULT_GPU`), else the reference GPU's scaled to ``bandwidth`` or to ``gpu``'s bandwidth."""
     if device == "cpu":
         if bandwidth is not None or gpu is not None:
             raise LionCubConfigError(
                 "LionCub: a GPU or a device bandwidth prices CUDA ranks; drop it, or plan for --device cuda."
             )
         return DEFAULT_LOCAL_COSTS
-    if bandwidth is None:
-        gpu = gpu or DEFAULT_GPU
-        bandwidth = gpu_bandwidth(gpu)
-        gpu = gpu.strip().upper()
-    return derived_gpu_costs(bandwidth, gpu)
+    if bandwidth is not None:
+        return scaled_gpu_costs(bandwidth, gpu)
+    gpu = (gpu or DEFAULT_GPU).strip().upper()
+    measured = measured_gpu_costs(gpu)
+    return measured if measured is not None else scaled_gpu_costs(gpu_bandwidth(gpu), gpu)
 
 
 def link_efficiency_for(device: Device) -> LinkEfficiency:
@@ -201,6 +230,7 @@ def _check_bandwidth(bandwidth: float) -> None:
 
 __all__ = [
     "DEFAULT_GPU",
+    "REFERENCE_GPU",
     "DERIVED_WORLD",
     "DEVICES",
     "GPU_MEMORY_BANDWIDTH",
@@ -215,5 +245,7 @@ __all__ = [
     "lion_update_passes",
     "link_efficiency_for",
     "local_costs_for",
+    "measured_gpu_costs",
+    "scaled_gpu_costs",
     "this_machines_device",
 ]

@@ -68,3 +68,15 @@ def test_forcing_cupy_for_tensors_it_cannot_pack_raises(monkeypatch: pytest.Monk
     assert "DS_LIONCUB_PACKING=auto" in message and "torch" in message
     with pytest.raises(LionCubSetupError, match="CUDA tensors only"):
         packing.pack_signs(torch.ones(3))  # what training calls: the same refusal, no silent torch path
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI and this CPU machine have none)")
+def test_auto_on_cuda_takes_the_compiled_op_or_torch_never_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cupy's 1-bit step was slower than torch's on an H100 and an H200 (benchmarks/RESULTS.md, "On a GPU")."""
+    monkeypatch.delenv(packing.PACKING_ENV, raising=False)
+    packing._chosen.clear()
+    assert packing.packing_path("cuda").path in ("compiled", "torch")
+    monkeypatch.setenv(packing.PACKING_ENV, "cupy")
+    pytest.importorskip("cupy", reason="cupy is not installed")
+    assert packing.packing_path("cuda").path == "cupy"

@@ -1,5 +1,5 @@
-"""The planner's device dimension: the GPU table derived from formulas, NCCL's link efficiencies, the CLI's
-``--device``/``--gpu``/``--device-bandwidth``, and ``compression="auto"`` on CUDA ranks."""
+"""The planner's device dimension: the GPU tables (measured, scaled, and the derived bound), NCCL's link
+efficiencies, the CLI's ``--device``/``--gpu``/``--device-bandwidth``, and ``compression="auto"`` on CUDA ranks."""
 
 from __future__ import annotations
 
@@ -13,16 +13,27 @@ from ds_lioncub import parse_config
 from ds_lioncub.comm.topology import NODE_SIZE_VARIABLES
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.integration.wiring import resolve_auto_for_engine
-from ds_lioncub.planner import DEFAULT_LOCAL_COSTS, GLOO_LINK_EFFICIENCY, Cluster, LocalCosts, Network, plan
+from ds_lioncub.planner import (
+    DEFAULT_LOCAL_COSTS,
+    GLOO_LINK_EFFICIENCY,
+    Cluster,
+    LocalCosts,
+    Network,
+    gpu_local_costs,
+    plan,
+)
 from ds_lioncub.planner.auto import resolve_auto
 from ds_lioncub.planner.calibrate import measure_local_costs
 from ds_lioncub.planner.cli import main
 from ds_lioncub.planner.devices import (
+    GPU_MEMORY_BANDWIDTH,
     NCCL_LINK_EFFICIENCY,
     derived_gpu_costs,
     device_of,
     link_efficiency_for,
     local_costs_for,
+    measured_gpu_costs,
+    scaled_gpu_costs,
     this_machines_device,
 )
 from tests.unit.test_planner import FakeEngine
@@ -66,16 +77,39 @@ def test_derived_table_is_each_pass_bytes_over_the_memory_bandwidth() -> None:
     assert derived_gpu_costs(2 * H100).cost("1bit") == pytest.approx(costs.cost("1bit") / 2)
 
 
-def test_named_gpus_and_a_given_bandwidth() -> None:
-    assert local_costs_for("cuda").cost("lion_update") == pytest.approx(76 / H100)  # an H100 by default
-    assert local_costs_for("cuda", gpu="a100").cost("lion_update") == pytest.approx(76 / 2.039e12)
-    assert local_costs_for("cuda", gpu="H200").cost("lion_update") == pytest.approx(76 / 4.8e12)
-    assert local_costs_for("cuda", bandwidth=1e12).cost("lion_update") == pytest.approx(76e-12)
+def test_measured_gpus_use_their_table_and_the_others_the_h100s_scaled_by_bandwidth() -> None:
+    h100, h200 = gpu_local_costs.SECONDS_PER_ELEMENT["H100"], gpu_local_costs.SECONDS_PER_ELEMENT["H200"]
+    assert dict(local_costs_for("cuda").seconds_per_element) == h100  # an H100 by default
+    assert dict(local_costs_for("cuda", gpu="h200").seconds_per_element) == h200
+    assert "measured: NVIDIA H200" in local_costs_for("cuda", gpu="H200").measured_on
+    a100 = local_costs_for("cuda", gpu="a100")
+    assert "H100's measured table scaled" in a100.measured_on and "the A100's 2.04 TB/s" in a100.measured_on
+    given = local_costs_for("cuda", bandwidth=1e12)
+    for key, seconds in h100.items():
+        assert a100.cost(key) == pytest.approx(seconds * H100 / 2.039e12, rel=1e-12), key
+        assert given.cost(key) == pytest.approx(seconds * H100 / 1e12, rel=1e-12), key
     assert local_costs_for("cpu") is DEFAULT_LOCAL_COSTS
     with pytest.raises(LionCubConfigError, match="^LionCub: .*--device-bandwidth"):
         local_costs_for("cuda", gpu="V100")
     with pytest.raises(LionCubConfigError, match="^LionCub: .*--device cuda"):
         local_costs_for("cpu", gpu="H100")
+    with pytest.raises(LionCubConfigError, match="^LionCub: a device bandwidth must be positive"):
+        local_costs_for("cuda", bandwidth=0.0)
+
+
+def test_the_shipped_gpu_tables_are_complete_and_bear_out_the_bandwidth_scaling() -> None:
+    """Every entry --calibrate fills; the H100's table scaled to the H200's bandwidth predicts the H200's
+    measured one (the rule that prices unmeasured GPUs), and both lie above the derived lower bound."""
+    for gpu in ("H100", "H200"):
+        costs = measured_gpu_costs(gpu)
+        assert costs is not None and costs.device == "cuda"
+        assert set(costs.seconds_per_element) == set(DEFAULT_LOCAL_COSTS.seconds_per_element)
+        bound = derived_gpu_costs(GPU_MEMORY_BANDWIDTH[gpu])
+        for key, seconds in costs.seconds_per_element.items():
+            assert seconds >= bound.cost(key), (gpu, key)
+    predicted = scaled_gpu_costs(GPU_MEMORY_BANDWIDTH["H200"])
+    for key, seconds in gpu_local_costs.SECONDS_PER_ELEMENT["H200"].items():
+        assert seconds == pytest.approx(predicted.cost(key), rel=0.1), key
 
 
 def test_devices_and_their_transports(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -93,7 +127,7 @@ def _args(*more: str) -> list[str]:
     return ["--params", "1.3e9", "--nodes", "8", "--gpus-per-node", "8", "--inter-node-bandwidth", "25gbit", *more]
 
 
-def test_cli_prices_cuda_ranks_with_the_derived_table_and_nccl(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_prices_cuda_ranks_with_a_gpu_table_and_nccl(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(_args("--device", "cuda", "--json")) == 0
     output = json.loads(capsys.readouterr().out)
     assert output["local_costs"]["device"] == "cuda"
@@ -103,7 +137,7 @@ def test_cli_prices_cuda_ranks_with_the_derived_table_and_nccl(capsys: pytest.Ca
     assert [row["seconds_per_step"] for row in output["candidates"]] == [c.seconds_per_step for c in expected]
     assert main(_args("--gpu", "H200")) == 0  # a GPU implies CUDA ranks
     text = capsys.readouterr().out
-    assert "local costs: CUDA ranks, derived, not measured" in text and "the H200's 4.8 TB/s" in text
+    assert "local costs: CUDA ranks, measured: NVIDIA H200" in text
     assert "link efficiency 1 (rings) and 1 (all-to-all)" in text
 
 
@@ -137,7 +171,7 @@ def test_a_saved_table_carries_its_device(tmp_path: Path, capsys: pytest.Capture
     loaded = LocalCosts.load(path)
     assert loaded.device == "cuda" and loaded.seconds_per_element == local_costs_for("cuda").seconds_per_element
     assert main(_args("--local-costs", str(path))) == 0  # its device, CUDA, and so NCCL's efficiencies
-    assert f"local costs: CUDA ranks, {path}, derived" in capsys.readouterr().out
+    assert f"local costs: CUDA ranks, {path}, measured: NVIDIA H100" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(_args("--local-costs", str(path), "--device", "cpu"))
     assert "is a cuda table" in capsys.readouterr().err
@@ -169,7 +203,7 @@ def test_auto_on_cuda_ranks_compresses_where_cpu_costs_would_fall_back() -> None
     )
     assert not on_cuda.fell_back and on_cuda.options.compression == expected[0].compression != "none"
     assert [c.seconds_per_step for c in on_cuda.candidates] == [c.seconds_per_step for c in expected]
-    assert "CUDA ranks (local work at the H100's memory bandwidth)" in on_cuda.sentence
+    assert "CUDA ranks (local work as measured on an H100)" in on_cuda.sentence
     slower = parse_config(
         {
             **options.model_dump(include=options.model_fields_set),
