@@ -13,8 +13,8 @@ bandwidth. :func:`derived_gpu_costs` counts the bytes of exactly the passes ``--
 aggregation as ``build_aggregation`` runs it on rank 0 of :data:`DERIVED_WORLD` ranks) over the
 bandwidth. That is a lower bound: it leaves out kernel launches and Python per call, and kernels
 reaching less than the peak. Measured on an H100 and an H200, the tables are 1.3-9x that bound, by
-the same factor on both GPUs within a few percent per entry (benchmarks/RESULTS.md, "On a GPU"):
-the H100 table scaled by 3.35/4.8 predicts the H200's to within 3%. So the factor belongs to the
+nearly the same factor on both GPUs (benchmarks/RESULTS.md, "On a GPU"): the H100 table scaled by
+3.35/4.8 predicts every H200 aggregation entry within 8% (1-bit within 1.3%). So the factor belongs to the
 code, not the GPU, and the H100's measured table times the bandwidth ratio prices a GPU of the
 same kind (A100, B200) better than the bound does.
 """
