@@ -180,7 +180,7 @@ class NetworkConfig(DeepSpeedConfigModel):
 
     device_bandwidth: OptionalRate = Field(None, gt=0, allow_inf_nan=False)
     """The GPUs' memory bandwidth, which prices the local work of CUDA ranks (a table derived from each
-    pass's bytes, ``ds_lioncub.planner.devices``): a rate such as "3.35TB/s"; unset: an H100's. CPU ranks
+    pass's bytes, ``ds_lioncub.planner.devices``): a rate such as "3.35TB/s"; unset: an H100's (3.35TB/s). CPU ranks
     use the built-in measured table and ignore it."""
 
 

@@ -4,8 +4,10 @@ option has a docstring, and every relative link in README.md and docs/ leads som
 from __future__ import annotations
 
 import inspect
+import re
 from pathlib import Path
 
+import pytest
 from pydantic import BaseModel
 
 from ds_lioncub.config import LionCubConfig
@@ -62,3 +64,97 @@ def test_every_option_appears_in_the_reference() -> None:
     for model in _models(LionCubConfig):
         for name in model.model_fields:
             assert f"`{name}`" in text or f".{name}`" in text, name
+
+
+# ------------------------------------------------------------------------------------------------- links
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def _prose(text: str) -> str:
+    """``text`` without fenced code blocks and inline code, where brackets are not links."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+    return re.sub(r"(`+)[^`].*?\1", "", text, flags=re.DOTALL)
+
+
+def anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings: lower case, punctuation other than - and _ dropped,
+    spaces as -, a repeated anchor numbered -1, -2, ..."""
+    found: set[str] = set()
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.MULTILINE | re.DOTALL)
+    for heading in re.findall(r"^#{1,6} (.+?)\s*$", text, flags=re.MULTILINE):
+        title = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link in a heading: its text
+        anchor = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        unique, n = anchor, 0
+        while unique in found:
+            n += 1
+            unique = f"{anchor}-{n}"
+        found.add(unique)
+    return found
+
+
+def relative_links(page: Path) -> list[str]:
+    return [target for target in LINK.findall(_prose(page.read_text())) if not re.match(r"[a-z]+:", target)]
+
+
+def test_the_anchor_rule_is_githubs() -> None:
+    page = REPO / "docs" / "user-guide.md"
+    assert {"which-mode-for-my-cluster", "will-my-mode-keep-lions-loss-at-n-workers"} <= anchors(page)
+    assert "zero-shard-inside-a-node-vote-across-nodes" in anchors(page)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(REPO).as_posix() for p in PAGES])
+def test_every_relative_link_resolves(page: Path) -> None:
+    broken = []
+    for target in relative_links(page):
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        if not resolved.exists():
+            broken.append(
+                f"{target}: no file {resolved.relative_to(REPO) if resolved.is_relative_to(REPO) else resolved}"
+            )
+        elif anchor and (resolved.suffix != ".md" or anchor not in anchors(resolved)):
+            broken.append(f"{target}: no heading with anchor #{anchor} in {resolved.relative_to(REPO)}")
+    assert broken == [], f"{page.relative_to(REPO)}: broken links: {broken}"
+
+
+def test_the_pages_link_to_each_other() -> None:
+    readme = set(relative_links(REPO / "README.md"))
+    for page in ("user-guide.md", "options.md", "troubleshooting.md", "benchmarks.md", "design.md"):
+        assert f"docs/{page}" in readme, f"README.md does not link docs/{page}"
+
+
+# ------------------------------------------------------------------------------------------------ layout
+
+
+def _code_map() -> list[tuple[str, str]]:
+    """(first cell, whole row) of docs/design.md's code map table."""
+    design = (REPO / "docs" / "design.md").read_text()
+    table = design.split("Code map:", 1)[1].split("\n\n", 2)[1]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    return [(row.split("|")[1].strip(), row) for row in rows]
+
+
+def test_the_code_map_lists_every_module_and_package() -> None:
+    rows = _code_map()
+    named = {cell.strip("`") for cell, _ in rows}
+    package = REPO / "ds_lioncub"
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(REPO).as_posix()
+        folder = path.parent.relative_to(REPO).as_posix() + "/"
+        if path.parent != package and folder not in named:
+            missing.append(f"{folder} (package)")
+        if relative in named or (path.name == "__init__.py" and path.parent != package):
+            continue
+        package_rows = [row for cell, row in rows if cell.strip("`") == folder]
+        if not any(f"`{path.name}`" in row for row in package_rows):
+            missing.append(relative)
+    assert missing == [], f"docs/design.md's code map does not name: {sorted(set(missing))}"
+
+
+def test_the_user_guide_summary_names_every_option() -> None:
+    guide = (REPO / "docs" / "user-guide.md").read_text().split("\n## Options\n")[1].split("\n## ")[0]
+    missing = [name for name in LionCubConfig.model_fields if f"(options.md#{name})" not in guide]
+    assert missing == [], f"docs/user-guide.md's option summary does not link {missing}"
