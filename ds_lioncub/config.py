@@ -116,7 +116,7 @@ class TelemetryConfig(DeepSpeedConfigModel):
     """What the per-step telemetry measures beyond bytes, collectives and seconds (always recorded).
 
     Every step's record is :attr:`ds_lioncub.LionCub.last_step_telemetry`; under DeepSpeed it is also
-    written through the engine's monitor (docs/design.md, section 19).
+    written through the engine's monitor (docs/design.md, section 15).
     """
 
     model_config = ConfigDict(use_attribute_docstrings=True)

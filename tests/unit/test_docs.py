@@ -158,3 +158,47 @@ def test_the_user_guide_summary_names_every_option() -> None:
     guide = (REPO / "docs" / "user-guide.md").read_text().split("\n## Options\n")[1].split("\n## ")[0]
     missing = [name for name in LionCubConfig.model_fields if f"(options.md#{name})" not in guide]
     assert missing == [], f"docs/user-guide.md's option summary does not link {missing}"
+
+
+# ------------------------------------------------------------------------------------ design.md citations
+
+CITATION = re.compile(r"\b[Ss]ections? (\d+(?:\.\d+)?(?:(?:, | and | or )\d+(?:\.\d+)?)*)(?: \(([^()]+)\))?")
+
+
+def _design_sections() -> dict[str, str]:
+    """Section number -> title of docs/design.md's numbered headings (``## 3. ...``, ``### 4.6 ...``)."""
+    text = re.sub(r"^```.*?^```", "", (REPO / "docs" / "design.md").read_text(), flags=re.MULTILINE | re.DOTALL)
+    return dict(re.findall(r"^##+ (\d+(?:\.\d+)?)\.? (.+?)\s*$", text, flags=re.MULTILINE))
+
+
+def _cited_files() -> list[Path]:
+    skip = {".git", ".venv", "build", "runs", "node_modules"}
+    return [
+        path
+        for path in sorted(REPO.rglob("*"))
+        if path.suffix in (".py", ".md", ".cpp", ".cu", ".h", ".sh")
+        and path.is_file()
+        and not skip & set(path.relative_to(REPO).parts)
+    ]
+
+
+def test_every_cited_design_section_exists() -> None:
+    sections = _design_sections()
+    assert sections["3"] == "The 1-bit majority vote" and sections["4.6"].startswith("The vote as one")
+    design = REPO / "docs" / "design.md"
+    wrong = []
+    for path in _cited_files():
+        text = path.read_text(errors="replace")
+        for match in CITATION.finditer(text):
+            before = text[max(0, match.start() - 80) : match.start()]
+            if path != design and "design.md" not in before:
+                continue  # a section of some other document
+            if "paper" in text[max(0, match.start() - 20) : match.start()]:
+                continue  # a section of a cited paper
+            numbers = re.findall(r"\d+(?:\.\d+)?", match.group(1))
+            place = f"{path.relative_to(REPO)}: {match.group(0)!r}"
+            wrong += [f"{place}: no section {n}" for n in numbers if n not in sections]
+            title = match.group(2)
+            if title in sections.values() and len(numbers) == 1 and sections.get(numbers[0]) != title:
+                wrong.append(f"{place}: section {numbers[0]} is {sections.get(numbers[0])!r}")
+    assert wrong == [], "citations of docs/design.md that point nowhere or at another section:\n" + "\n".join(wrong)
