@@ -23,53 +23,20 @@ from ds_lioncub.comm.vocabulary import (
     Quantizer,
     TieBreak,
 )
+from ds_lioncub.config_types import (
+    Duration,
+    Flag,
+    OptionalRate,
+    OptionalReal,
+    OptionalWhole,
+    Rate,
+    Real,
+    Whole,
+    only_numbers,
+)
 from ds_lioncub.errors import LionCubConfigError
-from ds_lioncub.units import parse_duration, parse_rate
 
 CommDtype = Literal["fp32", "bf16"]
-
-
-# Strict types. Left to itself pydantic reads true as 1, false as 0 and "10" as 10 ("lr": true trained at lr 1.0),
-# and "0"/"no"/1 as booleans. Every option takes its own type only, in the ds_config and in LionCub(...) alike:
-# booleans are not numbers, strings are not numbers, numbers and strings are not booleans. A JSON integer where a
-# real is expected ("weight_decay": 0) and a whole real where an integer is expected ("bucket_size": 5e8, how
-# DeepSpeed configs write sizes) stay valid: they are the same number. network's rates and durations are the one
-# place strings are numbers, because they carry units ("1gbit", "50us"; NetworkConfig).
-
-
-def _only_numbers(value: Any) -> Any:
-    """A number (or None, for the optional ones) passes on to the field's own checks; a boolean or a string does not."""
-    if isinstance(value, bool):
-        raise ValueError("booleans are not numbers (true would be read as 1); write the number itself")
-    if isinstance(value, str):
-        try:
-            float(value)
-        except ValueError:
-            raise ValueError("must be a number, written without quotes (strings are not numbers)") from None
-        raise ValueError(f"strings are not numbers; write {value.strip()} without quotes")
-    return value
-
-
-def _only_booleans(value: Any) -> Any:
-    if not isinstance(value, bool):
-        raise ValueError("must be true or false (True or False in Python); numbers and strings are not booleans")
-    return value
-
-
-Real = Annotated[float, BeforeValidator(_only_numbers)]
-"""A real number: an int or a float, never a bool or a string."""
-
-OptionalReal = Annotated[float | None, BeforeValidator(_only_numbers)]
-"""A real number or None (the validator wraps the whole union, so an error names the option, not a union branch)."""
-
-Whole = Annotated[int, BeforeValidator(_only_numbers)]
-"""An integer: an int or a whole float (5e8), never a bool or a string."""
-
-OptionalWhole = Annotated[int | None, BeforeValidator(_only_numbers)]
-"""An integer or None."""
-
-Flag = Annotated[bool, BeforeValidator(_only_booleans)]
-"""true or false, nothing else."""
 
 
 class MomentumSyncConfig(DeepSpeedConfigModel):
@@ -93,7 +60,8 @@ class MomentumSyncConfig(DeepSpeedConfigModel):
 
     layers: list[str] | Literal["all", "auto"] = "auto"
     """Regexes searched in parameter names (``module.named_parameters()`` names), ``"all"``, or
-    ``"auto"``: the nn.Embedding weights and the output head (the last nn.Linear)."""
+    ``"auto"``: the nn.Embedding weights and the output head (the last nn.Linear); ``"auto"`` needs the
+    model (``LionCub(..., module=model)``; DeepSpeed passes its engine's). An empty list is refused."""
 
     dtype: CommDtype = "fp32"
     """Precision of the averaging all-reduce; bf16 halves its bytes."""
@@ -148,7 +116,7 @@ class TelemetryConfig(DeepSpeedConfigModel):
     """What the per-step telemetry measures beyond bytes, collectives and seconds (always recorded).
 
     Every step's record is :attr:`ds_lioncub.LionCub.last_step_telemetry`; under DeepSpeed it is also
-    written through the engine's monitor (docs/design.md, section 19).
+    written through the engine's monitor (docs/design.md, section 15).
     """
 
     model_config = ConfigDict(use_attribute_docstrings=True)
@@ -176,18 +144,6 @@ class HybridConfig(DeepSpeedConfigModel):
     OMPI_COMM_WORLD_LOCAL_SIZE or MPI_LOCALNRANKS); set it to emulate nodes on one machine."""
 
 
-def _quantity(value: Any, parse: Any, unit: str) -> Any:
-    """A string through ``parse`` (its error without "LionCub: ", which parse_config adds); a number as it is."""
-    if isinstance(value, str):
-        try:
-            return parse(value)
-        except LionCubConfigError as error:
-            raise ValueError(str(error).removeprefix("LionCub: ").rstrip(".")) from None
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    raise ValueError(f"must be a string such as {unit} or a number")
-
-
 class NetworkConfig(DeepSpeedConfigModel):
     """The network that ``compression="auto"`` plans for (:mod:`ds_lioncub.planner`).
 
@@ -201,15 +157,15 @@ class NetworkConfig(DeepSpeedConfigModel):
 
     model_config = ConfigDict(use_attribute_docstrings=True)
 
-    bandwidth: float = Field(gt=0, allow_inf_nan=False)
+    bandwidth: Rate = Field(gt=0, allow_inf_nan=False)
     """Each node's link to the network, per direction: a rate such as "1gbit", "100gbit" or "10GB/s" (bits
     or bytes per second, tc's units), or a number of bytes per second. The node's ranks share it."""
 
-    latency: float = Field(50e-6, ge=0, allow_inf_nan=False)
+    latency: Duration = Field(50e-6, ge=0, allow_inf_nan=False)
     """Seconds per round of a collective (the time for a small message to arrive): "5us", "50us", "1ms", or
-    a number of seconds."""
+    a number of seconds. Default 50us."""
 
-    intra_node_bandwidth: float | None = Field(None, gt=0, allow_inf_nan=False)
+    intra_node_bandwidth: OptionalRate = Field(None, gt=0, allow_inf_nan=False)
     """Between two ranks of one node, per direction; unset: in-node links are no bottleneck (NVLink
     next to Ethernet). Set it when the ranks of a node talk over something slow."""
 
@@ -222,24 +178,23 @@ class NetworkConfig(DeepSpeedConfigModel):
     """The same for pairwise all-to-alls (the 1-bit vote's first collective); unset: gloo's 0.68 on CPU
     ranks (which favours modes built on all-reduces), NCCL's 1 on CUDA ranks."""
 
-    device_bandwidth: float | None = Field(None, gt=0, allow_inf_nan=False)
+    device_bandwidth: OptionalRate = Field(None, gt=0, allow_inf_nan=False)
     """The GPUs' memory bandwidth, which prices the local work of CUDA ranks (a table derived from each
-    pass's bytes, ``ds_lioncub.planner.devices``): a rate such as "3.35TB/s"; unset: an H100's. CPU ranks
+    pass's bytes, ``ds_lioncub.planner.devices``): a rate such as "3.35TB/s"; unset: an H100's (3.35TB/s). CPU ranks
     use the built-in measured table and ignore it."""
-
-    @field_validator("bandwidth", "intra_node_bandwidth", "device_bandwidth", mode="before")
-    @classmethod
-    def _rate(cls, value: Any) -> Any:
-        return None if value is None else _quantity(value, parse_rate, "'1gbit'")
-
-    @field_validator("latency", mode="before")
-    @classmethod
-    def _duration(cls, value: Any) -> Any:
-        return _quantity(value, parse_duration, "'50us'")
 
 
 class LionCubConfig(DeepSpeedConfigModel):
-    """LionCub's options: the ``"params"`` of ``"optimizer": {"type": "LionCub"}`` and ``LionCub(**options)``."""
+    """LionCub's options: the ``"params"`` of ``"optimizer": {"type": "LionCub"}`` and ``LionCub(**options)``.
+
+    Validated: an unknown key or a bad value raises ``LionCubConfigError`` naming the problem. Types are
+    strict, in the ds_config and in ``LionCub(...)`` alike: booleans are not numbers (``"lr": true`` is
+    refused, not read as 1), strings are not numbers (``"bits": "4"``: write ``4``), and only ``true`` /
+    ``false`` are booleans (not ``0``, ``1`` or ``"false"``). A JSON integer where a real is expected
+    (``"weight_decay": 0``) and a whole real where an integer is expected (``"bucket_size": 5e8``) are the
+    same number and fine; ``network``'s rates and latencies are strings with units (``"1gbit"``, ``"50us"``)
+    or plain numbers. No option takes NaN, an infinity or a negative number.
+    """
 
     model_config = ConfigDict(use_attribute_docstrings=True)
 
@@ -255,53 +210,61 @@ class LionCubConfig(DeepSpeedConfigModel):
     """Learning rate, the default of every param group. Lion wants 3-10x less than AdamW."""
 
     betas: tuple[Real, Real] = (0.9, 0.99)
-    """(beta1, beta2): beta1 mixes momentum and gradient into the update, beta2 is the momentum's EMA."""
+    """(beta1, beta2), two reals in [0, 1): beta1 mixes momentum and gradient into the update, beta2 is the
+    momentum's EMA."""
 
     weight_decay: Real = Field(0.0, ge=0, allow_inf_nan=False)
     """Decoupled weight decay; Lion wants 3-10x more than AdamW (lr * wd is what matters)."""
 
     compression: Literal["none", "1bit", "kbit", "auto"] = "1bit"
-    """"none": exact Lion on averaged gradients; "1bit": majority vote of the ranks' signs;
+    """What crosses the network. "none": exact Lion on averaged gradients; "1bit": majority vote of the ranks' signs;
     "kbit": sums of b-bit fields (see ``bits``, ``quantizer``, ``aggregation``, ``kbit_algorithm``);
     "auto": the mode :mod:`ds_lioncub.planner` predicts fastest on ``network`` for this model and world,
     chosen when the optimizer is built (logged on rank 0; exact Lion, with a warning, when no
     compression pays)."""
 
     network: NetworkConfig | None = None
-    """The links ``compression="auto"`` plans for (required with it, and only used by it)."""
+    """The links ``compression="auto"`` plans for (required with it, and only used by it); the planner
+    behind it: docs/user-guide.md, "Which mode pays on my network"."""
 
-    bits: Annotated[KbitWidth, BeforeValidator(_only_numbers)] = 4
+    bits: Annotated[KbitWidth, BeforeValidator(only_numbers)] = 4
     """Field width for "kbit": 2, 4 or 8 bits per element."""
 
     quantizer: Quantizer = "sign"
-    """What a k-bit field carries: the local sign, or the L1-quantized update (``l1_clip``)."""
+    """What a k-bit field carries: the local sign ("sign"), or the L1-quantized update ("l1"):
+    ``clamp(round(c/mean|c| * L / l1_clip), -L, L)`` per tensor, L the quantizer's levels."""
 
     aggregation: Aggregation = "vote"
-    """k-bit only: apply the sign of the summed fields ("vote") or the normalised sum ("mean")."""
+    """k-bit only: apply the sign of the summed fields ("vote") or the sum normalised to [-1, 1] ("mean")."""
 
     kbit_algorithm: KbitAlgorithm = "allreduce"
-    """One uint8 all-reduce (needs p <= 2**bits-1 for sign, (2**bits-1)//2 for l1), or all-to-all +
-    1-bit all-gather (any world size)."""
+    """One uint8 SUM all-reduce of the packed fields (needs ``p * R <= 2**bits - 1``, R a field's largest
+    value: p <= ``2**bits - 1`` for sign, ``(2**bits - 1) // 2`` for l1), or all-to-all + 1-bit all-gather
+    (any world size p). The all-reduce holds 3 / 15 / 255 workers with sign fields at 2 / 4 / 8 bits, and
+    1 / 7 / 127 with L1 fields; beyond that LionCub refuses at construction and names the alternatives
+    (``kbit_algorithm="alltoall"``, more bits, or ``"1bit"``)."""
 
     tie_break: TieBreak = "alternate"
-    """What an exact zero resolves to: +1 on odd steps and -1 on even ones, or always +1."""
+    """What an exact zero (a zero local sign or a tied vote) resolves to: +1 on odd steps and -1 on even
+    ones ("alternate"), or always +1 ("positive")."""
 
     l1_clip: Real = Field(2.0, gt=0, allow_inf_nan=False)
-    """tau: the L1 quantizer saturates at tau * mean|c|."""
+    """tau: the L1 quantizer saturates at ``l1_clip * mean|c|``."""
 
     comm_dtype: CommDtype = "fp32"
-    """Precision of the gradient all-reduce with compression "none"."""
+    """Precision of the gradient all-reduce, compression "none" only."""
 
     bucket_size: Whole = Field(1 << 23, ge=1024)
     """Elements per communication bucket: bounds the optimizer's temporaries and sets how many
     collectives a step issues (about 2 per bucket)."""
 
     check_finite: Flag = True
-    """With compression, every step first agrees (one 4-byte all-reduce) that no rank has a NaN/inf
+    """Compressed modes: every step first agrees (one 4-byte all-reduce) that no rank has a NaN/inf
     gradient, and raises on every rank otherwise, since a vote would hide it."""
 
     momentum_sync: MomentumSyncConfig = MomentumSyncConfig()
-    """Selective momentum synchronisation (compressed modes only)."""
+    """Selective momentum synchronisation (compressed modes only): every ``interval`` steps average the
+    ``exp_avg`` of the selected layers over the ranks. The default (interval 0) never syncs."""
 
     comm_backend_name: CommBackendName = "torch"
     """What carries LionCub's collectives: "torch" (torch.distributed: gloo on CPU, NCCL on GPU) or
@@ -324,13 +287,15 @@ class LionCubConfig(DeepSpeedConfigModel):
     packs again: it pays where the wire, not the processor, is the bottleneck (benchmarks/RESULTS.md)."""
 
     consistency_check: ConsistencyCheckConfig = ConsistencyCheckConfig()
-    """Replica checksums every ``interval`` steps."""
+    """Replica checksums every ``interval`` steps (default 100); interval 0 turns them off."""
 
     hybrid: HybridConfig | None = None
-    """Options of compressed LionCub under ZeRO stage 1 or 2 (used there even when not given)."""
+    """Options of compressed LionCub under ZeRO stage 1 or 2, the hybrid (used there even when not given):
+    ``node_size``, the ranks per node, defaults to the launcher's."""
 
     telemetry: TelemetryConfig = TelemetryConfig()
-    """Opt-in parts of the per-step telemetry (``{"vote_stats": true}``)."""
+    """Opt-in parts of the per-step telemetry (``{"vote_stats": true}``); every step's record is
+    ``opt.last_step_telemetry`` (docs/user-guide.md, "What each step did")."""
 
     @field_validator("comm_backend_name", mode="before")
     @classmethod

@@ -145,7 +145,7 @@ class LionCub(torch.optim.Optimizer):
         #: at step() because some rank's final message differed (overlap=True; counts, for diagnosis).
         self.buckets_launched_in_backward = 0
         self.revoted_buckets = 0
-        # Per-step records (docs/design.md, section 19); a mode that re-votes a bucket calls
+        # Per-step records (docs/design.md, section 15); a mode that re-votes a bucket calls
         # telemetry.note_revoted_bucket().
         self.telemetry = StepTelemetry(vote_stats=self.options.telemetry.vote_stats)
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}

@@ -2,13 +2,13 @@
 
 :class:`StepTelemetry` is owned by the optimizer. Every step it takes the difference of
 ``LionCub.comm_stats()`` across the step (collectives, bytes and seconds inside the transports'
-collectives, section 12 of docs/design.md for the bytes), adds the seconds spent in the
+collectives, section 14 of docs/design.md for the bytes), adds the seconds spent in the
 aggregations' local work, and closes a :class:`StepRecord`. Under DeepSpeed the integration brackets
 each engine step with :meth:`StepTelemetry.hold` and :meth:`StepTelemetry.release`: one record for
 however many ``step`` calls the engine made (one per param group under ZeRO; none when it skipped the
 step on a mixed-precision overflow, which the record then says). With ``telemetry.vote_stats`` it also
 counts, per step, the tied votes and the elements where this rank's own sign agreed with the applied
-one (docs/design.md, section 19).
+one (docs/design.md, section 15).
 
 The monitor names (:meth:`StepRecord.monitor_events`) are defined here, so the DeepSpeed
 integration and the documentation have one list to follow.

@@ -28,7 +28,7 @@ collectives (:class:`Collective`) and the ``*_bytes`` functions add them up.
 Per link, for a cluster of nodes of ``G`` ranks each, numbered node-major (:func:`link_bytes`): how
 many bytes cross one node's link to the network and how many one rank sends to ranks in its own
 node, for a group that spans the whole cluster, for the G groups of one rank per node that the
-ZeRO hybrid's votes run in (docs/design.md, section 16), or for a group inside one node.
+ZeRO hybrid's votes run in (docs/design.md, section 12), or for a group inside one node.
 """
 
 from __future__ import annotations

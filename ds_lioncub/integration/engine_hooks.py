@@ -14,7 +14,7 @@
   (:mod:`ds_lioncub.integration.hybrid_zero`);
 - ``_take_model_step``: closes the step's telemetry record (a step DeepSpeed skipped on overflow,
   where LionCub's ``step`` never ran, as skipped) and writes it through the engine's monitor
-  (docs/design.md, section 19); with ``overlap=True`` drops the votes of a skipped step;
+  (docs/design.md, section 15); with ``overlap=True`` drops the votes of a skipped step;
 - ``save_checkpoint`` / ``load_checkpoint``: the per-rank momentum files
   (:mod:`ds_lioncub.integration.checkpoint`); a save between an armed backward and its step is refused;
 - ``backward`` (``overlap=True``): the backward of the accumulation boundary is armed

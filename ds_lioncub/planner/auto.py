@@ -2,7 +2,7 @@
 
 :func:`resolve_auto` is a pure function of values every rank shares (the options, the number of
 parameters, the world and node sizes, the ZeRO stage, the built-in local cost table), so every rank
-resolves the same mode without communicating; the set-up fingerprint (docs/design.md, section 17)
+resolves the same mode without communicating; the set-up fingerprint (docs/design.md, section 13)
 then compares the resolved options across ranks. It is called where the world is known: by
 :class:`~ds_lioncub.optimizer.LionCub` at construction (ZeRO stage 0), and by the DeepSpeed wiring
 before it builds LionCub from a ds_config (the engine's ZeRO stage, bucket size and gradient

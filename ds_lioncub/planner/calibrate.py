@@ -16,7 +16,7 @@ elements, 32 MB of fp32: beyond the caches, streamed through memory as a real bu
 figure is the median of ``rounds`` x ``repeats`` timed runs (each call after one warm-up run): a step
 pays the typical run, not the best one. The table is one rank's, running alone on its core(s); when
 more ranks than cores share a machine, the model scales it by the ranks per core
-(:func:`~ds_lioncub.planner.model.predict_aggregation_seconds`, docs/design.md, section 18).
+(:func:`~ds_lioncub.planner.model.predict_aggregation_seconds`, docs/design.md, section 16).
 """
 
 from __future__ import annotations

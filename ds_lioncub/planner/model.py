@@ -13,7 +13,7 @@ Each collective costs ``rounds * α + max(node link bytes / β_inter, in-node by
   transport reaches in that kind of collective: a ring (all-reduce, all-gather, reduce-scatter)
   or a pairwise all-to-all. It carries what the byte count leaves out (packet headers, the
   transport's own scheduling); its defaults are gloo's on the emulated network
-  (:data:`GLOO_LINK_EFFICIENCY`, docs/design.md, section 18).
+  (:data:`GLOO_LINK_EFFICIENCY`, docs/design.md, section 16).
 
 A step's local work comes from :mod:`ds_lioncub.planner.local_costs`: Lion's arithmetic on the
 elements the rank steps, and what LionCub computes around its collectives (packing, votes,
@@ -35,7 +35,7 @@ and ZeRO's parameters travel in fp32 (training in fp32), except where a candidat
 Candidates (:func:`plan`): at ZeRO stage 0 exact Lion (fp32 or bf16 all-reduce), the 1-bit vote and
 every k-bit vote (2/4/8 bits, sign or L1 fields, all-reduce or all-to-all) that
 :class:`~ds_lioncub.comm.kbit.KbitCodec` admits for the world; with more than one node, ZeRO-2 too:
-exact Lion sharded over the world, and the hybrid (docs/design.md, section 16) with every
+exact Lion sharded over the world, and the hybrid (docs/design.md, section 12) with every
 compressed mode over the nodes' vote groups.
 """
 
@@ -402,7 +402,7 @@ def hybrid_candidate(
     bucket_size: int,
     zero_bucket_size: int,
 ) -> Candidate:
-    """A compressed mode under the ZeRO-2 hybrid: ZeRO inside each node, the vote over the nodes (section 16)."""
+    """A compressed mode under the ZeRO-2 hybrid: ZeRO inside each node, the vote over the nodes (section 12)."""
     node_size, nodes = cluster.gpus_per_node, cluster.nodes
     hybrid_params = {**params, "hybrid": {"node_size": node_size}}
     options = parse_config(hybrid_params)
@@ -413,7 +413,7 @@ def hybrid_candidate(
     buckets = bucket_sizes(shard, bucket_size)
     for bucket in buckets:
         votes.add(aggregation_collectives(options, bucket, nodes), "one_per_node", node_size, network)
-    if options.check_finite:  # agreed over the whole world (section 16)
+    if options.check_finite:  # agreed over the whole world (section 12)
         alone.add(wire.finite_check_collectives(cluster.world_size), "spanning", node_size, network)
     local = (costs.cost(LION_UPDATE) + costs.cost(aggregation_key(options))) * shard
     return _candidate(f"{label}, ZeRO-2 hybrid", hybrid_params, 2, alone, local, votes, len(buckets))

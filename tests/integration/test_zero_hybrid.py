@@ -5,7 +5,7 @@ scenario of tests.support.hybrid_cases, saves a checkpoint and builds every refu
 second resumes the checkpoint and tries to load it at other node sizes. The references are the plain-torch
 simulation (tests.support.reference.simulate_hybrid, fed the partition geometry ZeRO reports), the stage-0
 simulation, the uninterrupted run for the resume, WarmupLR's formula, and the layout of nodes and shards
-(docs/design.md, section 16 (ZeRO-1/2 hybrid: shard inside a node, vote across nodes) and section 13
+(docs/design.md, section 12 (ZeRO-1/2 hybrid: shard inside a node, vote across nodes) and section 18
 (exactness invariants)).
 """
 
@@ -537,7 +537,7 @@ def test_unsupported_hybrid_configs_are_refused_identically_on_every_rank(launch
 
 
 def _expected_bytes_per_step(case: HybridCase, shard: int) -> int:
-    """LionCub's bytes sent per rank per step (docs/design.md, section 12): the aggregation of one shard of
+    """LionCub's bytes sent per rank per step (docs/design.md, section 14): the aggregation of one shard of
     ``shard`` elements over the M nodes, plus the 4-byte non-finite check, all-reduced over the whole world so
     that every rank of every node reaches the same verdict."""
     nodes = WORLD // _node_size(case)

@@ -278,7 +278,7 @@ def training_matches_brute_force_simulation(ranks: Ranks, exact_modes: Collectio
 
 def expected_training_traffic(options: dict[str, Any], world_size: int, step: int) -> tuple[int, int]:
     """(collectives, bytes sent) per rank in one standalone training step of a :func:`scenarios.training_modes`
-    mode: docs/design.md section 12's list of collectives, each priced by the wire formulas of
+    mode: docs/design.md section 14's list of collectives, each priced by the wire formulas of
     ds_lioncub/comm/wire.py for the bucket sizes of section 9 (reference_bucket_sizes)."""
     p = world_size
     if p == 1:

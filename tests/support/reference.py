@@ -568,7 +568,7 @@ def simulate_hybrid(
 ) -> HybridRun:
     """Simulate compressed LionCub under ZeRO-1/2 on ``nodes`` x ``node_size`` ranks for ``steps`` engine steps.
 
-    The semantics of docs/design.md, section 16 (ZeRO-1/2 hybrid: shard inside a node, vote across nodes),
+    The semantics of docs/design.md, section 12 (ZeRO-1/2 hybrid: shard inside a node, vote across nodes),
     written from the definitions with no ds_lioncub or DeepSpeed code.
 
     Ranks are node-major: node k holds ranks [k*G, (k+1)*G). Per engine step:

@@ -221,21 +221,21 @@ def test_config_files_are_valid_json_with_lioncub() -> None:
         assert config["optimizer"]["type"].lower() == "lioncub", path.name
 
 
-def test_every_config_file_and_readme_example_parses() -> None:
+def test_every_config_file_and_documented_example_parses() -> None:
     # The witnesses that strict inputs refuse nothing that trains today: every ready config and every options block
-    # the README shows, parsed as DeepSpeed hands them to LionCub.
+    # the README and the user guide show, parsed as DeepSpeed hands them to LionCub.
     params = [json.loads(path.read_text())["optimizer"]["params"] for path in sorted(CONFIGS.glob("*.json"))]
     assert len(params) >= 8
-    readme = (CONFIGS.parent / "README.md").read_text()
-    blocks = [block.split("```", 1)[0] for block in readme.split("```json\n")[1:]]
-    for block in blocks:
-        text = block.strip()
-        config = json.loads(text if text.startswith("{") else "{" + text + "}")
-        params.append(config["optimizer"]["params"])
-    assert len(params) >= 10, "the README's ds_config examples were not found"
+    for page, least in (("README.md", 1), ("docs/user-guide.md", 2)):
+        text = (CONFIGS.parent / page).read_text()
+        blocks = [block.split("```", 1)[0].strip() for block in text.split("```json\n")[1:]]
+        assert len(blocks) >= least, f"{page}'s ds_config examples were not found"
+        for block in blocks:
+            config = json.loads(block if block.startswith("{") else "{" + block + "}")
+            params.append(config["optimizer"]["params"])
     for options in params:
         parse_config(options)
-    # The README's Python example and its option table's examples.
+    # The user guide's Python example and the option reference's examples.
     LionCub([torch.nn.Parameter(torch.zeros(3))], lr=3e-4, betas=(0.9, 0.99), weight_decay=0.1, compression="1bit")
     parse_config({"telemetry": {"vote_stats": True}, "consistency_check": {"interval": 0}, "hybrid": {}})
     parse_config({"compression": "kbit", "bits": 8, "quantizer": "l1", "l1_clip": 2.0, "bucket_size": 5e8})

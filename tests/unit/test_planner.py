@@ -2,7 +2,7 @@
 formulas, the recommendations at the two ends of the network range, the units, and the CLI.
 
 The expected bytes are written from the protocol descriptions in ds_lioncub/comm/votes.py and
-docs/design.md (sections 3, 4, 12 and 16), not taken from ds_lioncub.comm.wire; the link loads are
+docs/design.md (sections 3, 4, 12 and 14), not taken from ds_lioncub.comm.wire; the link loads are
 checked against plain loops over the ranks of a node-major cluster.
 """
 
@@ -112,7 +112,7 @@ def expected_step_bytes(candidate: Candidate, n: int, cluster: Cluster) -> int:
         buckets = [LIONCUB_BUCKET_SIZE] * (n // LIONCUB_BUCKET_SIZE) + [n % LIONCUB_BUCKET_SIZE]
         return sum(expected_aggregation_bytes(params, b, world) for b in buckets if b) + finite_check
     g, m = cluster.gpus_per_node, cluster.nodes
-    shard = ceil_div(n, g)  # docs/design.md section 16: ZeRO-2 inside the node, the vote over the nodes
+    shard = ceil_div(n, g)  # docs/design.md section 12: ZeRO-2 inside the node, the vote over the nodes
     zero = (g - 1) * shard * 4 + (g - 1) * shard * 4
     buckets = [LIONCUB_BUCKET_SIZE] * (shard // LIONCUB_BUCKET_SIZE) + [shard % LIONCUB_BUCKET_SIZE]
     return zero + sum(expected_aggregation_bytes(params, b, m) for b in buckets if b) + finite_check

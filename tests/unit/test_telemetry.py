@@ -141,13 +141,13 @@ def test_nothing_is_written_where_deepspeeds_monitor_does_not_write(enabled: boo
 
 
 def test_the_documented_event_names_are_the_written_ones() -> None:
-    """docs/design.md section 19's table and the README's list name exactly what a record writes."""
+    """docs/design.md section 15's table and the user guide's list name exactly what a record writes."""
     record = StepRecord(1, False, 2, 3, 3, 0.5, 0.25, 1, 0, 100, 50, 75)
     written = {name for name, _ in record.monitor_events()}
-    design = (REPO / "docs" / "design.md").read_text().split("## 19. Per-step telemetry")[1]
+    design = (REPO / "docs" / "design.md").read_text().split("## 15. Per-step telemetry")[1]
     assert set(re.findall(r"^\| `(LionCub/\w+)` \|", design, flags=re.MULTILINE)) == written
-    readme = (REPO / "README.md").read_text()
-    assert {name for name in written if f"`{name}`" in readme} == written
+    guide = (REPO / "docs" / "user-guide.md").read_text().split("## With DeepSpeed")[1].split("\n## ")[0]
+    assert {name for name in written if f"`{name}`" in guide} == written
     without_rates = StepRecord.skipped_step(1)
     assert {name for name, _ in without_rates.monitor_events()} == written - {
         "LionCub/tie_rate",

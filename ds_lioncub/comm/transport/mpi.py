@@ -1,7 +1,7 @@
 """The transport over MPI (mpi4py), and the checks that an MPI job can serve the data-parallel group.
 
 mpi4py is imported only when an :class:`MpiTransport` is built, so ``comm_backend_name="torch"``
-needs neither mpi4py nor an MPI library. How to launch an MPI job is in the README's "MPI
+needs neither mpi4py nor an MPI library. How to launch an MPI job is in docs/user-guide.md's "MPI
 transport" section.
 """
 
@@ -158,7 +158,7 @@ class MpiTransport(TransportBase):
     When torch.distributed is initialised, construction checks with one allgather over MPI that MPI
     rank i is rank i of ``process_group`` (default: the global group), and raises
     :class:`MpiSetupError` on every rank otherwise (:func:`check_rank_layout`). The MPI world must
-    be the data-parallel group; the README's "MPI transport" section says how to launch such a job.
+    be the data-parallel group; docs/user-guide.md's "MPI transport" section says how to launch such a job.
 
     Buffers: host tensors go to MPI as they are. Device tensors go straight to MPI with
     ``cuda_aware=True`` (CUDA tensors; the current stream is synchronised first, because MPI does
