@@ -56,6 +56,28 @@ void check_in(const at::Tensor& t, const char* what)
 
 // ================================================================ sign masks, 32 elements at a time
 
+#if defined(__AVX2__)
+// The sign bits of 8 fp32 lanes under the tie rule. The compares are ordered (_OQ): a NaN lane is false, so
+// it counts as -1, as the scalar float_positive does.
+inline uint32_t sign_bits_8(__m256 v, bool zip)
+{
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256 c = zip ? _mm256_cmp_ps(v, zero, _CMP_GE_OQ) : _mm256_cmp_ps(v, zero, _CMP_GT_OQ);
+    return static_cast<uint32_t>(_mm256_movemask_ps(c));
+}
+
+// The sign mask of 32 elements, 8 lanes at a time; widen8(k) gives elements 8k .. 8k+7 as fp32. Widening
+// bf16 or fp16 to fp32 is exact and keeps the sign, zeros, infinities and NaNs, so the three float types
+// share this one block and differ only in their load.
+template <typename Widen8>
+inline uint32_t sign_mask_32(Widen8 widen8, bool zip)
+{
+    uint32_t m = 0;
+    for (int k = 0; k < 4; ++k) m |= sign_bits_8(widen8(k), zip) << (8 * k);
+    return m;
+}
+#endif
+
 template <typename T>
 struct SignMask;
 
@@ -70,14 +92,7 @@ struct SignMask<float> {
     static uint32_t block32(const float* x, bool zip)
     {
 #if defined(__AVX2__)
-        const __m256 zero = _mm256_setzero_ps();
-        uint32_t m = 0;
-        for (int k = 0; k < 4; ++k) {
-            const __m256 v = _mm256_loadu_ps(x + 8 * k);
-            const __m256 c = zip ? _mm256_cmp_ps(v, zero, _CMP_GE_OQ) : _mm256_cmp_ps(v, zero, _CMP_GT_OQ);
-            m |= static_cast<uint32_t>(_mm256_movemask_ps(c)) << (8 * k);
-        }
-        return m;
+        return sign_mask_32([x](int k) { return _mm256_loadu_ps(x + 8 * k); }, zip);
 #else
         return scalar(x, 32, zip);
 #endif
@@ -96,16 +111,12 @@ struct SignMask<at::BFloat16> {
     static uint32_t block32(const at::BFloat16* x, bool zip)
     {
 #if defined(__AVX2__)
-        const __m256 zero = _mm256_setzero_ps();
-        uint32_t m = 0;
-        for (int k = 0; k < 4; ++k) {
+        const auto widen8 = [x](int k) {
             // bf16 -> fp32 is exact: the bf16 bits are the top half of the fp32 bits.
             const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * k));
-            const __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-            const __m256 c = zip ? _mm256_cmp_ps(v, zero, _CMP_GE_OQ) : _mm256_cmp_ps(v, zero, _CMP_GT_OQ);
-            m |= static_cast<uint32_t>(_mm256_movemask_ps(c)) << (8 * k);
-        }
-        return m;
+            return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        };
+        return sign_mask_32(widen8, zip);
 #else
         return scalar(x, 32, zip);
 #endif
@@ -124,14 +135,10 @@ struct SignMask<at::Half> {
     static uint32_t block32(const at::Half* x, bool zip)
     {
 #if defined(__AVX2__) && defined(__F16C__)
-        const __m256 zero = _mm256_setzero_ps();
-        uint32_t m = 0;
-        for (int k = 0; k < 4; ++k) {
-            const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * k)));
-            const __m256 c = zip ? _mm256_cmp_ps(v, zero, _CMP_GE_OQ) : _mm256_cmp_ps(v, zero, _CMP_GT_OQ);
-            m |= static_cast<uint32_t>(_mm256_movemask_ps(c)) << (8 * k);
-        }
-        return m;
+        const auto widen8 = [x](int k) {
+            return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * k)));
+        };
+        return sign_mask_32(widen8, zip);
 #else
         return scalar(x, 32, zip);
 #endif
@@ -147,7 +154,7 @@ struct SignMask<uint8_t> {
         for (int j = 0; j < n; ++j) m |= static_cast<uint32_t>(x[j] & 1u) << j;
         return m;
     }
-    static uint32_t block32(const uint8_t* x, bool zip)
+    static uint32_t block32(const uint8_t* x, bool)
     {
 #if defined(__AVX2__)
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
@@ -171,20 +178,24 @@ inline void store_mask_group(uint8_t* out, uint32_t mask8, int bits)
     }
 }
 
+// Writes the 4 groups (4 * `bits` bytes from `out`) whose 32 sign bits are `mask32`, group k in bits 8k ..
+// 8k+7: one 4-byte store for 1-bit fields (the mask is already their layout), group by group otherwise.
+inline void store_mask_block32(uint8_t* out, uint32_t mask32, int bits)
+{
+    if (bits == 1) {
+        std::memcpy(out, &mask32, 4);
+    } else {
+        for (int k = 0; k < 4; ++k) store_mask_group(out + k * bits, (mask32 >> (8 * k)) & 0xFFu, bits);
+    }
+}
+
 template <typename T>
 void pack_signs_impl(const T* x, int64_t n, bool zip, int bits, uint8_t* out, int64_t nbytes)
 {
     const int64_t full_groups = n / 8;
     at::parallel_for(0, full_groups, kGroupGrain, [&](int64_t g0, int64_t g1) {
         int64_t g = g0;
-        for (; g + 4 <= g1; g += 4) {
-            const uint32_t m = SignMask<T>::block32(x + 8 * g, zip);
-            if (bits == 1) {
-                std::memcpy(out + g, &m, 4);
-            } else {
-                for (int k = 0; k < 4; ++k) store_mask_group(out + (g + k) * bits, (m >> (8 * k)) & 0xFFu, bits);
-            }
-        }
+        for (; g + 4 <= g1; g += 4) store_mask_block32(out + g * bits, SignMask<T>::block32(x + 8 * g, zip), bits);
         for (; g < g1; ++g) store_mask_group(out + g * bits, SignMask<T>::scalar(x + 8 * g, 8, zip), bits);
     });
     int64_t written = full_groups * bits;
@@ -269,7 +280,8 @@ inline void unpack_bytes_32(const uint8_t* packed, int64_t b0, int64_t b1, uint3
     const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
     const __m256i neg = _mm256_set1_epi32(static_cast<int>(minus));
     // four packed bytes (32 signs) per broadcast; byte k is tested against bits 8k .. 8k+7
-    const __m256i bit1 = _mm256_slli_epi32(bit, 8), bit2 = _mm256_slli_epi32(bit, 16), bit3 = _mm256_slli_epi32(bit, 24);
+    const __m256i bit1 = _mm256_slli_epi32(bit, 8), bit2 = _mm256_slli_epi32(bit, 16);
+    const __m256i bit3 = _mm256_slli_epi32(bit, 24);
     int64_t b = b0;
     for (; b + 4 <= b1; b += 4) {
         uint32_t word;
@@ -751,7 +763,8 @@ void quantize_l1_pack(const at::Tensor& c, const at::Tensor& offsets, const at::
     const int64_t nseg = scales.numel();
     const int64_t* off = offsets.data_ptr<int64_t>();
     TORCH_CHECK(off[0] == 0 && off[nseg] == n, "quantize_l1_pack: offsets must run from 0 to numel");
-    for (int64_t s = 0; s < nseg; ++s) TORCH_CHECK(off[s] <= off[s + 1], "quantize_l1_pack: offsets must not decrease");
+    for (int64_t s = 0; s < nseg; ++s)
+        TORCH_CHECK(off[s] <= off[s + 1], "quantize_l1_pack: offsets must not decrease");
     check_out(out, (n * bits + 7) / 8, "quantize_l1_pack");
     const float* sc = scales.data_ptr<float>();
     uint8_t* o = out.data_ptr<uint8_t>();
@@ -820,18 +833,16 @@ inline uint32_t lion_block32<float>(float* m, const float* g, const DirectionSca
 {
     const __m256 b1 = _mm256_set1_ps(s.b1), a1 = _mm256_set1_ps(s.a1);
     const __m256 b2 = _mm256_set1_ps(s.b2), a2 = _mm256_set1_ps(s.a2);
-    const __m256 zero = _mm256_setzero_ps();
-    uint32_t mask = 0;
-    for (int k = 0; k < 4; ++k) {
+    // c of elements 8k .. 8k+7 for the shared sign block, their momentum updated in place on the way
+    const auto direction8 = [&](int k) {
         const __m256 mv = _mm256_loadu_ps(m + 8 * k);
         const __m256 gv = _mm256_loadu_ps(g + 8 * k);
         // the same operand order as torch's vectorised add: fmadd(other, alpha, self)
         const __m256 c = _mm256_fmadd_ps(gv, a1, _mm256_mul_ps(mv, b1));
-        const __m256 plus = zip ? _mm256_cmp_ps(c, zero, _CMP_GE_OQ) : _mm256_cmp_ps(c, zero, _CMP_GT_OQ);
-        mask |= static_cast<uint32_t>(_mm256_movemask_ps(plus)) << (8 * k);
         _mm256_storeu_ps(m + 8 * k, _mm256_fmadd_ps(gv, a2, _mm256_mul_ps(mv, b2)));
-    }
-    return mask;
+        return c;
+    };
+    return sign_mask_32(direction8, zip);
 }
 #endif
 
@@ -877,14 +888,8 @@ void lion_piece(T* m, const T* g, int64_t n, const DirectionScalars& s, bool zip
     const int bits = w.bits;
     at::parallel_for(0, groups, kGroupGrain, [&](int64_t g0, int64_t g1) {
         int64_t q = g0;
-        for (; q + 4 <= g1; q += 4) {
-            const uint32_t mask = lion_block32(mb + 8 * q, gb + 8 * q, s, zip);
-            if (bits == 1) {
-                std::memcpy(ob + q, &mask, 4);
-            } else {
-                for (int k = 0; k < 4; ++k) store_mask_group(ob + (q + k) * bits, (mask >> (8 * k)) & 0xFFu, bits);
-            }
-        }
+        for (; q + 4 <= g1; q += 4)
+            store_mask_block32(ob + q * bits, lion_block32(mb + 8 * q, gb + 8 * q, s, zip), bits);
         for (; q < g1; ++q) store_mask_group(ob + q * bits, lion_scalar(mb + 8 * q, gb + 8 * q, 8, s, zip), bits);
     });
     // tail: opens a new group
@@ -894,9 +899,10 @@ void lion_piece(T* m, const T* g, int64_t n, const DirectionScalars& s, bool zip
 }
 
 // For each piece i: c = Lion's pre-sign update of (exp_avgs[i], grads[i]) and, for fp32, exp_avgs[i]
-// updated in place (bf16/fp16: see DirectionScalars); the sign fields of all the c's, one after the other, packed as pack_signs packs them into out
-// (zero fields past the last element). c is never stored. scalars: 4 per piece (beta1, 1 - beta1,
-// beta2, 1 - beta2). exp_avgs and grads: contiguous, the same dtype per piece (fp32, bf16 or fp16).
+// updated in place (bf16/fp16: see DirectionScalars); the sign fields of all the c's, one after the other,
+// packed as pack_signs packs them into out (zero fields past the last element). c is never stored.
+// scalars: 4 per piece (beta1, 1 - beta1, beta2, 1 - beta2). exp_avgs and grads: contiguous, the same dtype
+// per piece (fp32, bf16 or fp16).
 void lion_direction_pack_signs(const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& grads,
                                const std::vector<double>& scalars, bool zero_is_positive, int64_t bits,
                                const at::Tensor& out)
