@@ -218,18 +218,9 @@ void pack_signs(const at::Tensor& x, bool zero_is_positive, int64_t bits, const 
     check_out(out, (n * bits + 7) / 8, "pack_signs");
     uint8_t* o = out.data_ptr<uint8_t>();
     const int b = static_cast<int>(bits);
-    switch (x.scalar_type()) {
-        case at::kFloat: pack_signs_impl(x.data_ptr<float>(), n, zero_is_positive, b, o, out.numel()); break;
-        case at::kBFloat16:
-            pack_signs_impl(x.data_ptr<at::BFloat16>(), n, zero_is_positive, b, o, out.numel());
-            break;
-        case at::kHalf: pack_signs_impl(x.data_ptr<at::Half>(), n, zero_is_positive, b, o, out.numel()); break;
-        case at::kBool:
-        case at::kByte:
-            pack_signs_impl(static_cast<const uint8_t*>(x.data_ptr()), n, zero_is_positive, b, o, out.numel());
-            break;
-        default: TORCH_CHECK(false, "pack_signs: unsupported dtype ", x.scalar_type());
-    }
+    LIONCUB_DISPATCH_SIGN_TYPES(x.scalar_type(), "pack_signs", [&] {
+        pack_signs_impl(static_cast<const scalar_t*>(x.data_ptr()), n, zero_is_positive, b, o, out.numel());
+    });
 }
 
 // ================================================================ unpack signs to +1 / -1
@@ -305,9 +296,9 @@ inline void unpack_bytes_32(const uint8_t* packed, int64_t b0, int64_t b1, uint3
 }
 #endif
 
-void unpack_signs_32(const uint8_t* packed, int64_t n, uint32_t* out)
+// unpack_signs_raw: the sign bits as the raw +1 / -1 patterns of 4-byte (fp32) or 2-byte (bf16, fp16) elements.
+void unpack_signs_raw(const uint8_t* packed, int64_t n, uint32_t plus, uint32_t minus, uint32_t* out)
 {
-    const uint32_t plus = 0x3F800000u, minus = 0xBF800000u;
     const int64_t full_bytes = n / 8;
     const bool stream = n * 4 >= kStreamBytes && reinterpret_cast<uintptr_t>(out) % 32 == 0;
     at::parallel_for(0, full_bytes, kGroupGrain, [&](int64_t b0, int64_t b1) {
@@ -344,7 +335,7 @@ inline void unpack_pairs_16(const uint8_t* packed, int64_t b0, int64_t b1, uint1
 }
 #endif
 
-void unpack_signs_16(const uint8_t* packed, int64_t n, uint16_t plus, uint16_t minus, uint16_t* out)
+void unpack_signs_raw(const uint8_t* packed, int64_t n, uint16_t plus, uint16_t minus, uint16_t* out)
 {
     const int64_t full_pairs = n / 16;  // 16 elements (two packed bytes) per 256-bit store
     const bool stream = n * 2 >= kStreamBytes && reinterpret_cast<uintptr_t>(out) % 32 == 0;
@@ -373,12 +364,10 @@ void unpack_signs(const at::Tensor& packed, const at::Tensor& out)
     TORCH_CHECK(packed.numel() * 8 >= n, "unpack_signs: ", packed.numel(), " bytes hold fewer than ", n, " signs");
     const uint8_t* p = packed.data_ptr<uint8_t>();
     advise_huge_pages(out.data_ptr(), n * static_cast<int64_t>(out.element_size()));
-    switch (out.scalar_type()) {
-        case at::kFloat: unpack_signs_32(p, n, static_cast<uint32_t*>(out.data_ptr())); break;
-        case at::kBFloat16: unpack_signs_16(p, n, 0x3F80, 0xBF80, static_cast<uint16_t*>(out.data_ptr())); break;
-        case at::kHalf: unpack_signs_16(p, n, 0x3C00, 0xBC00, static_cast<uint16_t*>(out.data_ptr())); break;
-        default: TORCH_CHECK(false, "unpack_signs: unsupported dtype ", out.scalar_type());
-    }
+    LIONCUB_DISPATCH_FLOAT_TYPES(out.scalar_type(), "unpack_signs", [&] {
+        using Unit = lioncub::UnitBits<scalar_t>;  // the overload of the dtype's width
+        unpack_signs_raw(p, n, Unit::plus, Unit::minus, static_cast<typename Unit::type*>(out.data_ptr()));
+    });
 }
 
 // ================================================================ fused 1-bit vote (server step)
@@ -624,12 +613,9 @@ void pack_fields(const at::Tensor& values, int64_t bits, const at::Tensor& out)
     check_out(out, (n * bits + 7) / 8, "pack_fields");
     uint8_t* o = out.data_ptr<uint8_t>();
     const int b = static_cast<int>(bits);
-    switch (values.scalar_type()) {
-        case at::kByte:
-        case at::kBool: pack_fields_impl(static_cast<const uint8_t*>(values.data_ptr()), n, b, o, out.numel()); break;
-        case at::kInt: pack_fields_impl(values.data_ptr<int32_t>(), n, b, o, out.numel()); break;
-        default: TORCH_CHECK(false, "pack_fields: unsupported dtype ", values.scalar_type());
-    }
+    LIONCUB_DISPATCH_FIELD_TYPES(values.scalar_type(), "pack_fields", [&] {
+        pack_fields_impl(static_cast<const scalar_t*>(values.data_ptr()), n, b, o, out.numel());
+    });
 }
 
 // out: uint8 of out.numel() fields from `packed`.
@@ -770,14 +756,9 @@ void quantize_l1_pack(const at::Tensor& c, const at::Tensor& offsets, const at::
     uint8_t* o = out.data_ptr<uint8_t>();
     const int b = static_cast<int>(bits);
     const int32_t L = static_cast<int32_t>(levels);
-    switch (c.scalar_type()) {
-        case at::kFloat: quantize_l1_pack_impl(c.data_ptr<float>(), n, off, sc, nseg, L, b, o, out.numel()); break;
-        case at::kBFloat16:
-            quantize_l1_pack_impl(c.data_ptr<at::BFloat16>(), n, off, sc, nseg, L, b, o, out.numel());
-            break;
-        case at::kHalf: quantize_l1_pack_impl(c.data_ptr<at::Half>(), n, off, sc, nseg, L, b, o, out.numel()); break;
-        default: TORCH_CHECK(false, "quantize_l1_pack: unsupported dtype ", c.scalar_type());
-    }
+    LIONCUB_DISPATCH_FLOAT_TYPES(c.scalar_type(), "quantize_l1_pack", [&] {
+        quantize_l1_pack_impl(c.data_ptr<scalar_t>(), n, off, sc, nseg, L, b, o, out.numel());
+    });
 }
 
 // ================================================================ fused Lion step: direction + momentum + sign pack
@@ -924,21 +905,10 @@ void lion_direction_pack_signs(const std::vector<at::Tensor>& exp_avgs, const st
     for (size_t i = 0; i < exp_avgs.size(); ++i) {
         const double* sc = scalars.data() + 4 * i;
         const int64_t n = exp_avgs[i].numel();
-        switch (exp_avgs[i].scalar_type()) {
-            case at::kFloat:
-                lion_piece(exp_avgs[i].data_ptr<float>(), grads[i].data_ptr<float>(), n,
-                           direction_scalars(sc), zero_is_positive, w);
-                break;
-            case at::kBFloat16:
-                lion_piece(exp_avgs[i].data_ptr<at::BFloat16>(), grads[i].data_ptr<at::BFloat16>(), n,
-                           direction_scalars(sc), zero_is_positive, w);
-                break;
-            case at::kHalf:
-                lion_piece(exp_avgs[i].data_ptr<at::Half>(), grads[i].data_ptr<at::Half>(), n,
-                           direction_scalars(sc), zero_is_positive, w);
-                break;
-            default: TORCH_CHECK(false, what, ": unsupported dtype ", exp_avgs[i].scalar_type());
-        }
+        LIONCUB_DISPATCH_FLOAT_TYPES(exp_avgs[i].scalar_type(), what, [&] {
+            lion_piece(exp_avgs[i].data_ptr<scalar_t>(), grads[i].data_ptr<scalar_t>(), n, direction_scalars(sc),
+                       zero_is_positive, w);
+        });
     }
     w.finish();
 }
@@ -1031,12 +1001,9 @@ void apply_packed_signs(const at::Tensor& packed, const std::vector<at::Tensor>&
         const double* sc = scalars.data() + 3 * i;
         const ApplyScalars s{sc[0] != 0.0, static_cast<float>(sc[1]), static_cast<float>(sc[2])};
         const int64_t n = params[i].numel();
-        switch (params[i].scalar_type()) {
-            case at::kFloat: apply_piece(params[i].data_ptr<float>(), n, bits, offset, s); break;
-            case at::kBFloat16: apply_piece(params[i].data_ptr<at::BFloat16>(), n, bits, offset, s); break;
-            case at::kHalf: apply_piece(params[i].data_ptr<at::Half>(), n, bits, offset, s); break;
-            default: TORCH_CHECK(false, what, ": unsupported dtype ", params[i].scalar_type());
-        }
+        LIONCUB_DISPATCH_FLOAT_TYPES(params[i].scalar_type(), what, [&] {
+            apply_piece(params[i].data_ptr<scalar_t>(), n, bits, offset, s);
+        });
         offset += n;
     }
 }

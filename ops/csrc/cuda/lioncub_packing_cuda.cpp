@@ -9,6 +9,7 @@
 
 #include <vector>
 
+#include "lioncub_packing.h"  // the dtype dispatch shared with the CPU op
 #include "lioncub_packing_cuda.h"
 
 namespace {
@@ -32,15 +33,23 @@ void check_bits(int64_t bits, const char* what)
     TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, what, ": bits must be 1, 2, 4 or 8");
 }
 
+// The launchers take raw pointers and an InputKind: the kind of each dispatched element type.
+template <typename T>
+constexpr InputKind kind_of();
+template <>
+constexpr InputKind kind_of<float>() { return InputKind::kF32; }
+template <>
+constexpr InputKind kind_of<at::BFloat16>() { return InputKind::kBF16; }
+template <>
+constexpr InputKind kind_of<at::Half>() { return InputKind::kF16; }
+template <>
+constexpr InputKind kind_of<uint8_t>() { return InputKind::kU8; }
+template <>
+constexpr InputKind kind_of<int32_t>() { return InputKind::kI32; }
+
 InputKind float_kind(const at::Tensor& t, const char* what)
 {
-    switch (t.scalar_type()) {
-        case at::kFloat: return InputKind::kF32;
-        case at::kBFloat16: return InputKind::kBF16;
-        case at::kHalf: return InputKind::kF16;
-        default: TORCH_CHECK(false, what, ": unsupported dtype ", t.scalar_type());
-    }
-    return InputKind::kF32;
+    return LIONCUB_DISPATCH_FLOAT_TYPES(t.scalar_type(), what, [] { return kind_of<scalar_t>(); });
 }
 
 void pack_signs(const at::Tensor& x, bool zero_is_positive, int64_t bits, const at::Tensor& out)
@@ -48,8 +57,8 @@ void pack_signs(const at::Tensor& x, bool zero_is_positive, int64_t bits, const 
     check_cuda(x, "pack_signs");
     check_bits(bits, "pack_signs");
     check_out(out, (x.numel() * bits + 7) / 8, "pack_signs");
-    const InputKind kind = (x.scalar_type() == at::kBool || x.scalar_type() == at::kByte) ? InputKind::kU8
-                                                                                            : float_kind(x, "pack_signs");
+    const InputKind kind =
+        LIONCUB_DISPATCH_SIGN_TYPES(x.scalar_type(), "pack_signs", [] { return kind_of<scalar_t>(); });
     const c10::cuda::CUDAGuard guard(x.device());
     lioncub::cuda::launch_pack_signs(kind, x.data_ptr(), x.numel(), zero_is_positive, static_cast<int>(bits),
                                      out.data_ptr<uint8_t>(), out.numel(), c10::cuda::getCurrentCUDAStream().stream());
@@ -63,17 +72,14 @@ void unpack_signs(const at::Tensor& packed, const at::Tensor& out)
     TORCH_CHECK(packed.scalar_type() == at::kByte, "unpack_signs: packed must be uint8");
     const int64_t n = out.numel();
     TORCH_CHECK(packed.numel() * 8 >= n, "unpack_signs: ", packed.numel(), " bytes hold fewer than ", n, " signs");
-    int elem_bytes = 4;
-    uint32_t plus = 0x3F800000u, minus = 0xBF800000u;
-    switch (float_kind(out, "unpack_signs")) {
-        case InputKind::kBF16: elem_bytes = 2; plus = 0x3F80; minus = 0xBF80; break;
-        case InputKind::kF16: elem_bytes = 2; plus = 0x3C00; minus = 0xBC00; break;
-        default: break;
-    }
-    const c10::cuda::CUDAGuard guard(packed.device());
-    lioncub::cuda::launch_unpack_signs(packed.data_ptr<uint8_t>(), n, elem_bytes, plus, minus, out.data_ptr(),
-                                       c10::cuda::getCurrentCUDAStream().stream());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    LIONCUB_DISPATCH_FLOAT_TYPES(out.scalar_type(), "unpack_signs", [&] {
+        using Unit = lioncub::UnitBits<scalar_t>;
+        const c10::cuda::CUDAGuard guard(packed.device());
+        lioncub::cuda::launch_unpack_signs(packed.data_ptr<uint8_t>(), n, static_cast<int>(sizeof(scalar_t)),
+                                           Unit::plus, Unit::minus, out.data_ptr(),
+                                           c10::cuda::getCurrentCUDAStream().stream());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
 }
 
 void vote_packed_signs(const at::Tensor& rows, int64_t numel, bool zero_is_positive, const at::Tensor& out)
@@ -110,13 +116,8 @@ void pack_fields(const at::Tensor& values, int64_t bits, const at::Tensor& out)
     check_cuda(values, "pack_fields");
     check_bits(bits, "pack_fields");
     check_out(out, (values.numel() * bits + 7) / 8, "pack_fields");
-    InputKind kind;
-    switch (values.scalar_type()) {
-        case at::kByte:
-        case at::kBool: kind = InputKind::kU8; break;
-        case at::kInt: kind = InputKind::kI32; break;
-        default: TORCH_CHECK(false, "pack_fields: unsupported dtype ", values.scalar_type());
-    }
+    const InputKind kind =
+        LIONCUB_DISPATCH_FIELD_TYPES(values.scalar_type(), "pack_fields", [] { return kind_of<scalar_t>(); });
     const c10::cuda::CUDAGuard guard(values.device());
     lioncub::cuda::launch_pack_fields(kind, values.data_ptr(), values.numel(), static_cast<int>(bits),
                                       out.data_ptr<uint8_t>(), out.numel(), c10::cuda::getCurrentCUDAStream().stream());

@@ -1,4 +1,5 @@
-// ds_lioncub packing kernels: layout and scalar helpers shared by the CPU (C++/OpenMP) and CUDA code.
+// ds_lioncub packing kernels: layout and scalar helpers shared by the CPU (C++/OpenMP) and CUDA code; and, for
+// the two ops' Python bindings only, their dtype dispatch (at the end of this file).
 //
 // Layout (the same as ds_lioncub/comm/packing.py, least significant bit first):
 //   signs:  element 8*i + j is bit j of byte i; 1 means +1, 0 means -1; padding bits are 0.
@@ -123,3 +124,85 @@ LIONCUB_HD uint32_t l1_field_from_rounded(float rounded, int32_t levels)
 }
 
 }  // namespace lioncub
+
+// ================================================================ bindings only: dtype dispatch
+//
+// The CPU op (../cpu/lioncub_packing.cpp) and the CUDA op's bindings (../cuda/lioncub_packing_cuda.cpp) take
+// the same dtypes and must refuse the others with the same words: what follows is written once for both.
+// The CUDA kernels (.cu, compiled by nvcc) need none of it and never see ATen through this header.
+#if !defined(__CUDACC__)
+
+#include <ATen/core/Tensor.h>
+
+// ---------------------------------------------------------------- dtype dispatch
+//
+// LIONCUB_DISPATCH_<SET>(TYPE, NAME, BODY) runs BODY, a lambda taking no argument, with `scalar_t` naming the
+// C++ element type of TYPE (an at::ScalarType), and gives back what BODY returns. TYPE is evaluated once. A
+// dtype outside the set is refused as "NAME: unsupported dtype <TYPE>", the words every binding has used. One
+// switch for every site, so that a set is the same wherever it is accepted and a new dtype is added once.
+// bool and uint8 share uint8_t: a bool is one byte holding 0 or 1, which is all the sign and field kernels
+// read (data_ptr<uint8_t>() would refuse a bool tensor: bodies take static_cast<const scalar_t*>(data_ptr())).
+
+#define LIONCUB_DISPATCH_CASE(ENUM, CTYPE, ...) \
+    case ENUM: {                                \
+        using scalar_t = CTYPE;                 \
+        return __VA_ARGS__();                   \
+    }
+
+#define LIONCUB_DISPATCH_SWITCH(TYPE, NAME, ...)                                              \
+    [&] {                                                                                     \
+        const at::ScalarType lioncub_dispatch_type = (TYPE);                                  \
+        switch (lioncub_dispatch_type) {                                                      \
+            __VA_ARGS__                                                                       \
+            default: TORCH_CHECK(false, NAME, ": unsupported dtype ", lioncub_dispatch_type); \
+        }                                                                                     \
+    }()
+
+// fp32, bf16 and fp16: gradients, momenta, parameters and updates.
+#define LIONCUB_FLOAT_CASES(...)                                    \
+    LIONCUB_DISPATCH_CASE(at::kFloat, float, __VA_ARGS__)           \
+    LIONCUB_DISPATCH_CASE(at::kBFloat16, at::BFloat16, __VA_ARGS__) \
+    LIONCUB_DISPATCH_CASE(at::kHalf, at::Half, __VA_ARGS__)
+
+// bool and uint8, both as uint8_t.
+#define LIONCUB_BYTE_CASES(...) \
+    case at::kBool:             \
+        LIONCUB_DISPATCH_CASE(at::kByte, uint8_t, __VA_ARGS__)
+
+// The floating dtypes (quantize_l1_pack, unpack_signs, the fused Lion step).
+#define LIONCUB_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...) \
+    LIONCUB_DISPATCH_SWITCH(TYPE, NAME, LIONCUB_FLOAT_CASES(__VA_ARGS__))
+
+// pack_signs: the floating dtypes (the sign of each element) and bool / uint8 0-or-1 (the element itself).
+#define LIONCUB_DISPATCH_SIGN_TYPES(TYPE, NAME, ...) \
+    LIONCUB_DISPATCH_SWITCH(TYPE, NAME, LIONCUB_FLOAT_CASES(__VA_ARGS__) LIONCUB_BYTE_CASES(__VA_ARGS__))
+
+// pack_fields: bool / uint8 and int32 values (the low byte is the field).
+#define LIONCUB_DISPATCH_FIELD_TYPES(TYPE, NAME, ...)                  \
+    LIONCUB_DISPATCH_SWITCH(TYPE, NAME, LIONCUB_BYTE_CASES(__VA_ARGS__) \
+                            LIONCUB_DISPATCH_CASE(at::kInt, int32_t, __VA_ARGS__))
+
+namespace lioncub {
+
+// The bit patterns of +1 and -1 in a floating dtype, of its width (what unpack_signs writes).
+template <typename T>
+struct UnitBits;
+template <>
+struct UnitBits<float> {
+    using type = uint32_t;
+    static constexpr uint32_t plus = 0x3F800000u, minus = 0xBF800000u;
+};
+template <>
+struct UnitBits<at::BFloat16> {
+    using type = uint16_t;
+    static constexpr uint16_t plus = 0x3F80, minus = 0xBF80;
+};
+template <>
+struct UnitBits<at::Half> {
+    using type = uint16_t;
+    static constexpr uint16_t plus = 0x3C00, minus = 0xBC00;
+};
+
+}  // namespace lioncub
+
+#endif  // !defined(__CUDACC__)
