@@ -27,9 +27,15 @@
 
 namespace {
 
+using lioncub::check_bits;
+using lioncub::check_input;
+using lioncub::check_out;
 using lioncub::gather_fields;
 using lioncub::mask_to_fields;
 using lioncub::spread_fields;
+
+// The device of this op's tensors, for the argument checks it shares with the CUDA bindings.
+constexpr at::DeviceType kDevice = at::kCPU;
 
 constexpr int64_t kGroupGrain = 1 << 14;  // groups of 8 elements per parallel task (128K elements)
 
@@ -41,18 +47,6 @@ inline uint64_t load_u64(const uint8_t* p)
 }
 
 inline void store_bytes(uint8_t* p, uint64_t v, int n) { std::memcpy(p, &v, n); }  // little endian
-
-void check_out(const at::Tensor& out, int64_t min_bytes, const char* what)
-{
-    TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kByte && out.is_contiguous(),
-                what, ": out must be a contiguous CPU uint8 tensor");
-    TORCH_CHECK(out.numel() >= min_bytes, what, ": out holds ", out.numel(), " bytes, needs ", min_bytes);
-}
-
-void check_in(const at::Tensor& t, const char* what)
-{
-    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, ": input must be a contiguous CPU tensor");
-}
 
 // ================================================================ sign masks, 32 elements at a time
 
@@ -212,10 +206,10 @@ void pack_signs_impl(const T* x, int64_t n, bool zip, int bits, uint8_t* out, in
 // x: fp32 / bf16 / fp16 / bool (or uint8 0/1); fields of width `bits` holding 1 for +1, 0 for -1.
 void pack_signs(const at::Tensor& x, bool zero_is_positive, int64_t bits, const at::Tensor& out)
 {
-    check_in(x, "pack_signs");
-    TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "pack_signs: bits must be 1, 2, 4 or 8");
+    check_input(x, kDevice, "pack_signs");
+    check_bits(bits, "pack_signs");
     const int64_t n = x.numel();
-    check_out(out, (n * bits + 7) / 8, "pack_signs");
+    check_out(out, kDevice, (n * bits + 7) / 8, "pack_signs");
     uint8_t* o = out.data_ptr<uint8_t>();
     const int b = static_cast<int>(bits);
     LIONCUB_DISPATCH_SIGN_TYPES(x.scalar_type(), "pack_signs", [&] {
@@ -357,11 +351,11 @@ void unpack_signs_raw(const uint8_t* packed, int64_t n, uint16_t plus, uint16_t 
 // out: fp32 / bf16 / fp16 with out.numel() elements, from the first out.numel() bits of `packed`.
 void unpack_signs(const at::Tensor& packed, const at::Tensor& out)
 {
-    check_in(packed, "unpack_signs");
-    TORCH_CHECK(packed.scalar_type() == at::kByte, "unpack_signs: packed must be uint8");
+    check_input(packed, kDevice, "unpack_signs");
+    lioncub::check_packed(packed, "unpack_signs");
     TORCH_CHECK(out.device().is_cpu() && out.is_contiguous(), "unpack_signs: out must be contiguous on CPU");
     const int64_t n = out.numel();
-    TORCH_CHECK(packed.numel() * 8 >= n, "unpack_signs: ", packed.numel(), " bytes hold fewer than ", n, " signs");
+    lioncub::check_holds_signs(packed, n, "unpack_signs");
     const uint8_t* p = packed.data_ptr<uint8_t>();
     advise_huge_pages(out.data_ptr(), n * static_cast<int64_t>(out.element_size()));
     LIONCUB_DISPATCH_FLOAT_TYPES(out.scalar_type(), "unpack_signs", [&] {
@@ -482,13 +476,13 @@ inline VoteBlockFn vote_block_avx2_for(int planes)
 // `numel` positions, padding bits and bytes zero.
 void vote_packed_signs(const at::Tensor& rows, int64_t numel, bool zero_is_positive, const at::Tensor& out)
 {
-    check_in(rows, "vote_packed_signs");
-    TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() == 2, "vote_packed_signs: rows must be 2-d uint8");
+    check_input(rows, kDevice, "vote_packed_signs");
+    lioncub::check_rows(rows, "vote_packed_signs");
     const int64_t p = rows.size(0), stride = rows.size(1);
     const int64_t nbytes = (numel + 7) / 8;
     TORCH_CHECK(p >= 1 && p < (int64_t(1) << 31), "vote_packed_signs: need 1 <= p < 2**31 rows, got ", p);
-    TORCH_CHECK(stride >= nbytes, "vote_packed_signs: rows of ", stride, " bytes hold fewer than ", numel, " signs");
-    check_out(out, nbytes, "vote_packed_signs");
+    lioncub::check_rows_hold_signs(rows, numel, "vote_packed_signs");  // 8 * stride >= numel: stride >= nbytes
+    check_out(out, kDevice, nbytes, "vote_packed_signs");
     const uint8_t* src = rows.data_ptr<uint8_t>();
     uint8_t* dst = out.data_ptr<uint8_t>();
     const int planes = lioncub::count_planes(p);
@@ -520,13 +514,13 @@ void vote_packed_signs(const at::Tensor& rows, int64_t numel, bool zero_is_posit
 // out[i] = sum over rows of field i (int32); for bits == 1 the number of +1 votes.
 void sum_fields(const at::Tensor& rows, int64_t bits, int64_t numel, const at::Tensor& out)
 {
-    check_in(rows, "sum_fields");
-    TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() == 2, "sum_fields: rows must be 2-d uint8");
-    TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "sum_fields: bits must be 1, 2, 4 or 8");
+    check_input(rows, kDevice, "sum_fields");
+    lioncub::check_rows(rows, "sum_fields");
+    check_bits(bits, "sum_fields");
     TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == at::kInt && out.numel() == numel,
                 "sum_fields: out must be a contiguous CPU int32 tensor of numel elements");
     const int64_t p = rows.size(0), stride = rows.size(1);
-    TORCH_CHECK(stride * 8 >= numel * bits, "sum_fields: rows hold fewer than ", numel, " fields");
+    lioncub::check_rows_hold_fields(rows, bits, numel, "sum_fields");
     const uint8_t* src = rows.data_ptr<uint8_t>();
     int32_t* dst = out.data_ptr<int32_t>();
     advise_huge_pages(dst, numel * 4);
@@ -607,10 +601,10 @@ void pack_fields_impl(const T* v, int64_t n, int bits, uint8_t* out, int64_t nby
 // values: uint8 / bool / int32 (the low byte is the value), each < 2**bits; fields beyond 2**bits-1 are masked.
 void pack_fields(const at::Tensor& values, int64_t bits, const at::Tensor& out)
 {
-    check_in(values, "pack_fields");
-    TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "pack_fields: bits must be 1, 2, 4 or 8");
+    check_input(values, kDevice, "pack_fields");
+    check_bits(bits, "pack_fields");
     const int64_t n = values.numel();
-    check_out(out, (n * bits + 7) / 8, "pack_fields");
+    check_out(out, kDevice, (n * bits + 7) / 8, "pack_fields");
     uint8_t* o = out.data_ptr<uint8_t>();
     const int b = static_cast<int>(bits);
     LIONCUB_DISPATCH_FIELD_TYPES(values.scalar_type(), "pack_fields", [&] {
@@ -621,13 +615,13 @@ void pack_fields(const at::Tensor& values, int64_t bits, const at::Tensor& out)
 // out: uint8 of out.numel() fields from `packed`.
 void unpack_fields(const at::Tensor& packed, int64_t bits, const at::Tensor& out)
 {
-    check_in(packed, "unpack_fields");
-    TORCH_CHECK(packed.scalar_type() == at::kByte, "unpack_fields: packed must be uint8");
-    TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "unpack_fields: bits must be 1, 2, 4 or 8");
+    check_input(packed, kDevice, "unpack_fields");
+    lioncub::check_packed(packed, "unpack_fields");
+    check_bits(bits, "unpack_fields");
     TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == at::kByte,
                 "unpack_fields: out must be a contiguous CPU uint8 tensor");
     const int64_t n = out.numel();
-    TORCH_CHECK(packed.numel() * 8 >= n * bits, "unpack_fields: packed holds fewer than ", n, " fields");
+    lioncub::check_holds_fields(packed, bits, n, "unpack_fields");
     const uint8_t* src = packed.data_ptr<uint8_t>();
     uint8_t* dst = out.data_ptr<uint8_t>();
     advise_huge_pages(dst, n);
@@ -736,22 +730,17 @@ void quantize_l1_pack_impl(const T* c, int64_t n, const int64_t* offsets, const 
 void quantize_l1_pack(const at::Tensor& c, const at::Tensor& offsets, const at::Tensor& scales, int64_t levels,
                       int64_t bits, const at::Tensor& out)
 {
-    check_in(c, "quantize_l1_pack");
-    check_in(offsets, "quantize_l1_pack");
-    check_in(scales, "quantize_l1_pack");
-    TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "quantize_l1_pack: bits must be 2, 4 or 8");
-    TORCH_CHECK(levels >= 1 && 2 * levels <= (int64_t(1) << bits) - 1, "quantize_l1_pack: levels ", levels,
-                " do not fit ", bits, "-bit fields");
-    TORCH_CHECK(offsets.scalar_type() == at::kLong && scales.scalar_type() == at::kFloat &&
-                    offsets.numel() == scales.numel() + 1,
-                "quantize_l1_pack: offsets (int64, nseg+1) and scales (fp32, nseg) disagree");
+    check_input(c, kDevice, "quantize_l1_pack");
+    check_input(offsets, kDevice, "quantize_l1_pack");
+    check_input(scales, kDevice, "quantize_l1_pack");
+    lioncub::check_l1_arguments(offsets, scales, levels, bits, "quantize_l1_pack");
     const int64_t n = c.numel();
     const int64_t nseg = scales.numel();
     const int64_t* off = offsets.data_ptr<int64_t>();
     TORCH_CHECK(off[0] == 0 && off[nseg] == n, "quantize_l1_pack: offsets must run from 0 to numel");
     for (int64_t s = 0; s < nseg; ++s)
         TORCH_CHECK(off[s] <= off[s + 1], "quantize_l1_pack: offsets must not decrease");
-    check_out(out, (n * bits + 7) / 8, "quantize_l1_pack");
+    check_out(out, kDevice, (n * bits + 7) / 8, "quantize_l1_pack");
     const float* sc = scales.data_ptr<float>();
     uint8_t* o = out.data_ptr<uint8_t>();
     const int b = static_cast<int>(bits);
@@ -889,18 +878,8 @@ void lion_direction_pack_signs(const std::vector<at::Tensor>& exp_avgs, const st
                                const at::Tensor& out)
 {
     const char* what = "lion_direction_pack_signs";
-    TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, what, ": bits must be 1, 2, 4 or 8");
-    TORCH_CHECK(exp_avgs.size() == grads.size() && scalars.size() == 4 * exp_avgs.size(), what,
-                ": one gradient and four scalars per momentum");
-    int64_t total = 0;
-    for (size_t i = 0; i < exp_avgs.size(); ++i) {
-        check_in(exp_avgs[i], what);
-        check_in(grads[i], what);
-        TORCH_CHECK(exp_avgs[i].scalar_type() == grads[i].scalar_type() && exp_avgs[i].numel() == grads[i].numel(),
-                    what, ": a momentum and its gradient differ in dtype or size");
-        total += exp_avgs[i].numel();
-    }
-    check_out(out, (total * bits + 7) / 8, what);
+    const int64_t total = lioncub::check_lion_pieces(exp_avgs, grads, scalars, bits, kDevice, what);
+    check_out(out, kDevice, (total * bits + 7) / 8, what);
     SignFieldWriter w{out.data_ptr<uint8_t>(), static_cast<int>(bits), out.numel()};
     for (size_t i = 0; i < exp_avgs.size(); ++i) {
         const double* sc = scalars.data() + 4 * i;
@@ -986,15 +965,7 @@ void apply_packed_signs(const at::Tensor& packed, const std::vector<at::Tensor>&
                         const std::vector<double>& scalars)
 {
     const char* what = "apply_packed_signs";
-    check_in(packed, what);
-    TORCH_CHECK(packed.scalar_type() == at::kByte, what, ": packed must be uint8");
-    TORCH_CHECK(scalars.size() == 3 * params.size(), what, ": three scalars per parameter");
-    int64_t total = 0;
-    for (const auto& p : params) {
-        check_in(p, what);
-        total += p.numel();
-    }
-    TORCH_CHECK(packed.numel() * 8 >= total, what, ": ", packed.numel(), " bytes hold fewer than ", total, " signs");
+    lioncub::check_apply_pieces(packed, params, scalars, kDevice, what);
     const uint8_t* bits = packed.data_ptr<uint8_t>();
     int64_t offset = 0;
     for (size_t i = 0; i < params.size(); ++i) {
