@@ -27,9 +27,15 @@
 
 namespace {
 
+using lioncub::check_bits;
+using lioncub::check_input;
+using lioncub::check_out;
 using lioncub::gather_fields;
 using lioncub::mask_to_fields;
 using lioncub::spread_fields;
+
+// The device of this op's tensors, for the argument checks it shares with the CUDA bindings.
+constexpr at::DeviceType kDevice = at::kCPU;
 
 constexpr int64_t kGroupGrain = 1 << 14;  // groups of 8 elements per parallel task (128K elements)
 
@@ -42,19 +48,29 @@ inline uint64_t load_u64(const uint8_t* p)
 
 inline void store_bytes(uint8_t* p, uint64_t v, int n) { std::memcpy(p, &v, n); }  // little endian
 
-void check_out(const at::Tensor& out, int64_t min_bytes, const char* what)
-{
-    TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kByte && out.is_contiguous(),
-                what, ": out must be a contiguous CPU uint8 tensor");
-    TORCH_CHECK(out.numel() >= min_bytes, what, ": out holds ", out.numel(), " bytes, needs ", min_bytes);
-}
-
-void check_in(const at::Tensor& t, const char* what)
-{
-    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, ": input must be a contiguous CPU tensor");
-}
-
 // ================================================================ sign masks, 32 elements at a time
+
+#if defined(__AVX2__)
+// The sign bits of 8 fp32 lanes under the tie rule. The compares are ordered (_OQ): a NaN lane is false, so
+// it counts as -1, as the scalar float_positive does.
+inline uint32_t sign_bits_8(__m256 v, bool zip)
+{
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256 c = zip ? _mm256_cmp_ps(v, zero, _CMP_GE_OQ) : _mm256_cmp_ps(v, zero, _CMP_GT_OQ);
+    return static_cast<uint32_t>(_mm256_movemask_ps(c));
+}
+
+// The sign mask of 32 elements, 8 lanes at a time; widen8(k) gives elements 8k .. 8k+7 as fp32. Widening
+// bf16 or fp16 to fp32 is exact and keeps the sign, zeros, infinities and NaNs, so the three float types
+// share this one block and differ only in their load.
+template <typename Widen8>
+inline uint32_t sign_mask_32(Widen8 widen8, bool zip)
+{
+    uint32_t m = 0;
+    for (int k = 0; k < 4; ++k) m |= sign_bits_8(widen8(k), zip) << (8 * k);
+    return m;
+}
+#endif
 
 template <typename T>
 struct SignMask;
@@ -70,14 +86,7 @@ struct SignMask<float> {
     static uint32_t block32(const float* x, bool zip)
     {
 #if defined(__AVX2__)
-        const __m256 zero = _mm256_setzero_ps();
-        uint32_t m = 0;
-        for (int k = 0; k < 4; ++k) {
-            const __m256 v = _mm256_loadu_ps(x + 8 * k);
-            const __m256 c = zip ? _mm256_cmp_ps(v, zero, _CMP_GE_OQ) : _mm256_cmp_ps(v, zero, _CMP_GT_OQ);
-            m |= static_cast<uint32_t>(_mm256_movemask_ps(c)) << (8 * k);
-        }
-        return m;
+        return sign_mask_32([x](int k) { return _mm256_loadu_ps(x + 8 * k); }, zip);
 #else
         return scalar(x, 32, zip);
 #endif
@@ -96,16 +105,12 @@ struct SignMask<at::BFloat16> {
     static uint32_t block32(const at::BFloat16* x, bool zip)
     {
 #if defined(__AVX2__)
-        const __m256 zero = _mm256_setzero_ps();
-        uint32_t m = 0;
-        for (int k = 0; k < 4; ++k) {
+        const auto widen8 = [x](int k) {
             // bf16 -> fp32 is exact: the bf16 bits are the top half of the fp32 bits.
             const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * k));
-            const __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-            const __m256 c = zip ? _mm256_cmp_ps(v, zero, _CMP_GE_OQ) : _mm256_cmp_ps(v, zero, _CMP_GT_OQ);
-            m |= static_cast<uint32_t>(_mm256_movemask_ps(c)) << (8 * k);
-        }
-        return m;
+            return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        };
+        return sign_mask_32(widen8, zip);
 #else
         return scalar(x, 32, zip);
 #endif
@@ -124,14 +129,10 @@ struct SignMask<at::Half> {
     static uint32_t block32(const at::Half* x, bool zip)
     {
 #if defined(__AVX2__) && defined(__F16C__)
-        const __m256 zero = _mm256_setzero_ps();
-        uint32_t m = 0;
-        for (int k = 0; k < 4; ++k) {
-            const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * k)));
-            const __m256 c = zip ? _mm256_cmp_ps(v, zero, _CMP_GE_OQ) : _mm256_cmp_ps(v, zero, _CMP_GT_OQ);
-            m |= static_cast<uint32_t>(_mm256_movemask_ps(c)) << (8 * k);
-        }
-        return m;
+        const auto widen8 = [x](int k) {
+            return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * k)));
+        };
+        return sign_mask_32(widen8, zip);
 #else
         return scalar(x, 32, zip);
 #endif
@@ -147,7 +148,7 @@ struct SignMask<uint8_t> {
         for (int j = 0; j < n; ++j) m |= static_cast<uint32_t>(x[j] & 1u) << j;
         return m;
     }
-    static uint32_t block32(const uint8_t* x, bool zip)
+    static uint32_t block32(const uint8_t* x, bool)
     {
 #if defined(__AVX2__)
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
@@ -171,20 +172,24 @@ inline void store_mask_group(uint8_t* out, uint32_t mask8, int bits)
     }
 }
 
+// Writes the 4 groups (4 * `bits` bytes from `out`) whose 32 sign bits are `mask32`, group k in bits 8k ..
+// 8k+7: one 4-byte store for 1-bit fields (the mask is already their layout), group by group otherwise.
+inline void store_mask_block32(uint8_t* out, uint32_t mask32, int bits)
+{
+    if (bits == 1) {
+        std::memcpy(out, &mask32, 4);
+    } else {
+        for (int k = 0; k < 4; ++k) store_mask_group(out + k * bits, (mask32 >> (8 * k)) & 0xFFu, bits);
+    }
+}
+
 template <typename T>
 void pack_signs_impl(const T* x, int64_t n, bool zip, int bits, uint8_t* out, int64_t nbytes)
 {
     const int64_t full_groups = n / 8;
     at::parallel_for(0, full_groups, kGroupGrain, [&](int64_t g0, int64_t g1) {
         int64_t g = g0;
-        for (; g + 4 <= g1; g += 4) {
-            const uint32_t m = SignMask<T>::block32(x + 8 * g, zip);
-            if (bits == 1) {
-                std::memcpy(out + g, &m, 4);
-            } else {
-                for (int k = 0; k < 4; ++k) store_mask_group(out + (g + k) * bits, (m >> (8 * k)) & 0xFFu, bits);
-            }
-        }
+        for (; g + 4 <= g1; g += 4) store_mask_block32(out + g * bits, SignMask<T>::block32(x + 8 * g, zip), bits);
         for (; g < g1; ++g) store_mask_group(out + g * bits, SignMask<T>::scalar(x + 8 * g, 8, zip), bits);
     });
     int64_t written = full_groups * bits;
@@ -201,24 +206,15 @@ void pack_signs_impl(const T* x, int64_t n, bool zip, int bits, uint8_t* out, in
 // x: fp32 / bf16 / fp16 / bool (or uint8 0/1); fields of width `bits` holding 1 for +1, 0 for -1.
 void pack_signs(const at::Tensor& x, bool zero_is_positive, int64_t bits, const at::Tensor& out)
 {
-    check_in(x, "pack_signs");
-    TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "pack_signs: bits must be 1, 2, 4 or 8");
+    check_input(x, kDevice, "pack_signs");
+    check_bits(bits, "pack_signs");
     const int64_t n = x.numel();
-    check_out(out, (n * bits + 7) / 8, "pack_signs");
+    check_out(out, kDevice, (n * bits + 7) / 8, "pack_signs");
     uint8_t* o = out.data_ptr<uint8_t>();
     const int b = static_cast<int>(bits);
-    switch (x.scalar_type()) {
-        case at::kFloat: pack_signs_impl(x.data_ptr<float>(), n, zero_is_positive, b, o, out.numel()); break;
-        case at::kBFloat16:
-            pack_signs_impl(x.data_ptr<at::BFloat16>(), n, zero_is_positive, b, o, out.numel());
-            break;
-        case at::kHalf: pack_signs_impl(x.data_ptr<at::Half>(), n, zero_is_positive, b, o, out.numel()); break;
-        case at::kBool:
-        case at::kByte:
-            pack_signs_impl(static_cast<const uint8_t*>(x.data_ptr()), n, zero_is_positive, b, o, out.numel());
-            break;
-        default: TORCH_CHECK(false, "pack_signs: unsupported dtype ", x.scalar_type());
-    }
+    LIONCUB_DISPATCH_SIGN_TYPES(x.scalar_type(), "pack_signs", [&] {
+        pack_signs_impl(static_cast<const scalar_t*>(x.data_ptr()), n, zero_is_positive, b, o, out.numel());
+    });
 }
 
 // ================================================================ unpack signs to +1 / -1
@@ -269,7 +265,8 @@ inline void unpack_bytes_32(const uint8_t* packed, int64_t b0, int64_t b1, uint3
     const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
     const __m256i neg = _mm256_set1_epi32(static_cast<int>(minus));
     // four packed bytes (32 signs) per broadcast; byte k is tested against bits 8k .. 8k+7
-    const __m256i bit1 = _mm256_slli_epi32(bit, 8), bit2 = _mm256_slli_epi32(bit, 16), bit3 = _mm256_slli_epi32(bit, 24);
+    const __m256i bit1 = _mm256_slli_epi32(bit, 8), bit2 = _mm256_slli_epi32(bit, 16);
+    const __m256i bit3 = _mm256_slli_epi32(bit, 24);
     int64_t b = b0;
     for (; b + 4 <= b1; b += 4) {
         uint32_t word;
@@ -293,9 +290,9 @@ inline void unpack_bytes_32(const uint8_t* packed, int64_t b0, int64_t b1, uint3
 }
 #endif
 
-void unpack_signs_32(const uint8_t* packed, int64_t n, uint32_t* out)
+// unpack_signs_raw: the sign bits as the raw +1 / -1 patterns of 4-byte (fp32) or 2-byte (bf16, fp16) elements.
+void unpack_signs_raw(const uint8_t* packed, int64_t n, uint32_t plus, uint32_t minus, uint32_t* out)
 {
-    const uint32_t plus = 0x3F800000u, minus = 0xBF800000u;
     const int64_t full_bytes = n / 8;
     const bool stream = n * 4 >= kStreamBytes && reinterpret_cast<uintptr_t>(out) % 32 == 0;
     at::parallel_for(0, full_bytes, kGroupGrain, [&](int64_t b0, int64_t b1) {
@@ -332,7 +329,7 @@ inline void unpack_pairs_16(const uint8_t* packed, int64_t b0, int64_t b1, uint1
 }
 #endif
 
-void unpack_signs_16(const uint8_t* packed, int64_t n, uint16_t plus, uint16_t minus, uint16_t* out)
+void unpack_signs_raw(const uint8_t* packed, int64_t n, uint16_t plus, uint16_t minus, uint16_t* out)
 {
     const int64_t full_pairs = n / 16;  // 16 elements (two packed bytes) per 256-bit store
     const bool stream = n * 2 >= kStreamBytes && reinterpret_cast<uintptr_t>(out) % 32 == 0;
@@ -354,19 +351,17 @@ void unpack_signs_16(const uint8_t* packed, int64_t n, uint16_t plus, uint16_t m
 // out: fp32 / bf16 / fp16 with out.numel() elements, from the first out.numel() bits of `packed`.
 void unpack_signs(const at::Tensor& packed, const at::Tensor& out)
 {
-    check_in(packed, "unpack_signs");
-    TORCH_CHECK(packed.scalar_type() == at::kByte, "unpack_signs: packed must be uint8");
+    check_input(packed, kDevice, "unpack_signs");
+    lioncub::check_packed(packed, "unpack_signs");
     TORCH_CHECK(out.device().is_cpu() && out.is_contiguous(), "unpack_signs: out must be contiguous on CPU");
     const int64_t n = out.numel();
-    TORCH_CHECK(packed.numel() * 8 >= n, "unpack_signs: ", packed.numel(), " bytes hold fewer than ", n, " signs");
+    lioncub::check_holds_signs(packed, n, "unpack_signs");
     const uint8_t* p = packed.data_ptr<uint8_t>();
     advise_huge_pages(out.data_ptr(), n * static_cast<int64_t>(out.element_size()));
-    switch (out.scalar_type()) {
-        case at::kFloat: unpack_signs_32(p, n, static_cast<uint32_t*>(out.data_ptr())); break;
-        case at::kBFloat16: unpack_signs_16(p, n, 0x3F80, 0xBF80, static_cast<uint16_t*>(out.data_ptr())); break;
-        case at::kHalf: unpack_signs_16(p, n, 0x3C00, 0xBC00, static_cast<uint16_t*>(out.data_ptr())); break;
-        default: TORCH_CHECK(false, "unpack_signs: unsupported dtype ", out.scalar_type());
-    }
+    LIONCUB_DISPATCH_FLOAT_TYPES(out.scalar_type(), "unpack_signs", [&] {
+        using Unit = lioncub::UnitBits<scalar_t>;  // the overload of the dtype's width
+        unpack_signs_raw(p, n, Unit::plus, Unit::minus, static_cast<typename Unit::type*>(out.data_ptr()));
+    });
 }
 
 // ================================================================ fused 1-bit vote (server step)
@@ -481,13 +476,13 @@ inline VoteBlockFn vote_block_avx2_for(int planes)
 // `numel` positions, padding bits and bytes zero.
 void vote_packed_signs(const at::Tensor& rows, int64_t numel, bool zero_is_positive, const at::Tensor& out)
 {
-    check_in(rows, "vote_packed_signs");
-    TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() == 2, "vote_packed_signs: rows must be 2-d uint8");
+    check_input(rows, kDevice, "vote_packed_signs");
+    lioncub::check_rows(rows, "vote_packed_signs");
     const int64_t p = rows.size(0), stride = rows.size(1);
     const int64_t nbytes = (numel + 7) / 8;
     TORCH_CHECK(p >= 1 && p < (int64_t(1) << 31), "vote_packed_signs: need 1 <= p < 2**31 rows, got ", p);
-    TORCH_CHECK(stride >= nbytes, "vote_packed_signs: rows of ", stride, " bytes hold fewer than ", numel, " signs");
-    check_out(out, nbytes, "vote_packed_signs");
+    lioncub::check_rows_hold_signs(rows, numel, "vote_packed_signs");  // 8 * stride >= numel: stride >= nbytes
+    check_out(out, kDevice, nbytes, "vote_packed_signs");
     const uint8_t* src = rows.data_ptr<uint8_t>();
     uint8_t* dst = out.data_ptr<uint8_t>();
     const int planes = lioncub::count_planes(p);
@@ -519,13 +514,13 @@ void vote_packed_signs(const at::Tensor& rows, int64_t numel, bool zero_is_posit
 // out[i] = sum over rows of field i (int32); for bits == 1 the number of +1 votes.
 void sum_fields(const at::Tensor& rows, int64_t bits, int64_t numel, const at::Tensor& out)
 {
-    check_in(rows, "sum_fields");
-    TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() == 2, "sum_fields: rows must be 2-d uint8");
-    TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "sum_fields: bits must be 1, 2, 4 or 8");
+    check_input(rows, kDevice, "sum_fields");
+    lioncub::check_rows(rows, "sum_fields");
+    check_bits(bits, "sum_fields");
     TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == at::kInt && out.numel() == numel,
                 "sum_fields: out must be a contiguous CPU int32 tensor of numel elements");
     const int64_t p = rows.size(0), stride = rows.size(1);
-    TORCH_CHECK(stride * 8 >= numel * bits, "sum_fields: rows hold fewer than ", numel, " fields");
+    lioncub::check_rows_hold_fields(rows, bits, numel, "sum_fields");
     const uint8_t* src = rows.data_ptr<uint8_t>();
     int32_t* dst = out.data_ptr<int32_t>();
     advise_huge_pages(dst, numel * 4);
@@ -606,30 +601,27 @@ void pack_fields_impl(const T* v, int64_t n, int bits, uint8_t* out, int64_t nby
 // values: uint8 / bool / int32 (the low byte is the value), each < 2**bits; fields beyond 2**bits-1 are masked.
 void pack_fields(const at::Tensor& values, int64_t bits, const at::Tensor& out)
 {
-    check_in(values, "pack_fields");
-    TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "pack_fields: bits must be 1, 2, 4 or 8");
+    check_input(values, kDevice, "pack_fields");
+    check_bits(bits, "pack_fields");
     const int64_t n = values.numel();
-    check_out(out, (n * bits + 7) / 8, "pack_fields");
+    check_out(out, kDevice, (n * bits + 7) / 8, "pack_fields");
     uint8_t* o = out.data_ptr<uint8_t>();
     const int b = static_cast<int>(bits);
-    switch (values.scalar_type()) {
-        case at::kByte:
-        case at::kBool: pack_fields_impl(static_cast<const uint8_t*>(values.data_ptr()), n, b, o, out.numel()); break;
-        case at::kInt: pack_fields_impl(values.data_ptr<int32_t>(), n, b, o, out.numel()); break;
-        default: TORCH_CHECK(false, "pack_fields: unsupported dtype ", values.scalar_type());
-    }
+    LIONCUB_DISPATCH_FIELD_TYPES(values.scalar_type(), "pack_fields", [&] {
+        pack_fields_impl(static_cast<const scalar_t*>(values.data_ptr()), n, b, o, out.numel());
+    });
 }
 
 // out: uint8 of out.numel() fields from `packed`.
 void unpack_fields(const at::Tensor& packed, int64_t bits, const at::Tensor& out)
 {
-    check_in(packed, "unpack_fields");
-    TORCH_CHECK(packed.scalar_type() == at::kByte, "unpack_fields: packed must be uint8");
-    TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "unpack_fields: bits must be 1, 2, 4 or 8");
+    check_input(packed, kDevice, "unpack_fields");
+    lioncub::check_packed(packed, "unpack_fields");
+    check_bits(bits, "unpack_fields");
     TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == at::kByte,
                 "unpack_fields: out must be a contiguous CPU uint8 tensor");
     const int64_t n = out.numel();
-    TORCH_CHECK(packed.numel() * 8 >= n * bits, "unpack_fields: packed holds fewer than ", n, " fields");
+    lioncub::check_holds_fields(packed, bits, n, "unpack_fields");
     const uint8_t* src = packed.data_ptr<uint8_t>();
     uint8_t* dst = out.data_ptr<uint8_t>();
     advise_huge_pages(dst, n);
@@ -738,33 +730,24 @@ void quantize_l1_pack_impl(const T* c, int64_t n, const int64_t* offsets, const 
 void quantize_l1_pack(const at::Tensor& c, const at::Tensor& offsets, const at::Tensor& scales, int64_t levels,
                       int64_t bits, const at::Tensor& out)
 {
-    check_in(c, "quantize_l1_pack");
-    check_in(offsets, "quantize_l1_pack");
-    check_in(scales, "quantize_l1_pack");
-    TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "quantize_l1_pack: bits must be 2, 4 or 8");
-    TORCH_CHECK(levels >= 1 && 2 * levels <= (int64_t(1) << bits) - 1, "quantize_l1_pack: levels ", levels,
-                " do not fit ", bits, "-bit fields");
-    TORCH_CHECK(offsets.scalar_type() == at::kLong && scales.scalar_type() == at::kFloat &&
-                    offsets.numel() == scales.numel() + 1,
-                "quantize_l1_pack: offsets (int64, nseg+1) and scales (fp32, nseg) disagree");
+    check_input(c, kDevice, "quantize_l1_pack");
+    check_input(offsets, kDevice, "quantize_l1_pack");
+    check_input(scales, kDevice, "quantize_l1_pack");
+    lioncub::check_l1_arguments(offsets, scales, levels, bits, "quantize_l1_pack");
     const int64_t n = c.numel();
     const int64_t nseg = scales.numel();
     const int64_t* off = offsets.data_ptr<int64_t>();
     TORCH_CHECK(off[0] == 0 && off[nseg] == n, "quantize_l1_pack: offsets must run from 0 to numel");
-    for (int64_t s = 0; s < nseg; ++s) TORCH_CHECK(off[s] <= off[s + 1], "quantize_l1_pack: offsets must not decrease");
-    check_out(out, (n * bits + 7) / 8, "quantize_l1_pack");
+    for (int64_t s = 0; s < nseg; ++s)
+        TORCH_CHECK(off[s] <= off[s + 1], "quantize_l1_pack: offsets must not decrease");
+    check_out(out, kDevice, (n * bits + 7) / 8, "quantize_l1_pack");
     const float* sc = scales.data_ptr<float>();
     uint8_t* o = out.data_ptr<uint8_t>();
     const int b = static_cast<int>(bits);
     const int32_t L = static_cast<int32_t>(levels);
-    switch (c.scalar_type()) {
-        case at::kFloat: quantize_l1_pack_impl(c.data_ptr<float>(), n, off, sc, nseg, L, b, o, out.numel()); break;
-        case at::kBFloat16:
-            quantize_l1_pack_impl(c.data_ptr<at::BFloat16>(), n, off, sc, nseg, L, b, o, out.numel());
-            break;
-        case at::kHalf: quantize_l1_pack_impl(c.data_ptr<at::Half>(), n, off, sc, nseg, L, b, o, out.numel()); break;
-        default: TORCH_CHECK(false, "quantize_l1_pack: unsupported dtype ", c.scalar_type());
-    }
+    LIONCUB_DISPATCH_FLOAT_TYPES(c.scalar_type(), "quantize_l1_pack", [&] {
+        quantize_l1_pack_impl(c.data_ptr<scalar_t>(), n, off, sc, nseg, L, b, o, out.numel());
+    });
 }
 
 // ================================================================ fused Lion step: direction + momentum + sign pack
@@ -820,18 +803,16 @@ inline uint32_t lion_block32<float>(float* m, const float* g, const DirectionSca
 {
     const __m256 b1 = _mm256_set1_ps(s.b1), a1 = _mm256_set1_ps(s.a1);
     const __m256 b2 = _mm256_set1_ps(s.b2), a2 = _mm256_set1_ps(s.a2);
-    const __m256 zero = _mm256_setzero_ps();
-    uint32_t mask = 0;
-    for (int k = 0; k < 4; ++k) {
+    // c of elements 8k .. 8k+7 for the shared sign block, their momentum updated in place on the way
+    const auto direction8 = [&](int k) {
         const __m256 mv = _mm256_loadu_ps(m + 8 * k);
         const __m256 gv = _mm256_loadu_ps(g + 8 * k);
         // the same operand order as torch's vectorised add: fmadd(other, alpha, self)
         const __m256 c = _mm256_fmadd_ps(gv, a1, _mm256_mul_ps(mv, b1));
-        const __m256 plus = zip ? _mm256_cmp_ps(c, zero, _CMP_GE_OQ) : _mm256_cmp_ps(c, zero, _CMP_GT_OQ);
-        mask |= static_cast<uint32_t>(_mm256_movemask_ps(plus)) << (8 * k);
         _mm256_storeu_ps(m + 8 * k, _mm256_fmadd_ps(gv, a2, _mm256_mul_ps(mv, b2)));
-    }
-    return mask;
+        return c;
+    };
+    return sign_mask_32(direction8, zip);
 }
 #endif
 
@@ -877,14 +858,8 @@ void lion_piece(T* m, const T* g, int64_t n, const DirectionScalars& s, bool zip
     const int bits = w.bits;
     at::parallel_for(0, groups, kGroupGrain, [&](int64_t g0, int64_t g1) {
         int64_t q = g0;
-        for (; q + 4 <= g1; q += 4) {
-            const uint32_t mask = lion_block32(mb + 8 * q, gb + 8 * q, s, zip);
-            if (bits == 1) {
-                std::memcpy(ob + q, &mask, 4);
-            } else {
-                for (int k = 0; k < 4; ++k) store_mask_group(ob + (q + k) * bits, (mask >> (8 * k)) & 0xFFu, bits);
-            }
-        }
+        for (; q + 4 <= g1; q += 4)
+            store_mask_block32(ob + q * bits, lion_block32(mb + 8 * q, gb + 8 * q, s, zip), bits);
         for (; q < g1; ++q) store_mask_group(ob + q * bits, lion_scalar(mb + 8 * q, gb + 8 * q, 8, s, zip), bits);
     });
     // tail: opens a new group
@@ -894,45 +869,25 @@ void lion_piece(T* m, const T* g, int64_t n, const DirectionScalars& s, bool zip
 }
 
 // For each piece i: c = Lion's pre-sign update of (exp_avgs[i], grads[i]) and, for fp32, exp_avgs[i]
-// updated in place (bf16/fp16: see DirectionScalars); the sign fields of all the c's, one after the other, packed as pack_signs packs them into out
-// (zero fields past the last element). c is never stored. scalars: 4 per piece (beta1, 1 - beta1,
-// beta2, 1 - beta2). exp_avgs and grads: contiguous, the same dtype per piece (fp32, bf16 or fp16).
+// updated in place (bf16/fp16: see DirectionScalars); the sign fields of all the c's, one after the other,
+// packed as pack_signs packs them into out (zero fields past the last element). c is never stored.
+// scalars: 4 per piece (beta1, 1 - beta1, beta2, 1 - beta2). exp_avgs and grads: contiguous, the same dtype
+// per piece (fp32, bf16 or fp16).
 void lion_direction_pack_signs(const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& grads,
                                const std::vector<double>& scalars, bool zero_is_positive, int64_t bits,
                                const at::Tensor& out)
 {
     const char* what = "lion_direction_pack_signs";
-    TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, what, ": bits must be 1, 2, 4 or 8");
-    TORCH_CHECK(exp_avgs.size() == grads.size() && scalars.size() == 4 * exp_avgs.size(), what,
-                ": one gradient and four scalars per momentum");
-    int64_t total = 0;
-    for (size_t i = 0; i < exp_avgs.size(); ++i) {
-        check_in(exp_avgs[i], what);
-        check_in(grads[i], what);
-        TORCH_CHECK(exp_avgs[i].scalar_type() == grads[i].scalar_type() && exp_avgs[i].numel() == grads[i].numel(),
-                    what, ": a momentum and its gradient differ in dtype or size");
-        total += exp_avgs[i].numel();
-    }
-    check_out(out, (total * bits + 7) / 8, what);
+    const int64_t total = lioncub::check_lion_pieces(exp_avgs, grads, scalars, bits, kDevice, what);
+    check_out(out, kDevice, (total * bits + 7) / 8, what);
     SignFieldWriter w{out.data_ptr<uint8_t>(), static_cast<int>(bits), out.numel()};
     for (size_t i = 0; i < exp_avgs.size(); ++i) {
         const double* sc = scalars.data() + 4 * i;
         const int64_t n = exp_avgs[i].numel();
-        switch (exp_avgs[i].scalar_type()) {
-            case at::kFloat:
-                lion_piece(exp_avgs[i].data_ptr<float>(), grads[i].data_ptr<float>(), n,
-                           direction_scalars(sc), zero_is_positive, w);
-                break;
-            case at::kBFloat16:
-                lion_piece(exp_avgs[i].data_ptr<at::BFloat16>(), grads[i].data_ptr<at::BFloat16>(), n,
-                           direction_scalars(sc), zero_is_positive, w);
-                break;
-            case at::kHalf:
-                lion_piece(exp_avgs[i].data_ptr<at::Half>(), grads[i].data_ptr<at::Half>(), n,
-                           direction_scalars(sc), zero_is_positive, w);
-                break;
-            default: TORCH_CHECK(false, what, ": unsupported dtype ", exp_avgs[i].scalar_type());
-        }
+        LIONCUB_DISPATCH_FLOAT_TYPES(exp_avgs[i].scalar_type(), what, [&] {
+            lion_piece(exp_avgs[i].data_ptr<scalar_t>(), grads[i].data_ptr<scalar_t>(), n, direction_scalars(sc),
+                       zero_is_positive, w);
+        });
     }
     w.finish();
 }
@@ -1010,27 +965,16 @@ void apply_packed_signs(const at::Tensor& packed, const std::vector<at::Tensor>&
                         const std::vector<double>& scalars)
 {
     const char* what = "apply_packed_signs";
-    check_in(packed, what);
-    TORCH_CHECK(packed.scalar_type() == at::kByte, what, ": packed must be uint8");
-    TORCH_CHECK(scalars.size() == 3 * params.size(), what, ": three scalars per parameter");
-    int64_t total = 0;
-    for (const auto& p : params) {
-        check_in(p, what);
-        total += p.numel();
-    }
-    TORCH_CHECK(packed.numel() * 8 >= total, what, ": ", packed.numel(), " bytes hold fewer than ", total, " signs");
+    lioncub::check_apply_pieces(packed, params, scalars, kDevice, what);
     const uint8_t* bits = packed.data_ptr<uint8_t>();
     int64_t offset = 0;
     for (size_t i = 0; i < params.size(); ++i) {
         const double* sc = scalars.data() + 3 * i;
         const ApplyScalars s{sc[0] != 0.0, static_cast<float>(sc[1]), static_cast<float>(sc[2])};
         const int64_t n = params[i].numel();
-        switch (params[i].scalar_type()) {
-            case at::kFloat: apply_piece(params[i].data_ptr<float>(), n, bits, offset, s); break;
-            case at::kBFloat16: apply_piece(params[i].data_ptr<at::BFloat16>(), n, bits, offset, s); break;
-            case at::kHalf: apply_piece(params[i].data_ptr<at::Half>(), n, bits, offset, s); break;
-            default: TORCH_CHECK(false, what, ": unsupported dtype ", params[i].scalar_type());
-        }
+        LIONCUB_DISPATCH_FLOAT_TYPES(params[i].scalar_type(), what, [&] {
+            apply_piece(params[i].data_ptr<scalar_t>(), n, bits, offset, s);
+        });
         offset += n;
     }
 }

@@ -9,47 +9,45 @@
 
 #include <vector>
 
+#include "lioncub_packing.h"  // the dtype dispatch and argument checks shared with the CPU op
 #include "lioncub_packing_cuda.h"
 
 namespace {
 
+using lioncub::check_bits;
+using lioncub::check_input;
+using lioncub::check_out;
 using lioncub::cuda::InputKind;
 
-void check_cuda(const at::Tensor& t, const char* what)
-{
-    TORCH_CHECK(t.is_cuda() && t.is_contiguous(), what, ": tensors must be contiguous CUDA tensors");
-}
+// The device of this op's tensors, for the argument checks it shares with the CPU op.
+constexpr at::DeviceType kDevice = at::kCUDA;
 
-void check_out(const at::Tensor& out, int64_t min_bytes, const char* what)
-{
-    check_cuda(out, what);
-    TORCH_CHECK(out.scalar_type() == at::kByte, what, ": out must be uint8");
-    TORCH_CHECK(out.numel() >= min_bytes, what, ": out holds ", out.numel(), " bytes, needs ", min_bytes);
-}
-
-void check_bits(int64_t bits, const char* what)
-{
-    TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, what, ": bits must be 1, 2, 4 or 8");
-}
+// The launchers take raw pointers and an InputKind: the kind of each dispatched element type.
+template <typename T>
+constexpr InputKind kind_of();
+template <>
+constexpr InputKind kind_of<float>() { return InputKind::kF32; }
+template <>
+constexpr InputKind kind_of<at::BFloat16>() { return InputKind::kBF16; }
+template <>
+constexpr InputKind kind_of<at::Half>() { return InputKind::kF16; }
+template <>
+constexpr InputKind kind_of<uint8_t>() { return InputKind::kU8; }
+template <>
+constexpr InputKind kind_of<int32_t>() { return InputKind::kI32; }
 
 InputKind float_kind(const at::Tensor& t, const char* what)
 {
-    switch (t.scalar_type()) {
-        case at::kFloat: return InputKind::kF32;
-        case at::kBFloat16: return InputKind::kBF16;
-        case at::kHalf: return InputKind::kF16;
-        default: TORCH_CHECK(false, what, ": unsupported dtype ", t.scalar_type());
-    }
-    return InputKind::kF32;
+    return LIONCUB_DISPATCH_FLOAT_TYPES(t.scalar_type(), what, [] { return kind_of<scalar_t>(); });
 }
 
 void pack_signs(const at::Tensor& x, bool zero_is_positive, int64_t bits, const at::Tensor& out)
 {
-    check_cuda(x, "pack_signs");
+    check_input(x, kDevice, "pack_signs");
     check_bits(bits, "pack_signs");
-    check_out(out, (x.numel() * bits + 7) / 8, "pack_signs");
-    const InputKind kind = (x.scalar_type() == at::kBool || x.scalar_type() == at::kByte) ? InputKind::kU8
-                                                                                            : float_kind(x, "pack_signs");
+    check_out(out, kDevice, (x.numel() * bits + 7) / 8, "pack_signs");
+    const InputKind kind =
+        LIONCUB_DISPATCH_SIGN_TYPES(x.scalar_type(), "pack_signs", [] { return kind_of<scalar_t>(); });
     const c10::cuda::CUDAGuard guard(x.device());
     lioncub::cuda::launch_pack_signs(kind, x.data_ptr(), x.numel(), zero_is_positive, static_cast<int>(bits),
                                      out.data_ptr<uint8_t>(), out.numel(), c10::cuda::getCurrentCUDAStream().stream());
@@ -58,33 +56,30 @@ void pack_signs(const at::Tensor& x, bool zero_is_positive, int64_t bits, const 
 
 void unpack_signs(const at::Tensor& packed, const at::Tensor& out)
 {
-    check_cuda(packed, "unpack_signs");
-    check_cuda(out, "unpack_signs");
-    TORCH_CHECK(packed.scalar_type() == at::kByte, "unpack_signs: packed must be uint8");
+    check_input(packed, kDevice, "unpack_signs");
+    check_input(out, kDevice, "unpack_signs");
+    lioncub::check_packed(packed, "unpack_signs");
     const int64_t n = out.numel();
-    TORCH_CHECK(packed.numel() * 8 >= n, "unpack_signs: ", packed.numel(), " bytes hold fewer than ", n, " signs");
-    int elem_bytes = 4;
-    uint32_t plus = 0x3F800000u, minus = 0xBF800000u;
-    switch (float_kind(out, "unpack_signs")) {
-        case InputKind::kBF16: elem_bytes = 2; plus = 0x3F80; minus = 0xBF80; break;
-        case InputKind::kF16: elem_bytes = 2; plus = 0x3C00; minus = 0xBC00; break;
-        default: break;
-    }
-    const c10::cuda::CUDAGuard guard(packed.device());
-    lioncub::cuda::launch_unpack_signs(packed.data_ptr<uint8_t>(), n, elem_bytes, plus, minus, out.data_ptr(),
-                                       c10::cuda::getCurrentCUDAStream().stream());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    lioncub::check_holds_signs(packed, n, "unpack_signs");
+    LIONCUB_DISPATCH_FLOAT_TYPES(out.scalar_type(), "unpack_signs", [&] {
+        using Unit = lioncub::UnitBits<scalar_t>;
+        const c10::cuda::CUDAGuard guard(packed.device());
+        lioncub::cuda::launch_unpack_signs(packed.data_ptr<uint8_t>(), n, static_cast<int>(sizeof(scalar_t)),
+                                           Unit::plus, Unit::minus, out.data_ptr(),
+                                           c10::cuda::getCurrentCUDAStream().stream());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
 }
 
 void vote_packed_signs(const at::Tensor& rows, int64_t numel, bool zero_is_positive, const at::Tensor& out)
 {
-    check_cuda(rows, "vote_packed_signs");
-    TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() == 2, "vote_packed_signs: rows must be 2-d uint8");
+    check_input(rows, kDevice, "vote_packed_signs");
+    lioncub::check_rows(rows, "vote_packed_signs");
     const int64_t p = rows.size(0), stride = rows.size(1);
     TORCH_CHECK(p >= 1 && p <= lioncub::cuda::max_voters(), "vote_packed_signs: need 1 <= p <= ",
                 lioncub::cuda::max_voters(), " rows, got ", p);
-    TORCH_CHECK(stride * 8 >= numel, "vote_packed_signs: rows of ", stride, " bytes hold fewer than ", numel, " signs");
-    check_out(out, (numel + 7) / 8, "vote_packed_signs");
+    lioncub::check_rows_hold_signs(rows, numel, "vote_packed_signs");
+    check_out(out, kDevice, (numel + 7) / 8, "vote_packed_signs");
     const c10::cuda::CUDAGuard guard(rows.device());
     lioncub::cuda::launch_vote(rows.data_ptr<uint8_t>(), p, stride, numel, zero_is_positive, out.data_ptr<uint8_t>(),
                                out.numel(), c10::cuda::getCurrentCUDAStream().stream());
@@ -93,12 +88,12 @@ void vote_packed_signs(const at::Tensor& rows, int64_t numel, bool zero_is_posit
 
 void sum_fields(const at::Tensor& rows, int64_t bits, int64_t numel, const at::Tensor& out)
 {
-    check_cuda(rows, "sum_fields");
-    check_cuda(out, "sum_fields");
+    check_input(rows, kDevice, "sum_fields");
+    check_input(out, kDevice, "sum_fields");
     check_bits(bits, "sum_fields");
-    TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() == 2, "sum_fields: rows must be 2-d uint8");
+    lioncub::check_rows(rows, "sum_fields");
     TORCH_CHECK(out.scalar_type() == at::kInt && out.numel() == numel, "sum_fields: out must be int32 of numel");
-    TORCH_CHECK(rows.size(1) * 8 >= numel * bits, "sum_fields: rows hold fewer than ", numel, " fields");
+    lioncub::check_rows_hold_fields(rows, bits, numel, "sum_fields");
     const c10::cuda::CUDAGuard guard(rows.device());
     lioncub::cuda::launch_sum_fields(rows.data_ptr<uint8_t>(), rows.size(0), rows.size(1), static_cast<int>(bits),
                                      numel, out.data_ptr<int32_t>(), c10::cuda::getCurrentCUDAStream().stream());
@@ -107,16 +102,11 @@ void sum_fields(const at::Tensor& rows, int64_t bits, int64_t numel, const at::T
 
 void pack_fields(const at::Tensor& values, int64_t bits, const at::Tensor& out)
 {
-    check_cuda(values, "pack_fields");
+    check_input(values, kDevice, "pack_fields");
     check_bits(bits, "pack_fields");
-    check_out(out, (values.numel() * bits + 7) / 8, "pack_fields");
-    InputKind kind;
-    switch (values.scalar_type()) {
-        case at::kByte:
-        case at::kBool: kind = InputKind::kU8; break;
-        case at::kInt: kind = InputKind::kI32; break;
-        default: TORCH_CHECK(false, "pack_fields: unsupported dtype ", values.scalar_type());
-    }
+    check_out(out, kDevice, (values.numel() * bits + 7) / 8, "pack_fields");
+    const InputKind kind =
+        LIONCUB_DISPATCH_FIELD_TYPES(values.scalar_type(), "pack_fields", [] { return kind_of<scalar_t>(); });
     const c10::cuda::CUDAGuard guard(values.device());
     lioncub::cuda::launch_pack_fields(kind, values.data_ptr(), values.numel(), static_cast<int>(bits),
                                       out.data_ptr<uint8_t>(), out.numel(), c10::cuda::getCurrentCUDAStream().stream());
@@ -125,12 +115,12 @@ void pack_fields(const at::Tensor& values, int64_t bits, const at::Tensor& out)
 
 void unpack_fields(const at::Tensor& packed, int64_t bits, const at::Tensor& out)
 {
-    check_cuda(packed, "unpack_fields");
-    check_cuda(out, "unpack_fields");
+    check_input(packed, kDevice, "unpack_fields");
+    check_input(out, kDevice, "unpack_fields");
     check_bits(bits, "unpack_fields");
-    TORCH_CHECK(packed.scalar_type() == at::kByte && out.scalar_type() == at::kByte, "unpack_fields: uint8 tensors only");
-    TORCH_CHECK(packed.numel() * 8 >= out.numel() * bits, "unpack_fields: packed holds fewer than ", out.numel(),
-                " fields");
+    TORCH_CHECK(packed.scalar_type() == at::kByte && out.scalar_type() == at::kByte,
+                "unpack_fields: uint8 tensors only");
+    lioncub::check_holds_fields(packed, bits, out.numel(), "unpack_fields");
     const c10::cuda::CUDAGuard guard(packed.device());
     lioncub::cuda::launch_unpack_fields(packed.data_ptr<uint8_t>(), static_cast<int>(bits), out.numel(),
                                         out.data_ptr<uint8_t>(), c10::cuda::getCurrentCUDAStream().stream());
@@ -142,16 +132,11 @@ void unpack_fields(const at::Tensor& packed, int64_t bits, const at::Tensor& out
 void quantize_l1_pack(const at::Tensor& c, const at::Tensor& offsets, const at::Tensor& scales, int64_t levels,
                       int64_t bits, const at::Tensor& out)
 {
-    check_cuda(c, "quantize_l1_pack");
-    check_cuda(offsets, "quantize_l1_pack");
-    check_cuda(scales, "quantize_l1_pack");
-    TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "quantize_l1_pack: bits must be 2, 4 or 8");
-    TORCH_CHECK(levels >= 1 && 2 * levels <= (int64_t(1) << bits) - 1, "quantize_l1_pack: levels ", levels,
-                " do not fit ", bits, "-bit fields");
-    TORCH_CHECK(offsets.scalar_type() == at::kLong && scales.scalar_type() == at::kFloat &&
-                    offsets.numel() == scales.numel() + 1,
-                "quantize_l1_pack: offsets (int64, nseg+1) and scales (fp32, nseg) disagree");
-    check_out(out, (c.numel() * bits + 7) / 8, "quantize_l1_pack");
+    check_input(c, kDevice, "quantize_l1_pack");
+    check_input(offsets, kDevice, "quantize_l1_pack");
+    check_input(scales, kDevice, "quantize_l1_pack");
+    lioncub::check_l1_arguments(offsets, scales, levels, bits, "quantize_l1_pack");
+    check_out(out, kDevice, (c.numel() * bits + 7) / 8, "quantize_l1_pack");
     const InputKind kind = float_kind(c, "quantize_l1_pack");
     const c10::cuda::CUDAGuard guard(c.device());
     lioncub::cuda::launch_quantize_l1_pack(kind, c.data_ptr(), c.numel(), offsets.data_ptr<int64_t>(),
@@ -168,18 +153,8 @@ void lion_direction_pack_signs(const std::vector<at::Tensor>& exp_avgs, const st
                                const at::Tensor& out)
 {
     const char* what = "lion_direction_pack_signs";
-    check_bits(bits, what);
-    TORCH_CHECK(exp_avgs.size() == grads.size() && scalars.size() == 4 * exp_avgs.size(), what,
-                ": one gradient and four scalars per momentum");
-    int64_t total = 0;
-    for (size_t i = 0; i < exp_avgs.size(); ++i) {
-        check_cuda(exp_avgs[i], what);
-        check_cuda(grads[i], what);
-        TORCH_CHECK(exp_avgs[i].scalar_type() == grads[i].scalar_type() && exp_avgs[i].numel() == grads[i].numel(),
-                    what, ": a momentum and its gradient differ in dtype or size");
-        total += exp_avgs[i].numel();
-    }
-    check_out(out, (total * bits + 7) / 8, what);
+    const int64_t total = lioncub::check_lion_pieces(exp_avgs, grads, scalars, bits, kDevice, what);
+    check_out(out, kDevice, (total * bits + 7) / 8, what);
     const c10::cuda::CUDAGuard guard(out.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
     C10_CUDA_CHECK(cudaMemsetAsync(out.data_ptr<uint8_t>(), 0, out.numel(), stream));
@@ -200,15 +175,7 @@ void apply_packed_signs(const at::Tensor& packed, const std::vector<at::Tensor>&
                         const std::vector<double>& scalars)
 {
     const char* what = "apply_packed_signs";
-    check_cuda(packed, what);
-    TORCH_CHECK(packed.scalar_type() == at::kByte, what, ": packed must be uint8");
-    TORCH_CHECK(scalars.size() == 3 * params.size(), what, ": three scalars per parameter");
-    int64_t total = 0;
-    for (const auto& p : params) {
-        check_cuda(p, what);
-        total += p.numel();
-    }
-    TORCH_CHECK(packed.numel() * 8 >= total, what, ": ", packed.numel(), " bytes hold fewer than ", total, " signs");
+    lioncub::check_apply_pieces(packed, params, scalars, kDevice, what);
     const c10::cuda::CUDAGuard guard(packed.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
     int64_t offset = 0;
