@@ -257,11 +257,10 @@ class LionCub(torch.optim.Optimizer):
         """
         num_params = sum(p.numel() for p in self._flat_params() if p.requires_grad)
         # Each rank reads G from its own environment; they must agree before each resolves alone.
-        counted = self.transport.stats + CommStats()  # set-up traffic, left out of comm_stats()
-        node_size = int(
-            agreed_text(self.transport, AUTO_NODE_SIZE_LABEL, lambda: str(auto_node_size(self.options, os.environ)))
-        )
-        self.transport.stats = counted
+        with self.transport.uncounted():  # set-up traffic, left out of comm_stats()
+            node_size = int(
+                agreed_text(self.transport, AUTO_NODE_SIZE_LABEL, lambda: str(auto_node_size(self.options, os.environ)))
+            )
         # The parameters' device is where the step's local work runs: it picks the planner's cost table.
         params = self._flat_params()
         device = device_of(params[0].device.type) if params else "cpu"
@@ -286,9 +285,8 @@ class LionCub(torch.optim.Optimizer):
             ("param groups (size, lr, betas, weight_decay)", repr(groups)),
         ]
         # comm_stats() counts the steps' traffic only: the check's all-gather is left out.
-        counted = self.transport.stats + CommStats()
-        check_same_on_every_rank(self.transport, components, self.parameter_layout())
-        self.transport.stats = counted
+        with self.transport.uncounted():
+            check_same_on_every_rank(self.transport, components, self.parameter_layout())
 
     def _make_transport(self, process_group: dist.ProcessGroup | None) -> Transport:
         return make_transport(process_group, self.options.comm_backend_name, self.options.cuda_aware)
@@ -309,9 +307,8 @@ class LionCub(torch.optim.Optimizer):
         # wait on a rank that is itself waiting in another group's collective.
         params = self._flat_params()
         device = params[0].device if params else torch.device("cpu")
-        counted = transport.stats + CommStats()  # set-up traffic, left out of comm_stats()
-        transport.all_reduce_sum(torch.zeros(1, dtype=torch.int32, device=device))
-        transport.stats = counted
+        with transport.uncounted():  # set-up traffic, left out of comm_stats()
+            transport.all_reduce_sum(torch.zeros(1, dtype=torch.int32, device=device))
         return transport
 
     def _set_up_overlap(self) -> None:
@@ -551,9 +548,8 @@ class LionCub(torch.optim.Optimizer):
         if owner_ties is not None:
             # The telemetry's own 8-byte all-reduce is left out of comm_stats(), like the set-up check:
             # the counters describe the training's traffic.
-            counted = self.transport.stats + CommStats()
-            self.transport.all_reduce_sum(owner_ties)
-            self.transport.stats = counted
+            with self.transport.uncounted():
+                self.transport.all_reduce_sum(owner_ties)
         self.telemetry.end_step(step, self.comm_stats())
 
     def _participants(self) -> list[Entry]:
