@@ -63,7 +63,7 @@ from ds_lioncub.comm.packing import (
 )
 from ds_lioncub.comm.quantize import tie_sign
 from ds_lioncub.comm.schedule import run_three_stages
-from ds_lioncub.comm.transport import CommStats, TorchTransport, Transport, make_transport
+from ds_lioncub.comm.transport import CommStats, Transport, make_transport
 from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.errors import (
     LionCubConfigError,
@@ -209,7 +209,11 @@ class LionCub(torch.optim.Optimizer):
             self.process_group = process_group
             self.transport = self._make_transport(process_group)
             self._set_up_overlap()
-        self._agreement_transport = self.transport if agreement_group is None else TorchTransport(agreement_group)
+        # The agreement group holds more ranks than the voters (the whole world under the ZeRO hybrid); an MPI
+        # transport spans the MPI world, which is the voters' group, so torch.distributed carries the agreement.
+        self._agreement_transport = (
+            self.transport if agreement_group is None else make_transport(agreement_group, comm_backend_name="torch")
+        )
         if module is not None:
             self.module = module
         self.gradients_are_averaged = gradients_averaged
@@ -301,7 +305,8 @@ class LionCub(torch.optim.Optimizer):
         hooks may come before or after other collectives of the voters' group (DeepSpeed's, the finite
         check), in an order that differs between ranks, so they get a group of their own. Only the
         voters call this."""
-        transport = TorchTransport(dist.new_group(ranks=ranks, use_local_synchronization=True))
+        # The same kind of transport as the votes' (the config admits overlap with comm_backend_name "torch" only).
+        transport = self._make_transport(dist.new_group(ranks=ranks, use_local_synchronization=True))
         # One tiny collective now, while every voter is here: NCCL creates a group's communicator at its
         # first collective and blocks the host until all ranks join, which inside a gradient hook could
         # wait on a rank that is itself waiting in another group's collective.

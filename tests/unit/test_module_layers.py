@@ -62,3 +62,36 @@ def test_the_moved_names_are_still_importable_from_their_old_module_as_the_same_
     assert backend.l1_segment_scales is quantize.l1_segment_scales
     assert backend.DEFAULT_PIPELINE_CHUNK_NUMEL == schedule.DEFAULT_PIPELINE_CHUNK_NUMEL == 8 * 1024 * 1024
     assert {"l1_segment_scales", "DEFAULT_PIPELINE_CHUNK_NUMEL"} <= set(backend.__all__)
+
+
+# ---------------------------------------------------------------------------------------------- one maker of transports
+
+TRANSPORT_CLASSES = {"TorchTransport", "MpiTransport"}
+TRANSPORT_MAKER = REPO / "ds_lioncub" / "comm" / "transport" / "__init__.py"
+
+
+def _constructed_transports(path: Path) -> list[tuple[int, str]]:
+    """(line, class) of every call of a transport class by name in ``path`` (``TorchTransport(...)``,
+    ``transport.TorchTransport(...)``)."""
+    calls = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Call):
+            function = node.func
+            name = function.id if isinstance(function, ast.Name) else getattr(function, "attr", None)
+            if name in TRANSPORT_CLASSES:
+                calls.append((node.lineno, name))
+    return calls
+
+
+def test_the_construction_scan_finds_the_transport_maker() -> None:
+    """A control: make_transport's own module does build both transports."""
+    assert {name for _, name in _constructed_transports(TRANSPORT_MAKER)} == TRANSPORT_CLASSES
+
+
+def test_transports_are_built_only_by_make_transport() -> None:
+    built = {
+        str(path.relative_to(REPO)): calls
+        for path in sorted((REPO / "ds_lioncub").rglob("*.py"))
+        if path != TRANSPORT_MAKER and (calls := _constructed_transports(path))
+    }
+    assert built == {}
