@@ -116,7 +116,7 @@ class OpSpec:
     @property
     def pipeline_chunk_numel(self) -> int | None:
         """``CompressedBackend``'s ``pipeline_chunk_numel`` for this op."""
-        from ds_lioncub.comm.backend import DEFAULT_PIPELINE_CHUNK_NUMEL
+        from ds_lioncub.comm.schedule import DEFAULT_PIPELINE_CHUNK_NUMEL
 
         if not self.chunk:
             return DEFAULT_PIPELINE_CHUNK_NUMEL

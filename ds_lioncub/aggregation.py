@@ -33,8 +33,8 @@ from typing import Protocol
 
 import torch
 
-from ds_lioncub.comm.backend import l1_segment_scales
 from ds_lioncub.comm.kbit import KbitCodec
+from ds_lioncub.comm.quantize import l1_segment_scales
 from ds_lioncub.comm.transport import Transport
 from ds_lioncub.comm.vocabulary import Aggregation as AggregationKind
 from ds_lioncub.comm.votes import (

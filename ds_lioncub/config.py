@@ -8,7 +8,10 @@ the option, the value, what is allowed, and how to fix it.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -184,6 +187,38 @@ class NetworkConfig(DeepSpeedConfigModel):
     use the built-in measured table and ignore it."""
 
 
+@dataclass(frozen=True)
+class CrossOptionRule:
+    """A combination of LionCub options that cannot work together.
+
+    ``option`` is the option the rule governs (the one its message tells to drop or change first);
+    ``refuses(config, given)`` is true for a config the rule refuses, where ``given`` holds the options the
+    user set (to any value, the default included); ``message(config)`` says why and how to fix it
+    (:func:`parse_config` puts "LionCub: invalid options: " before it and a period after).
+    """
+
+    option: str
+    refuses: Callable[[LionCubConfig, AbstractSet[str]], bool]
+    message: Callable[[LionCubConfig], str]
+
+
+def _kbit_only(name: str) -> CrossOptionRule:
+    """``name`` set with a compression other than "kbit", where it would silently do nothing."""
+    return CrossOptionRule(
+        name,
+        lambda config, given: config.compression != "kbit" and name in given,
+        lambda config: (
+            f"{name}={getattr(config, name)!r} only applies to compression='kbit' "
+            f"(compression is {config.compression!r}); set compression='kbit' or drop {name}"
+        ),
+    )
+
+
+def _cuda_aware_conflict_of(config: LionCubConfig) -> str:
+    """Why the config's cuda_aware cannot go with its comm_backend_name ("": it can); make_transport says the same."""
+    return cuda_aware_conflict(config.comm_backend_name, config.cuda_aware) or ""
+
+
 class LionCubConfig(DeepSpeedConfigModel):
     """LionCub's options: the ``"params"`` of ``"optimizer": {"type": "LionCub"}`` and ``LionCub(**options)``.
 
@@ -297,6 +332,101 @@ class LionCubConfig(DeepSpeedConfigModel):
     """Opt-in parts of the per-step telemetry (``{"vote_stats": true}``); every step's record is
     ``opt.last_step_telemetry`` (docs/user-guide.md, "What each step did")."""
 
+    # Every rule across options, in the order they are checked: a config with several problems is refused with the
+    # first rule's message. A new option that depends on another adds its rule here (one entry).
+    CROSS_OPTION_RULES: ClassVar[tuple[CrossOptionRule, ...]] = (
+        CrossOptionRule(
+            "network",
+            lambda config, given: config.compression == "auto" and config.network is None,
+            lambda config: (
+                "compression='auto' needs the network to plan for: add "
+                '"network": {"bandwidth": "1gbit", "latency": "50us"} with your links\' figures '
+                "(python -m ds_lioncub.planner shows what each mode would cost), or choose the compression yourself"
+            ),
+        ),
+        CrossOptionRule(
+            "network",
+            lambda config, given: config.compression != "auto" and config.network is not None,
+            lambda config: (
+                f"network only applies to compression='auto' (compression is {config.compression!r}); "
+                f"set compression='auto' or drop network"
+            ),
+        ),
+        CrossOptionRule(
+            "comm_dtype",
+            lambda config, given: config.compression == "auto" and "comm_dtype" in given,
+            lambda config: (
+                "comm_dtype is chosen by compression='auto' (exact Lion in fp32 or bf16); drop comm_dtype, "
+                "or choose the compression yourself"
+            ),
+        ),
+        _kbit_only("bits"),
+        _kbit_only("quantizer"),
+        _kbit_only("aggregation"),
+        _kbit_only("kbit_algorithm"),
+        _kbit_only("l1_clip"),
+        CrossOptionRule(
+            "comm_dtype",
+            lambda config, given: (
+                config.compression != "none" and "comm_dtype" in given and config.comm_dtype != "fp32"
+            ),
+            lambda config: (
+                f"comm_dtype={config.comm_dtype!r} applies to compression='none' (the uncompressed gradient "
+                f"all-reduce); compressed modes send bits, so drop comm_dtype"
+            ),
+        ),
+        CrossOptionRule(
+            "momentum_sync",
+            lambda config, given: config.compression == "none" and config.momentum_sync.interval > 0,
+            lambda config: (
+                "momentum_sync only applies to compressed modes: with compression='none' every rank's momentum "
+                "is already identical; drop momentum_sync or choose compression='1bit' or 'kbit'"
+            ),
+        ),
+        CrossOptionRule(
+            "telemetry",
+            lambda config, given: config.compression == "none" and config.telemetry.vote_stats,
+            lambda config: (
+                "telemetry.vote_stats only applies to compressed modes (compression='none' takes no vote); drop "
+                "telemetry.vote_stats or choose compression='1bit' or 'kbit'"
+            ),
+        ),
+        CrossOptionRule(
+            "hybrid",
+            lambda config, given: config.compression == "none" and config.hybrid is not None,
+            lambda config: (
+                "hybrid only applies to compressed modes under ZeRO stage 1 or 2 (with compression='none' ZeRO "
+                "shards exact Lion over the whole world); drop hybrid or choose compression='1bit' or 'kbit'"
+            ),
+        ),
+        CrossOptionRule(
+            "overlap",
+            lambda config, given: config.overlap and config.compression == "none",
+            lambda config: (
+                "overlap=True starts compressed votes during backward; with compression='none' the gradients "
+                "are averaged instead (DDP or DeepSpeed overlap that themselves). Drop overlap or choose "
+                "compression='1bit' or 'kbit'"
+            ),
+        ),
+        CrossOptionRule(
+            "overlap",
+            lambda config, given: config.overlap and config.comm_backend_name != "torch",
+            lambda config: (
+                f"overlap=True needs collectives that run while backward goes on, which "
+                f"comm_backend_name={config.comm_backend_name!r} does not offer yet; use comm_backend_name='torch' "
+                f"or drop overlap"
+            ),
+        ),
+        CrossOptionRule(
+            "cuda_aware", lambda config, given: bool(_cuda_aware_conflict_of(config)), _cuda_aware_conflict_of
+        ),
+        CrossOptionRule(
+            "l1_clip",
+            lambda config, given: config.compression == "kbit" and config.quantizer == "sign" and "l1_clip" in given,
+            lambda config: "l1_clip only applies to quantizer='l1'; set quantizer='l1' or drop l1_clip",
+        ),
+    )
+
     @field_validator("comm_backend_name", mode="before")
     @classmethod
     def _known_backend(cls, name: Any) -> Any:
@@ -324,69 +454,11 @@ class LionCubConfig(DeepSpeedConfigModel):
         return betas
 
     @model_validator(mode="after")
-    def _options_fit_compression(self) -> LionCubConfig:
+    def _options_fit_together(self) -> LionCubConfig:
         given = self.model_fields_set
-        if self.compression == "auto" and self.network is None:
-            raise ValueError(
-                "compression='auto' needs the network to plan for: add "
-                '"network": {"bandwidth": "1gbit", "latency": "50us"} with your links\' figures '
-                "(python -m ds_lioncub.planner shows what each mode would cost), or choose the compression yourself"
-            )
-        if self.compression != "auto" and self.network is not None:
-            raise ValueError(
-                f"network only applies to compression='auto' (compression is {self.compression!r}); "
-                f"set compression='auto' or drop network"
-            )
-        if self.compression == "auto" and "comm_dtype" in given:
-            raise ValueError(
-                "comm_dtype is chosen by compression='auto' (exact Lion in fp32 or bf16); drop comm_dtype, "
-                "or choose the compression yourself"
-            )
-        kbit_only = ("bits", "quantizer", "aggregation", "kbit_algorithm", "l1_clip")
-        if self.compression != "kbit":
-            for name in kbit_only:
-                if name in given:
-                    raise ValueError(
-                        f"{name}={getattr(self, name)!r} only applies to compression='kbit' "
-                        f"(compression is {self.compression!r}); set compression='kbit' or drop {name}"
-                    )
-        if self.compression != "none" and "comm_dtype" in given and self.comm_dtype != "fp32":
-            raise ValueError(
-                f"comm_dtype={self.comm_dtype!r} applies to compression='none' (the uncompressed gradient "
-                f"all-reduce); compressed modes send bits, so drop comm_dtype"
-            )
-        if self.compression == "none" and self.momentum_sync.interval > 0:
-            raise ValueError(
-                "momentum_sync only applies to compressed modes: with compression='none' every rank's momentum "
-                "is already identical; drop momentum_sync or choose compression='1bit' or 'kbit'"
-            )
-        if self.compression == "none" and self.telemetry.vote_stats:
-            raise ValueError(
-                "telemetry.vote_stats only applies to compressed modes (compression='none' takes no vote); drop "
-                "telemetry.vote_stats or choose compression='1bit' or 'kbit'"
-            )
-        if self.compression == "none" and self.hybrid is not None:
-            raise ValueError(
-                "hybrid only applies to compressed modes under ZeRO stage 1 or 2 (with compression='none' ZeRO "
-                "shards exact Lion over the whole world); drop hybrid or choose compression='1bit' or 'kbit'"
-            )
-        if self.overlap and self.compression == "none":
-            raise ValueError(
-                "overlap=True starts compressed votes during backward; with compression='none' the gradients "
-                "are averaged instead (DDP or DeepSpeed overlap that themselves). Drop overlap or choose "
-                "compression='1bit' or 'kbit'"
-            )
-        if self.overlap and self.comm_backend_name != "torch":
-            raise ValueError(
-                f"overlap=True needs collectives that run while backward goes on, which "
-                f"comm_backend_name={self.comm_backend_name!r} does not offer yet; use comm_backend_name='torch' "
-                f"or drop overlap"
-            )
-        conflict = cuda_aware_conflict(self.comm_backend_name, self.cuda_aware)
-        if conflict is not None:
-            raise ValueError(conflict)
-        if self.compression == "kbit" and self.quantizer == "sign" and "l1_clip" in given:
-            raise ValueError("l1_clip only applies to quantizer='l1'; set quantizer='l1' or drop l1_clip")
+        for rule in self.CROSS_OPTION_RULES:
+            if rule.refuses(self, given):
+                raise ValueError(rule.message(self))
         return self
 
     def summary(self) -> str:

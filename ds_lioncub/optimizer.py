@@ -63,7 +63,7 @@ from ds_lioncub.comm.packing import (
 )
 from ds_lioncub.comm.quantize import tie_sign
 from ds_lioncub.comm.schedule import run_three_stages
-from ds_lioncub.comm.transport import CommStats, TorchTransport, Transport, make_transport
+from ds_lioncub.comm.transport import CommStats, Transport, make_transport
 from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.errors import (
     LionCubConfigError,
@@ -209,7 +209,11 @@ class LionCub(torch.optim.Optimizer):
             self.process_group = process_group
             self.transport = self._make_transport(process_group)
             self._set_up_overlap()
-        self._agreement_transport = self.transport if agreement_group is None else TorchTransport(agreement_group)
+        # The agreement group holds more ranks than the voters (the whole world under the ZeRO hybrid); an MPI
+        # transport spans the MPI world, which is the voters' group, so torch.distributed carries the agreement.
+        self._agreement_transport = (
+            self.transport if agreement_group is None else make_transport(agreement_group, comm_backend_name="torch")
+        )
         if module is not None:
             self.module = module
         self.gradients_are_averaged = gradients_averaged
@@ -257,11 +261,10 @@ class LionCub(torch.optim.Optimizer):
         """
         num_params = sum(p.numel() for p in self._flat_params() if p.requires_grad)
         # Each rank reads G from its own environment; they must agree before each resolves alone.
-        counted = self.transport.stats + CommStats()  # set-up traffic, left out of comm_stats()
-        node_size = int(
-            agreed_text(self.transport, AUTO_NODE_SIZE_LABEL, lambda: str(auto_node_size(self.options, os.environ)))
-        )
-        self.transport.stats = counted
+        with self.transport.uncounted():  # set-up traffic, left out of comm_stats()
+            node_size = int(
+                agreed_text(self.transport, AUTO_NODE_SIZE_LABEL, lambda: str(auto_node_size(self.options, os.environ)))
+            )
         # The parameters' device is where the step's local work runs: it picks the planner's cost table.
         params = self._flat_params()
         device = device_of(params[0].device.type) if params else "cpu"
@@ -286,9 +289,8 @@ class LionCub(torch.optim.Optimizer):
             ("param groups (size, lr, betas, weight_decay)", repr(groups)),
         ]
         # comm_stats() counts the steps' traffic only: the check's all-gather is left out.
-        counted = self.transport.stats + CommStats()
-        check_same_on_every_rank(self.transport, components, self.parameter_layout())
-        self.transport.stats = counted
+        with self.transport.uncounted():
+            check_same_on_every_rank(self.transport, components, self.parameter_layout())
 
     def _make_transport(self, process_group: dist.ProcessGroup | None) -> Transport:
         return make_transport(process_group, self.options.comm_backend_name, self.options.cuda_aware)
@@ -303,15 +305,15 @@ class LionCub(torch.optim.Optimizer):
         hooks may come before or after other collectives of the voters' group (DeepSpeed's, the finite
         check), in an order that differs between ranks, so they get a group of their own. Only the
         voters call this."""
-        transport = TorchTransport(dist.new_group(ranks=ranks, use_local_synchronization=True))
+        # The same kind of transport as the votes' (the config admits overlap with comm_backend_name "torch" only).
+        transport = self._make_transport(dist.new_group(ranks=ranks, use_local_synchronization=True))
         # One tiny collective now, while every voter is here: NCCL creates a group's communicator at its
         # first collective and blocks the host until all ranks join, which inside a gradient hook could
         # wait on a rank that is itself waiting in another group's collective.
         params = self._flat_params()
         device = params[0].device if params else torch.device("cpu")
-        counted = transport.stats + CommStats()  # set-up traffic, left out of comm_stats()
-        transport.all_reduce_sum(torch.zeros(1, dtype=torch.int32, device=device))
-        transport.stats = counted
+        with transport.uncounted():  # set-up traffic, left out of comm_stats()
+            transport.all_reduce_sum(torch.zeros(1, dtype=torch.int32, device=device))
         return transport
 
     def _set_up_overlap(self) -> None:
@@ -551,9 +553,8 @@ class LionCub(torch.optim.Optimizer):
         if owner_ties is not None:
             # The telemetry's own 8-byte all-reduce is left out of comm_stats(), like the set-up check:
             # the counters describe the training's traffic.
-            counted = self.transport.stats + CommStats()
-            self.transport.all_reduce_sum(owner_ties)
-            self.transport.stats = counted
+            with self.transport.uncounted():
+                self.transport.all_reduce_sum(owner_ties)
         self.telemetry.end_step(step, self.comm_stats())
 
     def _participants(self) -> list[Entry]:

@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from ds_lioncub.comm.kbit import KbitCodec
 from ds_lioncub.comm.legacy import compressed_allreduce, legacy_padded_numel
-from ds_lioncub.comm.quantize import l1_scale, tie_sign
-from ds_lioncub.comm.schedule import chunk_bounds, run_three_stages
+from ds_lioncub.comm.quantize import l1_segment_scales, tie_sign
+from ds_lioncub.comm.schedule import DEFAULT_PIPELINE_CHUNK_NUMEL, chunk_bounds, run_three_stages
 from ds_lioncub.comm.transport import CommStats, Transport, make_transport
 from ds_lioncub.comm.vocabulary import (
     AGGREGATIONS,
@@ -62,40 +62,6 @@ def _check_choice(name: str, value: object, allowed: Sequence[object]) -> None:
         raise LionCubConfigError(f"LionCub: {name} must be one of {list(allowed)}, got {value!r}.")
 
 
-def l1_segment_scales(
-    flat: torch.Tensor,
-    levels: int,
-    clip: float,
-    segment_sizes: Sequence[int] | None,
-    segment_means: Sequence[float] | Sequence[torch.Tensor] | torch.Tensor | None,
-) -> tuple[list[int], torch.Tensor]:
-    """Segment sizes and each segment's L1 scale ``L / (clip * mu)`` (0 where mu == 0).
-
-    ``mu`` is ``segment_means[i]`` when given (a segment that is a slice of a larger tensor uses the
-    whole tensor's mean), else the mean absolute value of the segment itself.
-    """
-    sizes = [flat.numel()] if segment_sizes is None else [int(s) for s in segment_sizes]
-    if sum(sizes) != flat.numel() or any(s < 0 for s in sizes):
-        raise LionCubConfigError(
-            f"LionCub: segment_sizes must be non-negative and add up to the update's numel "
-            f"({flat.numel()}), got a total of {sum(sizes)}."
-        )
-    if segment_means is not None and len(segment_means) != len(sizes):
-        raise LionCubConfigError("LionCub: segment_means needs one value per segment.")
-    scales = []
-    start = 0
-    for index, size in enumerate(sizes):
-        segment = flat[start : start + size]
-        mean_abs: torch.Tensor | float
-        if segment_means is None:
-            mean_abs = segment.float().abs().mean() if size else torch.zeros(())
-        else:
-            mean_abs = segment_means[index]
-        scales.append(l1_scale(mean_abs, levels, clip).cpu())
-        start += size
-    return sizes, torch.stack(scales) if scales else torch.zeros(0)
-
-
 def _segments_within(
     sizes: Sequence[int], scales: torch.Tensor, begin: int, end: int
 ) -> tuple[list[int], torch.Tensor]:
@@ -110,9 +76,6 @@ def _segments_within(
             part_scales.append(scale)
         offset += size
     return part_sizes, torch.stack(part_scales) if part_scales else torch.zeros(0)
-
-
-DEFAULT_PIPELINE_CHUNK_NUMEL = 1 << 23
 
 
 def _checked_chunk_numel(value: int | None) -> int | None:

@@ -1,12 +1,16 @@
 """The tie rule and the L1 quantizer, in their readable reference forms.
 
 - the tie rule: what a zero (a local sign of 0, or a vote sum of 0) resolves to;
-- the L1 quantizer of the Lion Cub paper (section 4.2).
+- the L1 quantizer of the Lion Cub paper (section 4.2), and the per-segment scales it multiplies by
+  (:func:`l1_segment_scales`: one per parameter tensor of a bucket), which the optimizer's k-bit
+  aggregation and the public ``CompressedBackend.vote_kbit`` both take from here.
 
 Field widths and world-size limits of summed fields are in :mod:`ds_lioncub.comm.kbit`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -18,6 +22,7 @@ from ds_lioncub.comm.kbit import (  # noqa: F401 - re-exported while callers mov
     max_allreduce_world_size,
 )
 from ds_lioncub.comm.vocabulary import KbitAlgorithm, Quantizer, TieBreak  # noqa: F401
+from ds_lioncub.errors import LionCubConfigError
 
 
 def tie_sign(step: int, tie_break: TieBreak) -> int:
@@ -72,3 +77,37 @@ def l1_scale(
     if not bool(mean_abs > 0):
         return torch.zeros((), dtype=torch.float32, device=mean_abs.device)
     return levels / (clip * mean_abs)
+
+
+def l1_segment_scales(
+    flat: torch.Tensor,
+    levels: int,
+    clip: float,
+    segment_sizes: Sequence[int] | None,
+    segment_means: Sequence[float] | Sequence[torch.Tensor] | torch.Tensor | None,
+) -> tuple[list[int], torch.Tensor]:
+    """Segment sizes and each segment's L1 scale ``L / (clip * mu)`` (0 where mu == 0).
+
+    ``mu`` is ``segment_means[i]`` when given (a segment that is a slice of a larger tensor uses the
+    whole tensor's mean), else the mean absolute value of the segment itself.
+    """
+    sizes = [flat.numel()] if segment_sizes is None else [int(s) for s in segment_sizes]
+    if sum(sizes) != flat.numel() or any(s < 0 for s in sizes):
+        raise LionCubConfigError(
+            f"LionCub: segment_sizes must be non-negative and add up to the update's numel "
+            f"({flat.numel()}), got a total of {sum(sizes)}."
+        )
+    if segment_means is not None and len(segment_means) != len(sizes):
+        raise LionCubConfigError("LionCub: segment_means needs one value per segment.")
+    scales = []
+    start = 0
+    for index, size in enumerate(sizes):
+        segment = flat[start : start + size]
+        mean_abs: torch.Tensor | float
+        if segment_means is None:
+            mean_abs = segment.float().abs().mean() if size else torch.zeros(())
+        else:
+            mean_abs = segment_means[index]
+        scales.append(l1_scale(mean_abs, levels, clip).cpu())
+        start += size
+    return sizes, torch.stack(scales) if scales else torch.zeros(0)

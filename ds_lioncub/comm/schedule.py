@@ -18,6 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
+#: Elements per chunk of one large vote (``CompressedBackend``'s ``pipeline_chunk_numel`` default, and
+#: the planner's model of it). Smaller chunks start the wire sooner and overlap more of the packing and
+#: unpacking with it, but each chunk pays two collectives' latency; on the emulated 1 Gbit/s network a
+#: 1e8-element 1-bit vote among 2 ranks was fastest at 8 Mi (benchmarks/RESULTS.md).
+DEFAULT_PIPELINE_CHUNK_NUMEL = 1 << 23
+
 Issued = TypeVar("Issued")
 Reduced = TypeVar("Reduced")
 
@@ -60,4 +66,4 @@ def chunk_bounds(numel: int, chunk_numel: int, multiple: int) -> list[tuple[int,
     return [(begin, min(numel, begin + step)) for begin in range(0, numel, step)]
 
 
-__all__ = ["chunk_bounds", "run_three_stages"]
+__all__ = ["DEFAULT_PIPELINE_CHUNK_NUMEL", "chunk_bounds", "run_three_stages"]

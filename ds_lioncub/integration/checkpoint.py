@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_lioncub.comm.transport import TorchTransport
+from ds_lioncub.comm.transport import make_transport
 from ds_lioncub.errors import LionCubSetupError
 from ds_lioncub.fingerprint import gather_texts
 from ds_lioncub.integration.hybrid_zero import HybridSetup
@@ -247,7 +247,8 @@ def prepare_load(
         found = ""
     except _Problems as problem:
         found = str(problem)
-    reports = gather_texts(TorchTransport(None), found) if dist.is_initialized() else [found]
+    # Over DeepSpeed's world (torch.distributed), which every rank that loads the checkpoint belongs to.
+    reports = gather_texts(make_transport(None, comm_backend_name="torch"), found) if dist.is_initialized() else [found]
     problems: dict[str, list[int]] = {}
     for rank, report in enumerate(reports):
         if report:

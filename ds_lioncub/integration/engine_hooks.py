@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ds_lioncub._version import __version__
-from ds_lioncub.comm.transport import TorchTransport
+from ds_lioncub.comm.transport import make_transport
 from ds_lioncub.config import parse_config
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.fingerprint import check_same_on_every_rank, describe_parameters
@@ -61,7 +61,8 @@ def check_same_model_on_every_rank(model: Any, optimizer_params: dict[str, Any])
     options = parse_config(optimizer_params).model_dump()  # every field on every rank: the same components
     components = [("ds_lioncub version", __version__), *((f"option {key}", repr(v)) for key, v in options.items())]
     parameters = describe_parameters([name for name, _ in named], [param for _, param in named])
-    check_same_on_every_rank(TorchTransport(None), components, parameters)
+    # Before LionCub exists, over DeepSpeed's world: torch.distributed, whatever will carry the votes.
+    check_same_on_every_rank(make_transport(None, comm_backend_name="torch"), components, parameters)
 
 
 def _wrap(cls: type, name: str, make_wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:

@@ -21,7 +21,7 @@ import deepspeed
 import torch
 
 from ds_lioncub.comm.topology import create_groups, plan_hybrid, resolve_node_size
-from ds_lioncub.comm.transport import TorchTransport
+from ds_lioncub.comm.transport import make_transport
 from ds_lioncub.config import LionCubConfig
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.fingerprint import agreed_text
@@ -65,7 +65,7 @@ def resolve_auto_for_engine(engine: Any, options: LionCubConfig, model_parameter
     exact_dtype = "fp32" if engine.communication_data_type == torch.float32 else "bf16"  # bf16 or fp16: 2 bytes
     bucket = DEEPSPEED_BUCKET_SIZE if stage == 0 else int(engine.zero_reduce_bucket_size())
     # Each rank reads G from its own environment; they must agree before each resolves alone.
-    transport = TorchTransport(engine.seq_data_parallel_group)
+    transport = make_transport(engine.seq_data_parallel_group, comm_backend_name="torch")  # the engine's own group
     node_size = int(agreed_text(transport, AUTO_NODE_SIZE_LABEL, lambda: str(auto_node_size(options, os.environ))))
     # Where the optimizer's local work runs: the engine's device (its ranks' GPUs under the CUDA
     # accelerator), or the CPU when ZeRO offloads the optimizer there.

@@ -47,9 +47,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ds_lioncub.comm import wire
-from ds_lioncub.comm.backend import DEFAULT_PIPELINE_CHUNK_NUMEL
 from ds_lioncub.comm.kbit import KbitCodec
-from ds_lioncub.comm.schedule import chunk_bounds
+from ds_lioncub.comm.schedule import DEFAULT_PIPELINE_CHUNK_NUMEL, chunk_bounds
 from ds_lioncub.config import LionCubConfig, NetworkConfig, parse_config
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.planner.local_costs import DEFAULT_LOCAL_COSTS, LION_UPDATE, LocalCosts, aggregation_key

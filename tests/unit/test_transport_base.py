@@ -381,3 +381,65 @@ def test_missing_mpi4py_is_a_missing_dependency_error_that_names_the_install(mon
     with pytest.raises(MissingDependencyError, match=r'^LionCub: .*needs mpi4py.*pip install "ds_lioncub\[mpi\]"'):
         import_mpi()
     assert issubclass(MissingDependencyError, ImportError)
+
+
+# ---------------------------------------------------------------------------------------------- uncounted()
+
+
+def _traffic(stats: CommStats) -> tuple[int, int, int, float]:
+    return stats.collectives, stats.bytes_sent, stats.bytes_received, stats.seconds
+
+
+@pytest.mark.parametrize("p", (2, 3))
+def test_uncounted_leaves_the_blocks_collectives_out_and_keeps_counting_after_it(p: int) -> None:
+    """Counted, uncounted, counted: the stats equal a run of the two counted collectives alone."""
+
+    def with_block(transport: ThreadTransport) -> tuple[CommStats, int, list[str]]:
+        transport.all_gather(rank_input(transport.rank, 6, torch.uint8))
+        with transport.uncounted():
+            transport.all_reduce_sum(rank_input(transport.rank, 50, torch.int32))
+            transport.all_to_all(rank_input(transport.rank, 12 * p, torch.float32))
+            counted_inside = transport.stats.collectives
+        transport.all_reduce_sum(rank_input(transport.rank, 7, torch.float32))
+        return transport.stats, counted_inside, transport.raw_calls
+
+    def without_block(transport: ThreadTransport) -> CommStats:
+        transport.all_gather(rank_input(transport.rank, 6, torch.uint8))
+        transport.all_reduce_sum(rank_input(transport.rank, 7, torch.float32))
+        return transport.stats
+
+    for (stats, counted_inside, raw_calls), reference in zip(
+        on_every_rank(p, with_block), on_every_rank(p, without_block), strict=True
+    ):
+        assert "integer_all_reduce" in raw_calls and "all_to_all" in raw_calls  # the block did communicate
+        assert counted_inside == 3  # counted while inside (a caller may read them there) ...
+        assert stats.collectives == 2  # ... and taken back when the block ends
+        assert (stats.bytes_sent, stats.bytes_received) == (reference.bytes_sent, reference.bytes_received)
+        assert stats.bytes_sent > 0
+
+
+def test_uncounted_restores_the_stats_when_the_block_raises() -> None:
+    class BlockFailed(Exception):
+        pass
+
+    def run(transport: ThreadTransport) -> tuple[tuple[int, int, int, float], tuple[int, int, int, float]]:
+        transport.all_gather(rank_input(transport.rank, 5, torch.uint8))
+        before = _traffic(transport.stats)
+        with pytest.raises(BlockFailed):
+            with transport.uncounted():
+                transport.all_gather(rank_input(transport.rank, 40, torch.uint8))
+                assert transport.stats.collectives == 2
+                raise BlockFailed
+        return before, _traffic(transport.stats)
+
+    for before, after in on_every_rank(2, run):
+        assert after == before  # seconds included: the block's time is not the training's either
+        assert after[:3] == (1, 5, 5)  # one 5-byte all-gather between 2 ranks: 5 bytes out, 5 in
+
+
+def test_uncounted_in_a_world_of_one_keeps_the_stats_object_values() -> None:
+    transport = NoWireTransport(1, 0)
+    transport.stats = CommStats(3, 40, 40, 0.5)
+    with transport.uncounted():
+        transport.stats.collectives += 9  # as a collective would
+    assert _traffic(transport.stats) == (3, 40, 40, 0.5)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -118,7 +120,7 @@ class InFlight:
 
 
 class Transport(Protocol):
-    """What CompressedBackend needs from a transport."""
+    """What CompressedBackend and LionCub need from a transport."""
 
     name: str
     world_size: int
@@ -140,6 +142,8 @@ class Transport(Protocol):
     def start_all_reduce_sum(self, tensor: torch.Tensor) -> InFlight: ...
 
     def wait(self, pending: InFlight) -> torch.Tensor: ...
+
+    def uncounted(self) -> AbstractContextManager[None]: ...
 
 
 def sum_rows_in_rank_order(rows: torch.Tensor) -> torch.Tensor:
@@ -324,6 +328,21 @@ class TransportBase:
         self._raw_all_gather(total, send)
         if send is not flat:
             flat.copy_(send[:numel])
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Leave the collectives of a ``with`` block out of ``stats``.
+
+        ``stats`` (and so ``LionCub.comm_stats()`` and the telemetry) describes the training's traffic;
+        set-up and bookkeeping exchanges (the same-set-up check, the node-size agreement, a new group's
+        first collective, the telemetry's own tie count) run inside this block. The counters are put
+        back as they were when the block ends, also when it raises.
+        """
+        counted = self.stats + CommStats()  # a copy: the collectives inside keep adding to self.stats
+        try:
+            yield
+        finally:
+            self.stats = counted
 
     def _count(self, moved: int, seconds: float) -> None:
         self.stats.collectives += 1
