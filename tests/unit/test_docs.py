@@ -119,6 +119,16 @@ def test_every_relative_link_resolves(page: Path) -> None:
     assert broken == [], f"{page.relative_to(REPO)}: broken links: {broken}"
 
 
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(REPO).as_posix() for p in PAGES])
+def test_no_page_repeats_a_heading(page: Path) -> None:
+    """A section moved twice (the user guide once held two copies of two sections) shows as a repeated heading;
+    a repeated heading also makes its anchor ambiguous."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.MULTILINE | re.DOTALL)  # code, not headings
+    headings = [line.strip() for line in text.splitlines() if line.startswith("#")]
+    repeated = sorted({heading for heading in headings if headings.count(heading) > 1})
+    assert repeated == [], f"{page.relative_to(REPO)} repeats {repeated}"
+
+
 def test_the_pages_link_to_each_other() -> None:
     readme = set(relative_links(REPO / "README.md"))
     for page in ("user-guide.md", "options.md", "troubleshooting.md", "benchmarks.md", "design.md"):
