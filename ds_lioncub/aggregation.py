@@ -24,12 +24,19 @@ direction and apply the voted signs in the same pass as the update (the fused ke
 says how to pack the message that :meth:`_VoteStages.issue` sends, and
 :meth:`_VoteStages.complete_packed` gives the voted signs packed, one bit per element, instead of
 unpacked to ±1. ``start`` is ``issue(pack(bucket))`` with the packing done here.
+
+Every aggregation owns its state (:class:`AggregationState`: its knobs, per-bucket state, counters;
+``state_dict()``/``load_state_dict()``) and answers for itself what callers would otherwise find out by
+checking its type or re-deriving its layout: :attr:`~Aggregator.votes_packed_signs`,
+:attr:`~Aggregator.votes_during_backward` (overlap) and :meth:`~Aggregator.tied_counts` (telemetry).
+:class:`ExactMean` answers no and refuses the vote-only calls.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -40,6 +47,8 @@ from ds_lioncub.comm.vocabulary import Aggregation as AggregationKind
 from ds_lioncub.comm.votes import (
     PendingAggregate,
     PendingResult,
+    count_tied_kbit_sums,
+    count_tied_sign_votes,
     finish_aggregate,
     issue_sign_vote,
     pack_kbit_message,
@@ -74,6 +83,117 @@ class Bucket:
     piece_mean_abs: list[torch.Tensor | None]
 
 
+class AggregationState:
+    """What an aggregation keeps from one step to the next, in the shape of PyTorch's ``PowerSGDState``
+    for DDP communication hooks: the knobs that fix its results, per-bucket state, and counters.
+
+    Today every aggregation is memoryless: a bucket's result is a function of that step's messages and
+    tie rule only. The tie rule is not kept here: the optimizer passes it to each call, derived from
+    its step count (``tie_break``), which the optimizer's own state already checkpoints. So the state
+    holds:
+
+    - the knobs (:meth:`knobs`; one subclass per aggregation says what they are and how to tune them),
+      fixed at construction and checked by :meth:`load_state_dict`;
+    - :attr:`buckets`: per-bucket tensors by the bucket's index in the step's bucket plan. Empty today;
+      it is where error feedback will keep each bucket's residual, and what survives across steps then;
+    - :attr:`issued`: the buckets whose first collective this rank issued (every ``start``/``issue``),
+      a counter for diagnostics that no result depends on.
+
+    :meth:`state_dict` and :meth:`load_state_dict` make it checkpointable. The optimizer's checkpoint
+    does not carry it yet (that would change the checkpoint's format, and there is nothing in it a
+    result depends on): error feedback must add it there.
+    """
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, dict[str, torch.Tensor]] = {}
+        self.issued = 0
+
+    def knobs(self) -> dict[str, Any]:
+        """The options that fix this aggregation's results, as plain values."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state as plain values and tensors (the per-bucket tensors are not copied)."""
+        return {
+            "kind": type(self).__name__,
+            "knobs": self.knobs(),
+            "issued": self.issued,
+            "buckets": {index: dict(tensors) for index, tensors in self.buckets.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take over ``state`` (from :meth:`state_dict` of an aggregation of the same kind and knobs).
+
+        Raises ValueError when the kind or a knob differs: a residual kept under other knobs means
+        something else. The per-bucket tensors are taken as they are (not copied, not moved).
+        """
+        kind, knobs = state.get("kind"), state.get("knobs")
+        if kind != type(self).__name__ or knobs != self.knobs():
+            raise ValueError(
+                f"cannot load the state of {kind} with knobs {knobs} into "
+                f"{type(self).__name__} with knobs {self.knobs()}"
+            )
+        self.issued = int(state["issued"])
+        self.buckets = {int(index): dict(tensors) for index, tensors in state["buckets"].items()}
+
+
+class ExactMeanState(AggregationState):
+    """The state of :class:`ExactMean`: its one knob, and (empty) per-bucket state.
+
+    Knob: ``comm_dtype``: fp32 is exact; bf16 halves the bytes and rounds each rank's contribution and
+    the sum to bf16's 8 significant bits, which Lion's sign usually shrugs off for gradients.
+    """
+
+    def __init__(self, comm_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.comm_dtype = comm_dtype
+
+    def knobs(self) -> dict[str, Any]:
+        return {"comm_dtype": str(self.comm_dtype)}
+
+
+class OneBitVoteState(AggregationState):
+    """The state of :class:`OneBitVote`: no knob (the tie rule comes with each step), (empty) per-bucket
+    state. Its only tuning is the optimizer's ``bucket_size`` (see :class:`KbitVoteState`)."""
+
+
+class KbitVoteState(AggregationState):
+    """The state of :class:`KbitVote`: its knobs, and (empty) per-bucket state.
+
+    Knobs:
+
+    - ``codec`` (``bits``, ``quantizer``, ``kbit_algorithm``): 2, 4 or 8 bits per element on the wire.
+      With the sign quantizer more bits only buy a larger all-reduce world (``2**bits - 1`` ranks);
+      with L1 they buy resolution (``L = floor((2**bits - 1) / (2p))`` levels under all-reduce,
+      ``(2**bits - 1) // 2`` under all-to-all). Start with 4-bit sign; move to 8-bit L1 when the vote
+      loses quality. "allreduce" sends ``2 (p-1)/p * n * bits/8`` bytes in one collective but holds
+      only small worlds; "alltoall" holds any world, sends ``(p-1)/p * n * (bits + 1)/8`` for a vote,
+      and keeps L1's levels independent of ``p``.
+    - ``aggregation``: "vote" applies the sign of the sum (±1, Lion's update size); "mean" applies the
+      sum over its largest magnitude, a smaller step where the ranks disagree.
+    - ``l1_clip`` (tau): the L1 quantizer saturates at tau * mean|c|. 2 is the paper's setting; larger
+      keeps more outliers at the cost of resolution near zero.
+    - ``bucket_size`` (the optimizer's, all modes): elements per collective. Larger buckets mean fewer,
+      larger messages (less latency per byte) and larger temporaries (about one bucket, more for L1).
+    """
+
+    def __init__(self, codec: KbitCodec, aggregation: AggregationKind, l1_clip: float) -> None:
+        super().__init__()
+        self.codec = codec
+        self.aggregation = aggregation
+        self.l1_clip = l1_clip
+
+    def knobs(self) -> dict[str, Any]:
+        codec = self.codec
+        return {
+            "bits": codec.bits,
+            "quantizer": codec.quantizer,
+            "algorithm": codec.algorithm,
+            "aggregation": self.aggregation,
+            "l1_clip": self.l1_clip,
+        }
+
+
 class Aggregator(Protocol):
     """The stages every aggregation offers (see the module docstring)."""
 
@@ -84,6 +204,11 @@ class Aggregator(Protocol):
     #: True when :class:`Bucket` needs ``piece_mean_abs`` for pieces cut from larger tensors.
     needs_whole_tensor_mean_abs: bool
 
+    @property
+    def state(self) -> AggregationState:
+        """What it keeps across steps (see :class:`AggregationState`)."""
+        ...
+
     def start(self, bucket: Bucket, positive_ties: bool) -> object: ...
 
     def reduce(self, pending: object) -> object: ...
@@ -91,6 +216,30 @@ class Aggregator(Protocol):
     def complete(self, result: object, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def finish(self, pending: object, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    # The questions a caller asks instead of checking the aggregation's type:
+
+    @property
+    def votes_packed_signs(self) -> bool:
+        """Whether it is a vote of sign fields, whose message and result the caller may keep packed
+        (:meth:`sign_message_layout`, :meth:`issue`, :meth:`complete_packed`)."""
+        ...
+
+    @property
+    def votes_during_backward(self) -> bool:
+        """Whether it can serve ``overlap`` (votes started from the gradient hooks, checked against the
+        final gradients): a vote, whose message :meth:`pack` gives and :meth:`issue` sends."""
+        ...
+
+    def pack(self, bucket: Bucket, positive_ties: bool) -> torch.Tensor: ...
+
+    def issue(self, message: torch.Tensor, numel: int, positive_ties: bool) -> PendingAggregate: ...
+
+    def sign_message_layout(self, numel: int) -> tuple[int, int]: ...
+
+    def complete_packed(self, result: object) -> torch.Tensor: ...
+
+    def tied_counts(self, pending: object) -> tuple[torch.Tensor, bool]: ...
 
 
 class _VoteStages:
@@ -123,6 +272,22 @@ class _VoteStages:
         """Whether this is a vote of sign fields, whose message and result can be packed by the caller."""
         raise NotImplementedError
 
+    @property
+    def votes_during_backward(self) -> bool:
+        """Every vote can serve ``overlap``: its message is :meth:`pack`'s, sent by :meth:`issue`."""
+        return True
+
+    def tied_counts(self, pending: object) -> tuple[torch.Tensor, bool]:
+        """The positions of ``pending`` (what ``start``/``issue`` returned, its vote complete) whose summed
+        vote is 0, as an int64 count of one element, and whether the count is an owner's share.
+
+        A sum of 0 is exactly a position whose vote the tie rule decides. The 1-bit vote and the k-bit
+        all-to-all leave each rank the p rows of its own chunk (its counts add up over the group to
+        the bucket's: an owner's share); the k-bit all-reduce leaves every rank all the summed fields
+        (its count is already the bucket's). Padding never ties.
+        """
+        raise NotImplementedError
+
     def sign_message_layout(self, numel: int) -> tuple[int, int]:
         """(bits per sign field, bytes) of the message :meth:`issue` takes for ``numel`` elements, to be
         packed as ``pack_signs(c, positive_ties, bits=..., nbytes=...)`` (a sign vote only)."""
@@ -148,8 +313,9 @@ class ExactMean:
     Exact Lion averages gradients with it; momentum sync averages momenta. The sum runs in rank
     order (see :mod:`ds_lioncub.comm.transport`), so every rank gets the same bits.
 
-    Tuning: ``comm_dtype`` fp32 is exact; bf16 halves the bytes and rounds each rank's contribution
-    and the sum to bf16's 8 significant bits, which Lion's sign usually shrugs off for gradients.
+    Tuning: see :class:`ExactMeanState` (``comm_dtype``). It takes no vote, so it answers no for packed
+    signs and for overlap, and refuses the vote-only calls (:meth:`pack`, :meth:`issue`,
+    :meth:`sign_message_layout`, :meth:`complete_packed`, :meth:`tied_counts`).
     """
 
     reduces_gradients = True
@@ -157,12 +323,46 @@ class ExactMean:
 
     def __init__(self, transport: Transport, comm_dtype: torch.dtype = torch.float32) -> None:
         self.transport = transport
-        self.comm_dtype = comm_dtype
+        self.state = ExactMeanState(comm_dtype)
+
+    @property
+    def comm_dtype(self) -> torch.dtype:
+        return self.state.comm_dtype
 
     def start(self, bucket: Bucket, positive_ties: bool = True) -> torch.Tensor:
         """The rank-order sum of the bucket in ``comm_dtype`` (no ties: nothing is signed), run to the end:
         its reduction is local work between two collectives."""
+        self.state.issued += 1
         return self.transport.all_reduce_sum(bucket.values.to(self.comm_dtype))
+
+    @property
+    def votes_packed_signs(self) -> bool:
+        return False
+
+    @property
+    def votes_during_backward(self) -> bool:
+        return False
+
+    def pack(self, bucket: Bucket, positive_ties: bool) -> torch.Tensor:
+        raise self._no_vote("pack")
+
+    def issue(self, message: torch.Tensor, numel: int, positive_ties: bool) -> PendingAggregate:
+        raise self._no_vote("issue")
+
+    def sign_message_layout(self, numel: int) -> tuple[int, int]:
+        raise self._no_vote("sign_message_layout")
+
+    def complete_packed(self, result: object) -> torch.Tensor:
+        raise self._no_vote("complete_packed")
+
+    def tied_counts(self, pending: object) -> tuple[torch.Tensor, bool]:
+        raise TypeError(f"count_tied_votes: {type(self).__name__} takes no vote")
+
+    def _no_vote(self, call: str) -> ValueError:
+        return ValueError(f"{call} is for votes, not {self!r}")
+
+    def __repr__(self) -> str:
+        return f"ExactMean(comm_dtype={self.comm_dtype})"
 
     def reduce(self, pending: object) -> object:
         return pending
@@ -189,8 +389,10 @@ class OneBitVote(_VoteStages):
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
+        self.state = OneBitVoteState()
 
     def start(self, bucket: Bucket, positive_ties: bool) -> PendingAggregate:
+        self.state.issued += 1
         return start_sign_vote(self.transport, bucket.values, positive_ties)
 
     def pack(self, bucket: Bucket, positive_ties: bool) -> torch.Tensor:
@@ -199,6 +401,7 @@ class OneBitVote(_VoteStages):
 
     def issue(self, message: torch.Tensor, numel: int, positive_ties: bool) -> PendingAggregate:
         """``start`` for a message already packed by :meth:`pack` (or to :meth:`sign_message_layout`)."""
+        self.state.issued += 1
         return issue_sign_vote(self.transport, message, numel, positive_ties)
 
     @property
@@ -215,35 +418,37 @@ class OneBitVote(_VoteStages):
         assert isinstance(pending, PendingAggregate)
         return reduce_sign_vote(self.transport, pending)
 
+    def tied_counts(self, pending: object) -> tuple[torch.Tensor, bool]:
+        """Where the votes with positive and with negative ties differ, on this rank's chunk (an owner's share)."""
+        assert isinstance(pending, PendingAggregate)
+        return count_tied_sign_votes(self.transport, pending), True
+
 
 class KbitVote(_VoteStages):
     """Sums of b-bit fields: the sign or the L1-quantized update of each rank, voted or averaged.
 
-    Tuning:
-
-    - ``bits``: 2, 4 or 8 bits per element on the wire. With the sign quantizer more bits only buy
-      a larger all-reduce world (``2**bits - 1`` ranks); with L1 they buy resolution
-      (``L = floor((2**bits - 1) / (2p))`` levels under all-reduce, ``(2**bits - 1) // 2`` under
-      all-to-all). Start with 4-bit sign; move to 8-bit L1 when the vote loses quality.
-    - ``kbit_algorithm``: "allreduce" sends ``2 (p-1)/p * n * bits/8`` bytes in one collective but
-      holds only small worlds; "alltoall" holds any world, sends ``(p-1)/p * n * (bits + 1)/8``
-      for a vote, and keeps L1's levels independent of ``p``.
-    - ``aggregation``: "vote" applies the sign of the sum (±1, Lion's update size); "mean" applies
-      the sum over its largest magnitude, a smaller step where the ranks disagree.
-    - ``l1_clip`` (tau): the L1 quantizer saturates at tau * mean|c|. 2 is the paper's setting;
-      larger keeps more outliers at the cost of resolution near zero.
-    - ``bucket_size`` (all modes): elements per collective. Larger buckets mean fewer, larger
-      messages (less latency per byte) and larger temporaries (about one bucket, more for L1).
+    Tuning: see :class:`KbitVoteState` (``bits``, ``quantizer``, ``kbit_algorithm``, ``aggregation``,
+    ``l1_clip``, and the optimizer's ``bucket_size``).
     """
 
     reduces_gradients = False
 
     def __init__(self, transport: Transport, codec: KbitCodec, aggregation: AggregationKind, l1_clip: float) -> None:
         self.transport = transport
-        self.codec = codec
-        self.aggregation = aggregation
-        self.l1_clip = l1_clip
+        self.state = KbitVoteState(codec, aggregation, l1_clip)
         self.needs_whole_tensor_mean_abs = codec.quantizer == "l1"
+
+    @property
+    def codec(self) -> KbitCodec:
+        return self.state.codec
+
+    @property
+    def aggregation(self) -> AggregationKind:
+        return self.state.aggregation
+
+    @property
+    def l1_clip(self) -> float:
+        return self.state.l1_clip
 
     def start(self, bucket: Bucket, positive_ties: bool) -> PendingAggregate:
         return self.issue(self.pack(bucket, positive_ties), bucket.values.numel(), positive_ties)
@@ -259,6 +464,7 @@ class KbitVote(_VoteStages):
     def issue(self, message: torch.Tensor, numel: int, positive_ties: bool) -> PendingAggregate:
         """``start`` for a message already packed by :meth:`pack` (or, for a vote of signs, to
         :meth:`sign_message_layout`)."""
+        self.state.issued += 1
         return start_kbit_sum(self.transport, self.codec, message, numel, positive_ties)
 
     @property
@@ -278,6 +484,12 @@ class KbitVote(_VoteStages):
             return reduce_kbit_vote(self.transport, self.codec, pending)
         return reduce_kbit_mean(self.transport, self.codec, pending)
 
+    def tied_counts(self, pending: object) -> tuple[torch.Tensor, bool]:
+        """Where the field sums ``f`` lie in ``[T(+), T(-))`` (docs/design.md section 4.6's thresholds; none
+        for sign fields at odd p): this rank's chunk under "alltoall", every position under "allreduce"."""
+        assert isinstance(pending, PendingAggregate)
+        return count_tied_kbit_sums(self.transport, self.codec, pending), self.codec.algorithm == "alltoall"
+
 
 def _piece_means(bucket: Bucket) -> torch.Tensor:
     """Each piece's mu for the L1 scale: the whole tensor's mean |c| if given, else the piece's own."""
@@ -288,7 +500,15 @@ def _piece_means(bucket: Bucket) -> torch.Tensor:
 
 
 def packed_sign_vote(aggregator: Aggregator) -> Vote | None:
-    """``aggregator`` when it is a vote of sign fields (1-bit vote, k-bit vote of signs), else None."""
+    """``aggregator`` when it is a vote of sign fields (1-bit vote, k-bit vote of signs), else None.
+
+    .. deprecated:: ask the aggregation instead: ``aggregator.votes_packed_signs``.
+    """
+    warnings.warn(
+        "packed_sign_vote(aggregator) is deprecated: ask aggregator.votes_packed_signs",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     if isinstance(aggregator, (OneBitVote, KbitVote)) and aggregator.votes_packed_signs:
         return aggregator
     return None
@@ -315,11 +535,15 @@ Vote = OneBitVote | KbitVote
 
 __all__ = [
     "COMM_DTYPES",
+    "AggregationState",
     "Aggregator",
     "Bucket",
     "ExactMean",
+    "ExactMeanState",
     "KbitVote",
+    "KbitVoteState",
     "OneBitVote",
+    "OneBitVoteState",
     "Vote",
     "build_aggregation",
     "packed_sign_vote",

@@ -29,11 +29,7 @@ from ds_lioncub.aggregation import (
     Aggregator,
     Bucket,
     ExactMean,
-    KbitVote,
-    OneBitVote,
-    Vote,
     build_aggregation,
-    packed_sign_vote,
 )
 from ds_lioncub.bucket_work import (
     BucketBuffers,
@@ -161,7 +157,7 @@ class LionCub(torch.optim.Optimizer):
             self._check_same_set_up_on_every_rank()
         self._aggregator: Aggregator | None = build_aggregation(self.options, self.transport, False)
         # overlap=True: the vote over a second group that armed backwards launch on, and their state.
-        self._overlap_vote: Vote | None = None
+        self._overlap_vote: Aggregator | None = None
         self._overlap_ranks: list[int] = []  # the global ranks of the overlap vote's group
         self._armed: ArmedBackward | None = None
         self._set_up_overlap()
@@ -327,7 +323,8 @@ class LionCub(torch.optim.Optimizer):
             # bind() to a group of the same ranks (DeepSpeed's data-parallel group over the whole world)
             # keeps the group made at construction: a second one would only cost a communicator.
             vote = build_aggregation(self.options, self._make_overlap_transport(ranks), False)
-            assert isinstance(vote, (OneBitVote, KbitVote))  # the config admits overlap with compression only
+            # The config admits overlap with compression only: every vote serves it.
+            assert vote is not None and vote.votes_during_backward, f"overlap needs a vote, not {vote!r}"
             self._overlap_vote = vote
             self._overlap_ranks = ranks
         if not getattr(self, "_gradient_hooks", None):
@@ -651,18 +648,18 @@ class LionCub(torch.optim.Optimizer):
         scratch = BucketBuffers(plan)
         clock = _AggregationClock(aggregator.transport)
         local_signs: dict[int, torch.Tensor] = {}
-        sign_vote = packed_sign_vote(aggregator)
+        packed_signs = aggregator.votes_packed_signs
 
         def start(k: int) -> object:
-            if sign_vote is not None:
+            if packed_signs:
                 numel = sum(piece.length for piece in plan[k])
-                bits, nbytes = sign_vote.sign_message_layout(numel)
+                bits, nbytes = aggregator.sign_message_layout(numel)
                 # Telemetry's local seconds: the packing shares its pass with Lion's direction and the
                 # momentum update, so the pass counts whole (as the unpacking with the update, below).
                 message = clock.run(k, prepare_sign_message, entries, plan[k], positive_ties, bits, nbytes)
                 if self.telemetry.vote_stats:
                     local_signs[k] = sign_bits_of_message(message, bits, numel)
-                return clock.run(k, sign_vote.issue, message, numel, positive_ties)
+                return clock.run(k, aggregator.issue, message, numel, positive_ties)
             prepared = prepare_bucket(entries, plan[k], scratch, whole_mean_abs, aggregator)
             if self.telemetry.vote_stats:  # taken before the buffer is reused
                 local_signs[k] = pack_local_signs(prepared.values, positive_ties)
@@ -690,7 +687,7 @@ class LionCub(torch.optim.Optimizer):
         ``clock``; with ``vote_stats``, ``local_signs[k]`` (filled by ``start``) is counted against the
         applied direction.
         """
-        sign_vote = packed_sign_vote(aggregator)
+        packed_signs = aggregator.votes_packed_signs
         counted: dict[int, object] = {}  # vote_stats counts a bucket's received rows when it completes
 
         def issue(k: int) -> object:
@@ -702,8 +699,8 @@ class LionCub(torch.optim.Optimizer):
         def complete(done: int, result: object) -> None:
             signs = local_signs.pop(done, None)
             received = counted.pop(done, None)
-            if sign_vote is not None:
-                voted = clock.run(done, sign_vote.complete_packed, result)
+            if packed_signs:
+                voted = clock.run(done, aggregator.complete_packed, result)
                 numel = sum(piece.length for piece in plan[done])
                 if signs is not None:
                     self.telemetry.count_vote(aggregator, received, signs, unpack_signs(voted, numel))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ds_lioncub.aggregation import Bucket, Vote
+from ds_lioncub.aggregation import Aggregator, Bucket
 from ds_lioncub.buckets import Piece
 from ds_lioncub.comm.transport import CommStats
 from ds_lioncub.comm.votes import PendingAggregate
@@ -56,7 +56,7 @@ class ArmedBackward:
         plan: list[list[Piece]],
         filled: list[torch.Tensor],
         stepped: list[torch.Tensor],
-        vote: Vote,
+        vote: Aggregator,
         positive_ties: bool,
         pack_bucket: Callable[[int], Bucket],
     ) -> None:

@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ds_lioncub.aggregation import Aggregator, KbitVote, OneBitVote
-from ds_lioncub.comm.packing import pack_signs, sum_fields_per_position, unpack_fields, vote_packed_signs
+from ds_lioncub.aggregation import Aggregator
+from ds_lioncub.comm.packing import pack_signs
 from ds_lioncub.comm.transport import CommStats
-from ds_lioncub.comm.votes import PendingAggregate
-from ds_lioncub.comm.wire import vote_padded_numel
+from ds_lioncub.comm.votes import PendingAggregate, count_set_bits
 
 #: The prefix of every monitor event LionCub writes.
 MONITOR_PREFIX = "LionCub"
@@ -191,52 +190,16 @@ def _add_count(total: torch.Tensor | None, count: torch.Tensor) -> torch.Tensor:
     return count if total is None else total + count
 
 
-# Set bits of each byte value: a popcount as one histogram of the bytes (bincount, on any device).
-_SET_BITS_PER_BYTE = torch.tensor([bin(value).count("1") for value in range(256)], dtype=torch.int64)
-
-
-def count_set_bits(packed: torch.Tensor) -> torch.Tensor:
-    """The number of 1 bits in a uint8 tensor (int64, one element), in one pass over its bytes."""
-    histogram = torch.bincount(packed.reshape(-1), minlength=256)
-    return (histogram * _SET_BITS_PER_BYTE.to(histogram.device)).sum()
-
-
 def pack_local_signs(values: torch.Tensor, positive_ties: bool) -> torch.Tensor:
     """This rank's resolved signs of a bucket, packed (docs/design.md, section 5: 1 means +1)."""
     return pack_signs(values, positive_ties)
 
 
 def count_tied_votes(aggregator: Aggregator, pending: PendingAggregate) -> tuple[torch.Tensor, bool]:
-    """The positions of ``pending`` whose summed vote is 0, and whether the count is an owner's share.
-
-    A sum of 0 is exactly a position whose vote the tie rule decides, so it is counted as such: the
-    1-bit vote where the votes with positive and with negative ties differ, the k-bit sums where
-    ``f`` lies in ``[T(+), T(-))`` (section 4.6's thresholds; empty for sign fields at odd p).
-    The 1-bit vote and the k-bit all-to-all leave each rank the p rows of its own chunk (its counts
-    add up over the group to the bucket's); the k-bit all-reduce leaves every rank all the summed
-    fields (its count is already the bucket's). Padding never ties: its sums are 0, below T(+).
-    """
-    if not isinstance(aggregator, (OneBitVote, KbitVote)):
-        raise TypeError(f"count_tied_votes: {type(aggregator).__name__} takes no vote")
-    received = aggregator.transport.wait(pending.received)  # already done: the bucket's vote is complete
-    if isinstance(aggregator, OneBitVote):
-        world_size = aggregator.transport.world_size
-        chunk_numel = vote_padded_numel(pending.numel, world_size) // world_size
-        rows = received.view(world_size, -1)
-        with_positive = vote_packed_signs(rows, chunk_numel, True)
-        with_negative = vote_packed_signs(rows, chunk_numel, False)
-        return count_set_bits(torch.bitwise_xor(with_positive, with_negative)), True
-    codec = aggregator.codec
-    if codec.algorithm == "allreduce":
-        sums = unpack_fields(received, codec.bits, pending.numel)
-        on_owner = False
-    else:
-        chunk_numel = vote_padded_numel(pending.numel, codec.world_size) // codec.world_size
-        sums = sum_fields_per_position(received.view(codec.world_size, -1), codec.bits, chunk_numel)
-        on_owner = True
-    low, high = codec.vote_threshold(True), codec.vote_threshold(False)
-    histogram = torch.bincount(sums.reshape(-1), minlength=high)
-    return histogram[low:high].sum(), on_owner
+    """The positions of ``pending`` whose summed vote is 0, and whether the count is an owner's share:
+    the aggregation's own :meth:`~ds_lioncub.aggregation.Aggregator.tied_counts` (which knows its chunk
+    layout and thresholds). Raises TypeError for an aggregation that takes no vote."""
+    return aggregator.tied_counts(pending)
 
 
 @dataclass

@@ -221,9 +221,48 @@ def _mean_of_field_sums(codec: KbitCodec, width: int, count: int) -> Decoder:
     return decode
 
 
+# Set bits of each byte value: a popcount as one histogram of the bytes (bincount, on any device).
+_SET_BITS_PER_BYTE = torch.tensor([bin(value).count("1") for value in range(256)], dtype=torch.int64)
+
+
+def count_set_bits(packed: torch.Tensor) -> torch.Tensor:
+    """The number of 1 bits in a uint8 tensor (int64, one element), in one pass over its bytes."""
+    histogram = torch.bincount(packed.reshape(-1), minlength=256)
+    return (histogram * _SET_BITS_PER_BYTE.to(histogram.device)).sum()
+
+
+def count_tied_sign_votes(transport: Transport, pending: PendingAggregate) -> torch.Tensor:
+    """Tied positions of this rank's chunk of a 1-bit vote whose rows have arrived: where the votes with
+    positive and with negative ties differ (the chunk layout of :func:`reduce_sign_vote`)."""
+    p = transport.world_size
+    chunk_numel = vote_padded_numel(pending.numel, p) // p
+    rows = transport.wait(pending.received).view(p, -1)  # already done: the bucket's vote is complete
+    with_positive = vote_packed_signs(rows, chunk_numel, True)
+    with_negative = vote_packed_signs(rows, chunk_numel, False)
+    return count_set_bits(torch.bitwise_xor(with_positive, with_negative))
+
+
+def count_tied_kbit_sums(transport: Transport, codec: KbitCodec, pending: PendingAggregate) -> torch.Tensor:
+    """Tied positions of a k-bit sum whose first collective has arrived: field sums ``f`` in
+    ``[T(+), T(-))``, over every position under "allreduce", over this rank's chunk under "alltoall"
+    (the layouts of :func:`reduce_kbit_vote`). Padding sums to 0, below ``T(+)``: it never ties."""
+    received = transport.wait(pending.received)  # already done: the bucket's vote is complete
+    if codec.algorithm == "allreduce":
+        sums = unpack_fields(received, codec.bits, pending.numel)
+    else:
+        chunk_numel = vote_padded_numel(pending.numel, codec.world_size) // codec.world_size
+        sums = sum_fields_per_position(received.view(codec.world_size, -1), codec.bits, chunk_numel)
+    low, high = codec.vote_threshold(True), codec.vote_threshold(False)
+    histogram = torch.bincount(sums.reshape(-1), minlength=high)
+    return histogram[low:high].sum()
+
+
 __all__ = [
     "PendingAggregate",
     "PendingResult",
+    "count_set_bits",
+    "count_tied_kbit_sums",
+    "count_tied_sign_votes",
     "finish_aggregate",
     "issue_sign_vote",
     "pack_kbit_message",

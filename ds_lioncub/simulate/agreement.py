@@ -4,7 +4,7 @@ Exact Lion's direction at a step is ``sign(mean_i c_i)``, the sign of the worker
 update (what exact Lion would apply from the same momenta). The rates compare the update the
 aggregation applied with it, per element, the way the Lion Cub paper's Figure 5 reports its
 quantizers; the tie rate counts the elements whose vote summed to 0, as the telemetry counts them
-(:func:`~ds_lioncub.telemetry.count_tied_votes`, on each worker's received messages).
+(each worker's aggregation's ``tied_counts``, on its received messages).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from ds_lioncub.aggregation import Aggregator
 from ds_lioncub.bucket_work import Entry, grad_piece, piece_of
 from ds_lioncub.buckets import Piece
 from ds_lioncub.lion import lion_direction
-from ds_lioncub.telemetry import count_tied_votes
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ class AgreementTally:
         owner_share = False
         counts = []
         for aggregator, mine in zip(aggregators, pending, strict=True):
-            count, owner_share = count_tied_votes(aggregator, mine)  # type: ignore[arg-type]
+            count, owner_share = aggregator.tied_counts(mine)
             counts.append(int(count))
         # The chunk owners' counts add up to the bucket's; an all-reduce leaves every rank the whole count.
         self.tie += sum(counts) if owner_share else counts[0]

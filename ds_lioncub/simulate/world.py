@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ds_lioncub.aggregation import COMM_DTYPES, Aggregator, Bucket, ExactMean, build_aggregation, packed_sign_vote
+from ds_lioncub.aggregation import COMM_DTYPES, Aggregator, Bucket, ExactMean, build_aggregation
 from ds_lioncub.bucket_work import (
     BucketBuffers,
     Entry,
@@ -238,25 +238,23 @@ class VirtualLionCub(torch.optim.Optimizer):
         needs_mean_abs = aggregators[0].needs_whole_tensor_mean_abs
         whole_mean_abs = [whole_tensor_mean_abs(mine, capacity) if needs_mean_abs else {} for mine in entries]
         scratch = BucketBuffers(plan)
-        sign_votes = [packed_sign_vote(aggregator) for aggregator in aggregators]
+        packed_signs = aggregators[0].votes_packed_signs  # every worker's aggregation is built alike
         tally = AgreementTally() if self.agreement_stats else None
         for bucket in plan:
             numel = sum(piece.length for piece in bucket)
             exact_c = summed_directions(entries, bucket) if tally is not None else None
             pending: list[object] = []
             for i, aggregator in enumerate(aggregators):
-                vote = sign_votes[i]
-                if vote is not None:
-                    bits, nbytes = vote.sign_message_layout(numel)
+                if packed_signs:
+                    bits, nbytes = aggregator.sign_message_layout(numel)
                     message = prepare_sign_message(entries[i], bucket, positive_ties, bits, nbytes)
-                    pending.append(vote.issue(message, numel, positive_ties))
+                    pending.append(aggregator.issue(message, numel, positive_ties))
                 else:
                     prepared = prepare_bucket(entries[i], bucket, scratch, whole_mean_abs[i], aggregator)
                     pending.append(aggregator.start(prepared, positive_ties))
             results = [aggregator.reduce(mine) for aggregator, mine in zip(aggregators, pending, strict=True)]
-            vote = sign_votes[0]
-            if vote is not None:
-                voted = vote.complete_packed(results[0])
+            if packed_signs:
+                voted = aggregators[0].complete_packed(results[0])
                 if tally is not None and exact_c is not None:
                     tally.add(exact_c, unpack_signs(voted, numel), aggregators, pending)
                 apply_voted_signs(entries[0], bucket, voted)
