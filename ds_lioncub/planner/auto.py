@@ -111,8 +111,8 @@ def resolve_auto(
     parameters at ZeRO ``zero_stage``. ``exact_comm_dtypes`` and ``exact_bucket_size``: how exact Lion's
     gradients would travel (LionCub's own all-reduce by default: either dtype, in ``bucket_size``
     buckets; under DeepSpeed the engine's dtype and buckets). ``device``: where the ranks' local work runs
-    ("cpu" or "cuda"): it picks the local cost table (the built-in CPU table, or the table derived from
-    ``network.device_bandwidth``, an H100's unset; ``local_costs`` overrides either) and the link
+    ("cpu" or "cuda"): it picks the local cost table (the built-in CPU table, or the H100's measured table,
+    scaled to ``network.device_bandwidth`` where that is set; ``local_costs`` overrides either) and the link
     efficiencies left unset (gloo's, or NCCL's).
     """
     if options.compression != "auto":

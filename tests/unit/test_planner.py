@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import ds_lioncub.optimizer as optimizer_module
+import ds_lioncub.planner.convergence as convergence
 from ds_lioncub import LionCub, parse_config
 from ds_lioncub._logging import get_logger
 from ds_lioncub.comm import wire
@@ -634,7 +635,10 @@ def test_auto_plans_with_the_link_efficiencies_given_else_gloos(ring: float | No
     assert [c.seconds_per_step for c in resolution.candidates] == [c.seconds_per_step for c in expected]
 
 
-def test_auto_picks_the_planners_best_mode_and_keeps_the_users_options() -> None:
+def test_auto_picks_the_planners_best_mode_and_keeps_the_users_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The speed ranking alone: with the shipped study, the 1-bit vote at 32 voters and beta2 0.99 is passed
+    # over for its loss (tests/unit/test_convergence_rule.py checks that rule).
+    monkeypatch.setattr(convergence, "load_evidence", lambda: ())
     options = auto_options("1gbit", "50us", lr=3e-4, momentum_sync={"interval": 10, "layers": "all"})
     network = Network(1e9 / 8, None, 50e-6)
     for stage, zero_stages in ((0, (0,)), (2, (2,))):
