@@ -318,6 +318,12 @@ def test_bad_ds_config_is_rejected_identically_on_every_rank(
         assert fragment in message
 
 
+def assert_ranks_hold_the_same_parameters(records: list[dict[str, Any]]) -> None:
+    for name, value in records[0]["params"].items():
+        for record in records[1:]:
+            assert torch.equal(record["params"][name], value), name
+
+
 @pytest.fixture(scope="module")
 def cuda_precisions(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """The fp16 phase's records (fp16, fp16 with an overflow, bf16), one per rank, on up to 2 CUDA devices."""
@@ -339,9 +345,7 @@ def test_fp16_on_cuda(cuda_precisions: list[dict[str, Any]]) -> None:
         assert record["telemetry_totals"].steps == len(record["losses"])
     losses = records[0]["losses"]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.05
-    for name, value in records[0]["params"].items():
-        for record in records[1:]:
-            assert torch.equal(record["params"][name], value)
+    assert_ranks_hold_the_same_parameters(records)
 
 
 @pytest.mark.gpu
@@ -361,9 +365,7 @@ def test_fp16_overflow_is_skipped_by_every_rank_and_changes_nothing(cuda_precisi
         assert all(math.isfinite(loss) for loss in record["losses"])  # the loss itself; its backward got x inf
         losses = record["losses"]
         assert sum(losses[-3:]) / 3 < sum(losses[:2]) / 2 - 0.05  # it trains on after the skipped step
-    for name, value in records[0]["params"].items():
-        for record in records[1:]:
-            assert torch.equal(record["params"][name], value)
+    assert_ranks_hold_the_same_parameters(records)
 
 
 @pytest.mark.gpu
@@ -376,9 +378,7 @@ def test_bf16_on_cuda_trains_with_ranks_identical(cuda_precisions: list[dict[str
         assert records[0]["comm_stats"].bytes_sent > 0  # the 4-bit sign vote really ran its collectives
     for record in records:
         assert all(torch.isfinite(value).all() for value in record["params"].values())
-    for name, value in records[0]["params"].items():
-        for record in records[1:]:
-            assert torch.equal(record["params"][name], value)
+    assert_ranks_hold_the_same_parameters(records)
 
 
 def _trained_elements(record: dict[str, Any]) -> int:

@@ -319,6 +319,16 @@ def run_fp16(data: torch.Tensor) -> dict[str, Any]:
 OVERFLOW_STEP = 3
 
 
+def overflow_snapshot(engine: Any) -> dict[str, Any]:
+    """What a skipped step must leave as it was: parameters, momenta, LionCub's step count; and the skip count."""
+    return {
+        "params": {name: p.cpu() for name, p in full_params(engine).items()},
+        "momenta": [m.cpu() for m in momenta(engine)],
+        "lioncub_step": find_lioncub(engine.optimizer).param_groups[0]["step"],
+        "skipped": engine.skipped_steps,
+    }
+
+
 def run_fp16_overflow(data: torch.Tensor) -> dict[str, Any]:
     """fp16 (CUDA only): an infinite loss at step OVERFLOW_STEP overflows the scaled gradients on every rank.
 
@@ -332,12 +342,7 @@ def run_fp16_overflow(data: torch.Tensor) -> dict[str, Any]:
     rank = dist.get_rank()
     for step in range(1, STEPS + 1):
         if step == OVERFLOW_STEP:
-            record["before"] = {
-                "params": {name: p.cpu() for name, p in full_params(engine).items()},
-                "momenta": [m.cpu() for m in momenta(engine)],
-                "lioncub_step": lioncub.param_groups[0]["step"],
-                "skipped": engine.skipped_steps,
-            }
+            record["before"] = overflow_snapshot(engine)
         x, y = batch(data, rank, step, 0, engine.train_micro_batch_size_per_gpu())
         _, loss = engine(x.to(engine.device), y.to(engine.device))
         engine.backward(loss * float("inf") if step == OVERFLOW_STEP else loss)
@@ -345,12 +350,7 @@ def run_fp16_overflow(data: torch.Tensor) -> dict[str, Any]:
         record["losses"].append(loss.item())
         record["scale"].append(float(engine.optimizer.loss_scale))
         if step == OVERFLOW_STEP:
-            record["after"] = {
-                "params": {name: p.cpu() for name, p in full_params(engine).items()},
-                "momenta": [m.cpu() for m in momenta(engine)],
-                "lioncub_step": lioncub.param_groups[0]["step"],
-                "skipped": engine.skipped_steps,
-            }
+            record["after"] = overflow_snapshot(engine)
     record["params"] = {name: p.cpu() for name, p in full_params(engine).items()}
     record["skipped_steps"] = engine.skipped_steps
     record["telemetry_totals"] = lioncub.telemetry_totals

@@ -9,8 +9,10 @@ NCCL on the device's stream (a world of one sends its own message to itself), wh
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +56,14 @@ def payload(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randint(-(2**20), 2**20, (numel,), generator=generator, dtype=torch.int32)
 
 
+def run_raw(blocking: Callable[..., None], issued: Callable[..., Any], use_issued: bool, *args: torch.Tensor) -> None:
+    """One raw collective, either blocking or issued and then waited for (an issued call may return no work)."""
+    if not use_issued:
+        blocking(*args)
+    elif (work := issued(*args)) is not None:
+        work.wait()
+
+
 def raw_collectives(rank: int, world_size: int, device: torch.device) -> dict[str, bool]:
     """TorchTransport's own calls into NCCL (blocking and issued), bypassing the world-of-one shortcut that
     LionCub's steps take: byte all-to-all and all-gather, int32 sum, each against its exact result."""
@@ -65,32 +75,17 @@ def raw_collectives(rank: int, world_size: int, device: torch.device) -> dict[st
         expected_a2a = torch.cat(chunks)
         for issued in (False, True):
             received = torch.full((numel * world_size,), 7, dtype=torch.uint8, device=device)
-            if issued:
-                work = transport._raw_all_to_all_async(sent[rank].to(device), received)
-                if work is not None:
-                    work.wait()
-            else:
-                transport._raw_all_to_all(sent[rank].to(device), received)
+            run_raw(transport._raw_all_to_all, transport._raw_all_to_all_async, issued, sent[rank].to(device), received)
             results[f"all-to-all/{numel}/{issued}"] = torch.equal(received.cpu(), expected_a2a)
         own = [payload(r, numel, torch.uint8) for r in range(world_size)]
         for issued in (False, True):
             gathered = torch.full((numel * world_size,), 7, dtype=torch.uint8, device=device)
-            if issued:
-                work = transport._raw_all_gather_async(own[rank].to(device), gathered)
-                if work is not None:
-                    work.wait()
-            else:
-                transport._raw_all_gather(own[rank].to(device), gathered)
+            run_raw(transport._raw_all_gather, transport._raw_all_gather_async, issued, own[rank].to(device), gathered)
             results[f"all-gather/{numel}/{issued}"] = torch.equal(gathered.cpu(), torch.cat(own))
         counts = [payload(r, numel, torch.int32) for r in range(world_size)]
         for issued in (False, True):
             flat = counts[rank].to(device, copy=True)
-            if issued:
-                work = transport._raw_integer_all_reduce_sum_async(flat)
-                if work is not None:
-                    work.wait()
-            else:
-                transport._raw_integer_all_reduce_sum(flat)
+            run_raw(transport._raw_integer_all_reduce_sum, transport._raw_integer_all_reduce_sum_async, issued, flat)
             results[f"int32-sum/{numel}/{issued}"] = torch.equal(
                 flat.cpu(), torch.stack(counts).sum(0, dtype=torch.int32)
             )
