@@ -244,14 +244,26 @@ class VirtualLionCub(torch.optim.Optimizer):
             numel = sum(piece.length for piece in bucket)
             exact_c = summed_directions(entries, bucket) if tally is not None else None
             pending: list[object] = []
+            prepared_buckets = []
             for i, aggregator in enumerate(aggregators):
-                if packed_signs:
+                if aggregator.agrees_before_start:
+                    # A collective before the message (EF21's shared scale): every worker agrees, then every
+                    # worker starts. agree takes what start needs of the values, so the workers share the scratch.
+                    prepared = prepare_bucket(entries[i], bucket, scratch, whole_mean_abs[i], aggregator)
+                    aggregator.agree(prepared)
+                    prepared_buckets.append(prepared)
+                elif packed_signs:
                     bits, nbytes = aggregator.sign_message_layout(numel)
                     message = prepare_sign_message(entries[i], bucket, positive_ties, bits, nbytes)
                     pending.append(aggregator.issue(message, numel, positive_ties))
                 else:
                     prepared = prepare_bucket(entries[i], bucket, scratch, whole_mean_abs[i], aggregator)
                     pending.append(aggregator.start(prepared, positive_ties))
+            if prepared_buckets:
+                pending = [
+                    aggregator.start(prepared, positive_ties)
+                    for aggregator, prepared in zip(aggregators, prepared_buckets, strict=True)
+                ]
             results = [aggregator.reduce(mine) for aggregator, mine in zip(aggregators, pending, strict=True)]
             if packed_signs:
                 voted = aggregators[0].complete_packed(results[0])
