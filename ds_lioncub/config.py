@@ -166,7 +166,7 @@ class ErrorFeedbackConfig(DeepSpeedConfigModel):
         given = sorted(self.model_fields_set & {"beta", "reset_interval", "storage"})
         if self.kind == "ef21" and given:
             raise ValueError(
-                f"error_feedback.{', '.join(given)} only apply to kind 'residual' (ef21 keeps an estimate, not a "
+                f"{', '.join(given)} only apply to kind 'residual' (ef21 keeps an estimate, not a "
                 f"residual); drop them or set kind='residual'"
             )
         return self

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ds_lioncub.aggregation import COMM_DTYPES, Aggregator, Bucket, ExactMean, build_aggregation
+from ds_lioncub.aggregation import COMM_DTYPES, AggregationState, Aggregator, Bucket, ExactMean, build_aggregation
 from ds_lioncub.bucket_work import (
     BucketBuffers,
     Entry,
@@ -171,6 +171,15 @@ class VirtualLionCub(torch.optim.Optimizer):
             else torch.zeros_like(param)
             for param in self._flat_params()
         ]
+
+    def worker_aggregation_state(self, worker: int) -> AggregationState | None:
+        """Worker ``worker``'s aggregation state (error feedback's residuals or estimates live there, per bucket
+        key); None for exact Lion."""
+        if not 0 <= worker < self.workers:
+            raise IndexError(
+                f"LionCub: worker {worker} is not in a world of {self.workers}; ask for 0..{self.workers - 1}."
+            )
+        return None if self._aggregators is None else self._aggregators[worker].state
 
     def worker_comm_stats(self, worker: int) -> CommStats:
         """The collectives and bytes worker ``worker`` would have sent so far, counted as LionCub counts them."""
