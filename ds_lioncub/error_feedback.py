@@ -39,11 +39,6 @@ from ds_lioncub.config import ErrorFeedbackConfig
 RESIDUAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def per_element(values: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """``values[k]`` repeated ``sizes[k]`` times: a per-piece quantity laid over the bucket's elements."""
-    return torch.repeat_interleave(values, torch.tensor(sizes, device=values.device), output_size=sum(sizes))
-
-
 def _key_of(bucket: Bucket) -> BucketKey:
     if bucket.key is None:
         raise ValueError("error feedback keeps state per bucket: the Bucket needs its key (bucket_directions sets it)")
@@ -68,22 +63,40 @@ class _FeedbackState(KbitVoteState):
             }
         return {**super().knobs(), "world_size": self.codec.world_size, "error_feedback": feedback}
 
-    def slot(self, key: BucketKey, shapes: dict[str, tuple[int, torch.dtype]], device: torch.device) -> dict[str, Any]:
+    def slot(self, key: BucketKey, shapes: dict[str, tuple[int, torch.dtype, torch.device]]) -> dict[str, torch.Tensor]:
         """The bucket's state tensors, created as zeros (again, if the bucket's size changed: it then holds
         other elements, and its old state means nothing for them)."""
         slot = self.buckets.get(key)
         if slot is None or any(
-            slot[name].numel() != numel or slot[name].dtype != dtype for name, (numel, dtype) in shapes.items()
+            slot[name].numel() != numel or slot[name].dtype != dtype for name, (numel, dtype, _) in shapes.items()
         ):
-            slot = {name: torch.zeros(numel, dtype=dtype, device=device) for name, (numel, dtype) in shapes.items()}
+            slot = {name: torch.zeros(n, dtype=dtype, device=device) for name, (n, dtype, device) in shapes.items()}
             self.buckets[key] = slot
+            self.forget(key)
         return slot
+
+    def forget(self, key: BucketKey) -> None:
+        """Drop what the state keeps of ``key`` outside its tensors (a new slot starts from nothing)."""
 
 
 class ResidualState(_FeedbackState):
-    """The residual form's state: per bucket, ``residual`` (this rank's ``e``, in the storage dtype) and
-    ``uses`` (how many steps the bucket has been through since its residual was created or loaded: the
-    reset clock)."""
+    """The residual form's state: per bucket, ``residual`` (this rank's ``e``, in the storage dtype), and
+    :attr:`uses` (how many steps each bucket has been through since its residual was created: the reset
+    clock, a host-side count saved with the state)."""
+
+    def __init__(self, codec: KbitCodec, aggregation: AggregationKind, l1_clip: float, feedback: ErrorFeedbackConfig):
+        super().__init__(codec, aggregation, l1_clip, feedback)
+        self.uses: dict[BucketKey, int] = {}
+
+    def forget(self, key: BucketKey) -> None:
+        self.uses.pop(key, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "uses": dict(self.uses)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.uses = {(int(key[0]), int(key[1])): int(count) for key, count in state.get("uses", {}).items()}
 
 
 class Ef21State(_FeedbackState):
@@ -108,23 +121,31 @@ class KbitVoteResidual(KbitVote):
     def pack(self, bucket: Bucket, positive_ties: bool) -> torch.Tensor:
         """The L1 fields of ``h = c + e``; ``e`` updated with this step's rounding error."""
         feedback = self.state.feedback
-        values, levels = bucket.values, self.codec.levels
-        sizes, scales = l1_segment_scales(values, levels, self.l1_clip, bucket.piece_sizes, piece_means(bucket))
-        scale = per_element(scales.to(values.device), sizes)
+        values, levels, sizes = bucket.values, self.codec.levels, bucket.piece_sizes
+        _, scales = l1_segment_scales(values, levels, self.l1_clip, sizes, piece_means(bucket))
         slot = self.state.slot(
             _key_of(bucket),
-            {"residual": (values.numel(), RESIDUAL_DTYPES[feedback.storage]), "uses": (1, torch.int64)},
-            values.device,
+            {"residual": (values.numel(), RESIDUAL_DTYPES[feedback.storage], values.device)},
         )
-        residual, uses = slot["residual"], slot["uses"]
-        if feedback.reset_interval and int(uses) and int(uses) % feedback.reset_interval == 0:
+        residual, uses = slot["residual"], self.state.uses.get(_key_of(bucket), 0)
+        if feedback.reset_interval and uses and uses % feedback.reset_interval == 0:
             residual.zero_()
         compensated = values + residual.float()
-        quantized = torch.round(compensated * scale).clamp_(-levels, levels)
-        dequantized = torch.where(scale > 0, quantized / scale, torch.zeros_like(quantized))
+        # Piece by piece with the piece's scale (a 0-d fp32 tensor): the same fp32 products and quotients as
+        # with a per-element scale, without building one.
+        on_device, positive = scales.to(values.device), (scales > 0).tolist()
+        quantized, dequantized = torch.empty_like(compensated), torch.zeros_like(compensated)
+        for h, q, scale in zip(compensated.split(sizes), quantized.split(sizes), on_device, strict=True):
+            torch.mul(h, scale, out=q)
+        quantized.round_().clamp_(-levels, levels)
+        pieces = zip(quantized.split(sizes), dequantized.split(sizes), on_device, positive, strict=True)
+        for q, dq, scale, scaled in pieces:
+            if scaled:  # else q = 0 and dequant(q) = 0
+                torch.div(q, scale, out=dq)
         # e <- beta * e + (1 - beta) * (h - dequant(q)), evaluated in fp32 and stored in the storage dtype.
-        residual.copy_(residual.float().mul_(feedback.beta).add_((compensated - dequantized).mul_(1 - feedback.beta)))
-        uses.add_(1)
+        error = compensated.sub_(dequantized).mul_(1 - feedback.beta)
+        residual.copy_(residual.float().mul_(feedback.beta).add_(error))
+        self.state.uses[_key_of(bucket)] = uses + 1
         fields = quantized.add_(levels).to(torch.uint8)
         return pack_fields(fields, self.codec.bits, nbytes=kbit_message_bytes(self.codec, values.numel()))
 
@@ -170,10 +191,10 @@ class KbitVoteEf21(KbitVote):
     def agrees_before_start(self) -> bool:
         return True
 
-    def _slot(self, bucket_key: BucketKey, numel: int, device: torch.device) -> dict[str, Any]:
+    def _slot(self, bucket_key: BucketKey, numel: int, device: torch.device) -> dict[str, torch.Tensor]:
         chunk = vote_padded_numel(numel, self.transport.world_size) // self.transport.world_size
-        shapes = {"estimate": (numel, torch.float32), "shared": (chunk, torch.float32)}
-        return self.state.slot(bucket_key, shapes, device)
+        shapes = {"estimate": (numel, torch.float32, device), "shared": (chunk, torch.float32, device)}
+        return self.state.slot(bucket_key, shapes)
 
     def agree(self, bucket: Bucket) -> None:
         """``c - G_i`` kept, and the all-gather of its mean magnitude per piece issued (fp32, one per piece)."""
@@ -194,17 +215,25 @@ class KbitVoteEf21(KbitVote):
             self.agree(bucket)
         agreed = self._agreed.pop(key)
         p, levels, numel = self.transport.world_size, self.codec.levels, agreed.difference.numel()
+        sizes = bucket.piece_sizes
         sigma = self.transport.wait(agreed.spreads).view(p, -1).amax(dim=0)
-        step = per_element(sigma.mul(self.l1_clip).div_(levels), bucket.piece_sizes)
-        scaled = torch.where(step > 0, agreed.difference / step, torch.zeros_like(step))
-        quantized = scaled.round_().clamp_(-levels, levels)
-        slot = self._slot(key, numel, step.device)
-        slot["estimate"].add_(quantized * step)
-        fields = quantized.add(levels).to(torch.uint8)
+        steps = sigma.mul(self.l1_clip).div_(levels)  # u per piece, the same bits on every rank
+        stepped = (steps > 0).tolist()
+        # d = clamp(round(diff / u)), piece by piece with the piece's u (a 0-d tensor); 0 where u is 0.
+        quantized = torch.zeros_like(agreed.difference)
+        pieces = zip(agreed.difference.split(sizes), quantized.split(sizes), steps, stepped, strict=True)
+        for diff, q, step, positive in pieces:
+            if positive:
+                torch.div(diff, step, out=q)
+        quantized.round_().clamp_(-levels, levels)
+        estimate = self._slot(key, numel, quantized.device)["estimate"]
+        pieces = zip(estimate.split(sizes), quantized.split(sizes), steps, stepped, strict=True)
+        for estimated, q, step, positive in pieces:
+            if positive:
+                estimated.add_(q * step)
+        fields = quantized.add_(levels).to(torch.uint8)
         message = pack_fields(fields, self.codec.bits, nbytes=kbit_message_bytes(self.codec, numel))
-        padded_step = torch.zeros(vote_padded_numel(numel, p), dtype=torch.float32, device=step.device)
-        padded_step[:numel] = step
-        chunk_step = padded_step.view(p, -1)[self.transport.rank].clone()
+        chunk_step = _chunk_of_pieces(steps, sizes, p, self.transport.rank, vote_padded_numel(numel, p) // p)
         self.state.issued += 1
         pending = start_kbit_sum(self.transport, self.codec, message, numel, positive_ties)
         return Ef21Pending(pending.received, numel, positive_ties, key, chunk_step)
@@ -238,6 +267,19 @@ class KbitVoteEf21(KbitVote):
         return f"KbitVoteEf21(bits={self.codec.bits})"
 
 
+def _chunk_of_pieces(values: torch.Tensor, sizes: list[int], world_size: int, rank: int, chunk: int) -> torch.Tensor:
+    """Rank ``rank``'s chunk (``chunk`` positions of the padded bucket) of the per-piece ``values`` laid over
+    the pieces' elements; 0 in the padding."""
+    out = torch.zeros(chunk, dtype=values.dtype, device=values.device)
+    first, offset = rank * chunk, 0
+    for value, size in zip(values, sizes, strict=True):
+        low, high = max(offset, first), min(offset + size, first + chunk)
+        if low < high:
+            out[low - first : high - first] = value
+        offset += size
+    return out
+
+
 def _unpacked_signs(numel: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     return lambda packed, out: unpack_signs(packed, numel, out=out)
 
@@ -263,5 +305,4 @@ __all__ = [
     "KbitVoteResidual",
     "ResidualState",
     "build_error_feedback",
-    "per_element",
 ]

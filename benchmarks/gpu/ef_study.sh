@@ -18,19 +18,26 @@
 #
 # What comes back: everything under $OUT. Copy the new run JSONs and the report into the repository with
 #   cp $OUT/convergence_study/gpt-small_300steps/* benchmarks/results/convergence_study/gpt-small_300steps/
+# and the control's runs, if wanted, from $OUT/cuda_control/gpt-small_300steps/.
 # Every step writes OUT/<step>.log and one line "<step> rc=<code> <seconds>s" to OUT/summary.txt. The
 # grid resumes: a run whose JSON exists is skipped, so a second call finishes what a first one left.
 set -u
 OUT=${OUT:-/tmp/ef_study}
 mkdir -p "$OUT"
-export DS_ACCELERATOR=cuda PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # The torch packing path: the same bits as the compiled op, and no JIT build of the CUDA op in each process.
 export DS_LIONCUB_PACKING=torch
 PY=${PY:-python3}
 JOBS=${JOBS:-12}
 BUDGET_S=${BUDGET_S:-400}  # the grid and the control together; the report takes a few seconds more
+# DEVICE, STEPS and ROOT exist for a smoke test on a CPU (DEVICE=cpu STEPS=2 ROOT=/tmp/ef_smoke); the study is
+# the defaults.
+DEVICE=${DEVICE:-cuda}
+STEPS=${STEPS:-300}
+ROOT=${ROOT:-benchmarks/results/convergence_study}
+[ "$DEVICE" = cuda ] && ACCELERATOR=cuda || ACCELERATOR=cpu
+export DS_ACCELERATOR=${DS_ACCELERATOR:-$ACCELERATOR} PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 START=$(date +%s)
-STUDY=benchmarks/results/convergence_study/gpt-small_300steps
+STUDY=$ROOT/gpt-small_${STEPS}steps
 EF_MODES="2bit_l1_a2a_ef_residual 2bit_l1_a2a_ef21 4bit_l1_a2a_ef_residual 4bit_l1_a2a_ef21"
 
 if [ -d .whl ] && ! $PY -c "import deepspeed" 2>/dev/null; then
@@ -49,17 +56,17 @@ run_step() {  # name, time limit in seconds, command...
 left() { echo $((START + BUDGET_S - $(date +%s))); }
 
 run_step env 60 bash -c "nvidia-smi; $PY -c 'import torch, deepspeed; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), deepspeed.__version__)'; nproc"
-run_step grid "$(left)" $PY -m benchmarks.study_convergence --device cuda --jobs "$JOBS" --steps 300 \
-    --workers 32 64 --beta2 0.95 0.99 --seeds 0 1 2 --modes $EF_MODES
+run_step grid "$(left)" $PY -m benchmarks.study_convergence --device "$DEVICE" --jobs "$JOBS" --steps "$STEPS" \
+    --workers 32 64 --beta2 0.95 0.99 --seeds 0 1 2 --modes $EF_MODES --results "$ROOT"
 if [ "$(left)" -gt 60 ]; then
-    run_step control "$(left)" $PY -m benchmarks.study_convergence --device cuda --jobs "$JOBS" --steps 300 \
-        --workers 32 64 --beta2 0.95 0.99 --seeds 0 1 2 --modes exact --results "$OUT/cuda_control"
+    run_step control "$(left)" $PY -m benchmarks.study_convergence --device "$DEVICE" --jobs "$JOBS" \
+        --steps "$STEPS" --workers 32 64 --beta2 0.95 0.99 --seeds 0 1 2 --modes exact --results "$OUT/cuda_control"
 fi
 # The report of the whole study (its main table as before) with the EF section, then the control's gaps.
-run_step report 120 bash -c "$PY -m benchmarks.study_convergence --report && \
-    $PY -m benchmarks.ef_device_noise $STUDY $OUT/cuda_control/gpt-small_300steps"
-mkdir -p "$OUT/convergence_study/gpt-small_300steps"
-cp $STUDY/N*_ef_residual_*.json $STUDY/N*_ef21_*.json $STUDY/report.md $STUDY/gap_vs_workers.png \
-    "$OUT/convergence_study/gpt-small_300steps/" 2>/dev/null
+run_step report 120 bash -c "$PY -m benchmarks.study_convergence --report --steps $STEPS --results $ROOT && \
+    $PY -m benchmarks.ef_device_noise $STUDY $OUT/cuda_control/gpt-small_${STEPS}steps"
+mkdir -p "$OUT/convergence_study/gpt-small_${STEPS}steps"
+cp "$STUDY"/N*_ef_residual_*.json "$STUDY"/N*_ef21_*.json "$STUDY"/report.md "$STUDY"/gap_vs_workers.png \
+    "$OUT/convergence_study/gpt-small_${STEPS}steps/" 2>/dev/null
 cat "$OUT/report.log" | sed -n '/## Error feedback/,$p'
 cat "$OUT/summary.txt"

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ds_lioncub import LionCubConfigError, parse_config
+from ds_lioncub.error_feedback import ResidualState
 from ds_lioncub.simulate import VirtualLionCub
 from tests.support import scenarios as sc
 from tests.support.error_feedback_reference import EfWorld, plan_pieces, simulate_ef
@@ -62,7 +63,7 @@ def assert_state_matches(optimizer: VirtualLionCub, expected: EfWorld, kind: str
         for key in keys:
             if kind == "residual":
                 assert torch.equal(state.buckets[key]["residual"], expected.residual[key][i]), (i, key)
-                assert int(state.buckets[key]["uses"]) == STEPS
+                assert isinstance(state, ResidualState) and state.uses[key] == STEPS
             else:
                 assert torch.equal(state.buckets[key]["estimate"], expected.estimate[key][i]), (i, key)
     if kind == "ef21":  # the shared G: one chunk per owner, in rank order, padding beyond the bucket
