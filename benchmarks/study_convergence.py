@@ -170,8 +170,19 @@ def code_fingerprint() -> dict[str, str]:
     return _CODE
 
 
-def execute(run: Run, root: Path, device: str = "cpu") -> str:
-    """Train one run and write its JSON (atomically); returns a log line. Runs in a pool process."""
+def execute(run: Run, root: Path, device: str = "cpu", claim: bool = False) -> str:
+    """Train one run and write its JSON (atomically); returns a log line. Runs in a pool process.
+
+    ``claim``: first create ``<run>.claim`` beside the JSON, and skip the run if another process (a pool on
+    another device, sharing the grid) already did; the claim goes when the JSON is written.
+    """
+    claim_path = run.path(root).with_suffix(".claim")
+    if claim:
+        claim_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.close(os.open(claim_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return f"{run.name}: claimed by another process, skipped"
     from ds_lioncub.simulate.train import train_virtual
     from examples.simulate_gpt import task_by_name
 
@@ -207,11 +218,19 @@ def execute(run: Run, root: Path, device: str = "cpu") -> str:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, path)  # a run killed mid-write leaves no JSON, so it runs again on resume
+    if claim:
+        claim_path.unlink(missing_ok=True)
     return f"{run.name}: val {result.val_loss:.4f} in {wall:.0f} s ({wall / run.steps:.2f} s/step)"
 
 
 def run_grid(
-    runs: list[Run], root: Path, jobs: int, threads: int, max_pool_restarts: int = 5, device: str = "cpu"
+    runs: list[Run],
+    root: Path,
+    jobs: int,
+    threads: int,
+    max_pool_restarts: int = 5,
+    device: str = "cpu",
+    claim: bool = False,
 ) -> int:
     """Run every run without a JSON; returns how many still have none (failed: they rerun on the next resume).
 
@@ -225,7 +244,7 @@ def run_grid(
         broken = False
         context = get_context("spawn")
         with ProcessPoolExecutor(jobs, mp_context=context, initializer=_init_worker, initargs=(threads,)) as pool:
-            futures: dict[Future[str], Run] = {pool.submit(execute, r, root, device): r for r in pending}
+            futures: dict[Future[str], Run] = {pool.submit(execute, r, root, device, claim): r for r in pending}
             for future in as_completed(futures):
                 run = futures[future]
                 try:
@@ -261,6 +280,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="cpu",
         help="where each run trains: cpu, or cuda (every process on the same GPU; the device is in each JSON)",
     )
+    p.add_argument(
+        "--claim",
+        action="store_true",
+        help="share the grid with other processes (say, a CPU pool and a GPU pool): each run is claimed by a "
+        "<run>.claim file first and skipped where another process claimed it (remove stale claims before a rerun)",
+    )
     p.add_argument("--results", type=Path, default=RESULTS, help="results root (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="list the runs still to do and exit")
     p.add_argument("--report", action="store_true", help="write the report and plot from the JSONs present")
@@ -291,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             print(("done  " if run.path(args.results).exists() else "to do ") + run.name)
         return 0
     print(f"[study] results in {directory}; $ {' '.join([sys.executable, *sys.argv])}", flush=True)
-    return 1 if run_grid(runs, args.results, args.jobs, args.threads, device=args.device) else 0
+    return 1 if run_grid(runs, args.results, args.jobs, args.threads, device=args.device, claim=args.claim) else 0
 
 
 if __name__ == "__main__":

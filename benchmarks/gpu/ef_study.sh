@@ -7,7 +7,8 @@
 # What it runs (benchmarks/study_convergence.py, the #22 protocol: the example GPT, 300 steps, the same
 # batches and seeds as the CPU grid):
 #   grid      {2-bit, 4-bit L1 all-to-all} x {EF residual, EF21} x {32, 64 workers} x beta2 {0.95, 0.99}
-#             x seeds {0, 1, 2} = 48 runs on the GPU (JOBS processes share it), written where the report
+#             x seeds {0, 1, 2} = 48 runs, GPU_JOBS processes on the GPU and CPU_JOBS on the cores taking
+#             them from one queue (each JSON records its device), written where the report
 #             reads them: benchmarks/results/convergence_study/gpt-small_300steps/, beside the CPU grid's
 #             exact-Lion and no-EF runs of the same cells and seeds, which are the baselines.
 #   control   with the time left: exact Lion on the GPU at 32 and 64 workers (12 runs) into
@@ -27,7 +28,9 @@ mkdir -p "$OUT"
 # The torch packing path: the same bits as the compiled op, and no JIT build of the CUDA op in each process.
 export DS_LIONCUB_PACKING=torch
 PY=${PY:-python3}
-JOBS=${JOBS:-12}
+GPU_JOBS=${GPU_JOBS:-4}
+CPU_JOBS=${CPU_JOBS:-11}
+JOBS=${JOBS:-$GPU_JOBS}  # the control (exact Lion on the GPU)
 BUDGET_S=${BUDGET_S:-400}  # the grid and the control together; the report takes a few seconds more
 # DEVICE, STEPS and ROOT exist for a smoke test on a CPU (DEVICE=cpu STEPS=2 ROOT=/tmp/ef_smoke); the study is
 # the defaults.
@@ -56,8 +59,19 @@ run_step() {  # name, time limit in seconds, command...
 left() { echo $((START + BUDGET_S - $(date +%s))); }
 
 run_step env 60 bash -c "nvidia-smi; $PY -c 'import torch, deepspeed; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), deepspeed.__version__)'; nproc"
-run_step grid "$(left)" $PY -m benchmarks.study_convergence --device "$DEVICE" --jobs "$JOBS" --steps "$STEPS" \
-    --workers 32 64 --beta2 0.95 0.99 --seeds 0 1 2 --modes $EF_MODES --results "$ROOT"
+# Two pools share the grid (each run is claimed by the first process to reach it): GPU_JOBS processes on
+# the GPU and CPU_JOBS on the cores. A run is CPU-bound either way (tens of thousands of small tensor
+# operations per step, measured: 0.9-1.3 s per step at 32 workers on one core here); the GPU takes some
+# of them off the cores. 64 workers first: the longest runs do not start last.
+rm -f "$STUDY"/*.claim
+run_step grid_gpu "$(left)" $PY -m benchmarks.study_convergence --device "$DEVICE" --jobs "$GPU_JOBS" \
+    --steps "$STEPS" --workers 64 32 --beta2 0.95 0.99 --seeds 0 1 2 --modes $EF_MODES --results "$ROOT" --claim &
+if [ "$CPU_JOBS" -gt 0 ]; then
+    run_step grid_cpu "$(left)" $PY -m benchmarks.study_convergence --device cpu --jobs "$CPU_JOBS" \
+        --steps "$STEPS" --workers 64 32 --beta2 0.95 0.99 --seeds 0 1 2 --modes $EF_MODES --results "$ROOT" --claim &
+fi
+wait
+rm -f "$STUDY"/*.claim  # a run cut off by the time limit left its claim: the next call runs it
 if [ "$(left)" -gt 60 ]; then
     run_step control "$(left)" $PY -m benchmarks.study_convergence --device "$DEVICE" --jobs "$JOBS" \
         --steps "$STEPS" --workers 32 64 --beta2 0.95 0.99 --seeds 0 1 2 --modes exact --results "$OUT/cuda_control"
