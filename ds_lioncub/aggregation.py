@@ -122,6 +122,15 @@ class AggregationState:
         """The options that fix this aggregation's results, as plain values."""
         return {}
 
+    @property
+    def feedback_kind(self) -> str | None:
+        """The error feedback this state keeps ("residual", "ef21"), None without."""
+        return None
+
+    def take_feedback_ratio(self) -> float | None:
+        """The error feedback's telemetry since the last call (:mod:`ds_lioncub.error_feedback`); None without."""
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         """The state as plain values and tensors (the per-bucket tensors are not copied)."""
         return {

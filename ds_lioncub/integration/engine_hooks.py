@@ -230,7 +230,7 @@ def _wrap_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
         result = original(engine, load_dir, tag, *args, **kwargs)
         load_path = result[0] if isinstance(result, tuple) else None
         if lioncub is not None and load_path is not None and momenta is not None:
-            lioncub.load_local_momentum(momenta)
+            checkpoint.restore(lioncub, momenta)
         return result
 
     return load_checkpoint
