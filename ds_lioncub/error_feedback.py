@@ -159,17 +159,22 @@ class KbitVoteResidual(KbitVote):
         # Piece by piece with the piece's scale (a 0-d fp32 tensor): the same fp32 products and quotients as
         # with a per-element scale, without building one.
         on_device, positive = scales.to(values.device), (scales > 0).tolist()
-        quantized, dequantized = torch.empty_like(compensated), torch.zeros_like(compensated)
+        quantized = torch.empty_like(compensated)
         for h, q, scale in zip(compensated.split(sizes), quantized.split(sizes), on_device, strict=True):
             torch.mul(h, scale, out=q)
         quantized.round_().clamp_(-levels, levels)
-        pieces = zip(quantized.split(sizes), dequantized.split(sizes), on_device, positive, strict=True)
-        for q, dq, scale, scaled in pieces:
-            if scaled:  # else q = 0 and dequant(q) = 0
-                torch.div(q, scale, out=dq)
+        # h - dequant(q), in place of h (dequant(q) = q / s; 0 where s is 0, as q is)
+        for h, q, scale, scaled in zip(
+            compensated.split(sizes), quantized.split(sizes), on_device, positive, strict=True
+        ):
+            if scaled:
+                h.sub_(q / scale)
         # e <- beta * e + (1 - beta) * (h - dequant(q)), evaluated in fp32 and stored in the storage dtype.
-        error = compensated.sub_(dequantized).mul_(1 - feedback.beta)
-        residual.copy_(residual.float().mul_(feedback.beta).add_(error))
+        error = compensated.mul_(1 - feedback.beta)
+        if residual.dtype == torch.float32:
+            residual.mul_(feedback.beta).add_(error)
+        else:
+            residual.copy_(residual.float().mul_(feedback.beta).add_(error))
         self.state.add_squares(residual, values)
         self.state.uses[_key_of(bucket)] = uses + 1
         fields = quantized.add_(levels).to(torch.uint8)
@@ -302,7 +307,8 @@ class KbitVoteEf21(KbitVote):
 
 
 def _sum_of_squares(values: torch.Tensor) -> torch.Tensor:
-    return values.double().square().sum()
+    """``||values||^2`` in one read pass (fp32 accumulation, then fp64: enough for a telemetry ratio)."""
+    return torch.linalg.vector_norm(values.float()).double().square()
 
 
 def _chunk_of_pieces(values: torch.Tensor, sizes: list[int], world_size: int, rank: int, chunk: int) -> torch.Tensor:
