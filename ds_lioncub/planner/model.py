@@ -147,7 +147,7 @@ def vote_chunk_sizes(
 #: "lion_update"): its extra passes over the bucket (design section 4.8), measured as the difference of the
 #: 2- and 4-bit L1 all-to-all votes with and without it on 8,388,608-element buckets, one thread
 #: (benchmarks/RESULTS.md, "Error feedback: local cost").
-ERROR_FEEDBACK_LOCAL_PASSES = {"residual": 2.2, "ef21": 3.0}
+ERROR_FEEDBACK_LOCAL_PASSES = {"residual": 2.4, "ef21": 3.0}
 #: EF21's all-gather of the per-piece spreads: 4 bytes per parameter tensor in the bucket; priced as one.
 EF21_SPREAD_BYTES = 4
 

@@ -18,7 +18,7 @@ def candidate(params: dict[str, object]) -> Candidate:
     return flat_candidate("mode", params, NUM_PARAMS, CLUSTER, NETWORK, DEFAULT_LOCAL_COSTS, BUCKET)
 
 
-@pytest.mark.parametrize(("kind", "passes"), [("residual", 2.2), ("ef21", 3.0)])
+@pytest.mark.parametrize(("kind", "passes"), [("residual", 2.4), ("ef21", 3.0)])
 def test_local_passes_cost_lion_updates_per_element(kind: str, passes: float) -> None:
     plain, fed_back = candidate(L1_A2A), candidate({**L1_A2A, "error_feedback": {"kind": kind}})
     lion_update = DEFAULT_LOCAL_COSTS.seconds_per_element["lion_update"]
