@@ -171,6 +171,8 @@ class RankRestore:
 
     momenta: list[torch.Tensor | None]
     aggregation: dict[str, Any] | None = None
+    #: Why no aggregation state comes back although one may have been saved ("" otherwise).
+    aggregation_dropped: str = ""
 
 
 def _momenta_to_restore(optimizer: LionCub, directory: str, hybrid: HybridSetup | None) -> RankRestore | None:
@@ -230,7 +232,13 @@ def _momenta_to_restore(optimizer: LionCub, directory: str, hybrid: HybridSetup 
         state = state_of(path)
         _check_file(state, path, saved_rank, saved_world, layout)
         states.append(state["exp_avg"])
-    return RankRestore(_mean_momenta(states))
+    dropped = ""
+    if any("aggregation" in state_of(path) for path in expected):
+        dropped = (
+            f"it was saved by {saved_world} ranks and this world has {optimizer.transport.world_size}; the "
+            f"feedback state is each rank's own, in its world's chunks, and is not resharded"
+        )
+    return RankRestore(_mean_momenta(states), None, dropped)
 
 
 def _mean_momenta(saved: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
@@ -284,7 +292,7 @@ def restore(optimizer: LionCub, found: RankRestore) -> None:
     optimizer.load_local_momentum(found.momenta)
     if optimizer.options.error_feedback is None:
         return
-    why = optimizer.load_aggregation_state(found.aggregation)
+    why = found.aggregation_dropped or optimizer.load_aggregation_state(found.aggregation)
     if why and optimizer.transport.rank == 0:
         get_logger().warning(f"LionCub: error feedback starts over from zeros after this resume: {why}")
 
