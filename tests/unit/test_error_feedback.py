@@ -2,8 +2,8 @@
 
 Each form against the plain loop of tests/support/error_feedback_reference.py (torch's elementwise
 operations, no ds_lioncub code): the parameters, every worker's momentum and every worker's EF state
-(residual, or G_i and the shared G, which the library keeps one chunk per owner) bit for bit after
-after 5 steps. Then the refusals, with their messages.
+(residual, or G_i and the shared G, which the library keeps one chunk per owner) bit for bit after 5
+steps. Then the refusals, with their messages.
 """
 
 from __future__ import annotations
