@@ -16,6 +16,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -135,6 +136,8 @@ class LionCub(torch.optim.Optimizer):
         self.param_names: list[str] | None = None
         self._momentum_synced: set[int] = set()
         self._states_only = False
+        # Inside optimizer_step_in_parts(): the step every step() call is a part of (None outside).
+        self._parts: StepInParts | None = None
         # The bucket schedule of compressed steps (see _compressed_step); False runs buckets one by one.
         self._pipelined_buckets = True
         #: Buckets of armed backwards launched before step() (from gradient hooks), and those voted again
@@ -371,6 +374,29 @@ class LionCub(torch.optim.Optimizer):
         finally:
             self._states_only = False
 
+    @contextmanager
+    def optimizer_step_in_parts(self) -> Iterator[None]:
+        """Within this block every ``step()`` call is one part of a single optimizer step.
+
+        For callers that step the parameters in several calls, each with only some of them in
+        ``param_groups`` (DeepSpeed's ZeRO-3 steps one flat sub-group per call). Every part runs with
+        the same step number, so the tie rule is the step's; each part does its own tensors' work (the
+        vote, momentum sync and replica check when due, one telemetry record). The step count
+        advances once, when the block ends after at least one part; a block in which no part ran (a
+        skipped step) or that raised leaves it as it was.
+        """
+        if self._parts is not None:
+            raise LionCubSetupError("LionCub: optimizer_step_in_parts() blocks do not nest; end the first one.")
+        parts = StepInParts(self.param_groups[0]["step"] + 1 if self.param_groups else 1)
+        self._parts = parts
+        try:
+            yield
+        finally:
+            self._parts = None
+        if parts.taken:
+            for group in self.param_groups:
+                group["step"] = parts.step
+
     # ------------------------------------------------------------------ public helpers
 
     def comm_stats(self) -> CommStats:
@@ -516,7 +542,8 @@ class LionCub(torch.optim.Optimizer):
         entries = self._participants()
         if self._states_only:
             return loss
-        step = self.param_groups[0]["step"] + 1
+        parts = self._parts
+        step = parts.step if parts is not None else self.param_groups[0]["step"] + 1
         baseline = self.comm_stats()
         if self._armed is not None:  # the votes launched during backward are this step's traffic
             baseline = baseline - self._armed.traffic_since_armed()
@@ -530,8 +557,11 @@ class LionCub(torch.optim.Optimizer):
             if self.options.check_finite:
                 self._require_finite_gradients(entries, step)
             self._compressed_step(entries, aggregator, positive_ties=tie_sign(step, self.options.tie_break) > 0)
-        for group in self.param_groups:
-            group["step"] = step
+        if parts is None:
+            for group in self.param_groups:
+                group["step"] = step
+        else:
+            parts.taken += 1  # the count advances when the block ends
         interval = self.options.momentum_sync.interval
         if interval and step % interval == 0:
             self._sync_momentum()
@@ -811,6 +841,14 @@ def sign_bits_of_message(message: torch.Tensor, bits: int, numel: int) -> torch.
     if bits == 1:
         return message[: packed_length(numel)]  # padding bits are 0, as pack_local_signs leaves them
     return pack_fields(unpack_fields(message, bits, numel), 1)
+
+
+@dataclass
+class StepInParts:
+    """The optimizer step that ``step()`` calls are parts of (:meth:`LionCub.optimizer_step_in_parts`)."""
+
+    step: int
+    taken: int = 0
 
 
 class _AggregationClock:
