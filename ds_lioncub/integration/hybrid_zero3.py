@@ -120,11 +120,28 @@ def configure_zero3(engine: Any, configure: Any, optimizer: Any) -> Any:
     finally:
         engine.seq_data_parallel_group = world_group
         stage3_module.DeepSpeedZeroOptimizer_Stage3 = zero_class
+    if isinstance(zero, HybridZeroStage3):
+        _zero_the_padding(zero)
     if setup is not None and isinstance(zero, HybridZeroStage3):
         shard_sizes = [flat.numel() for flat in zero.fp32_partitioned_groups_flat]
         check_shards_match(shard_sizes, setup)
         log_topology(setup, shard_sizes, optimizer)
     return zero
+
+
+def _zero_the_padding(zero: HybridZeroStage3) -> None:
+    """Set the padding of the flat tensors to 0: ZeRO-3 pads the last slice of a parameter with memory it never
+    initialises, which would differ from node to node (a replica check compares the slices, padding included).
+
+    The padding is no parameter; its gradient is 0, so it only ever moves by the tie rule and weight decay.
+    """
+    for i, flat in enumerate(zero.fp32_partitioned_groups_flat):
+        end = 0
+        for param, padding in zip(zero.fp16_groups[i], zero.groups_padding[i], strict=True):
+            end += int(param.partition_numel())
+            if padding:
+                flat.data[end - padding : end].zero_()
+                zero.fp16_partitioned_groups_flat[i].data[end - padding : end].zero_()
 
 
 def _partition_over_the_node(engine: Any, setup: HybridSetup) -> None:

@@ -81,7 +81,12 @@ TRAINED = [
     zero3(
         "zero3_1bit_sub_groups",
         sub_group_size=SMALL_SUB_GROUP,
-        options={"compression": "1bit", "momentum_sync": {"interval": 2, "layers": "all"}, **VOTE_STATS},
+        options={
+            "compression": "1bit",
+            "momentum_sync": {"interval": 2, "layers": "all"},
+            "consistency_check": {"interval": 1},  # each sub-group's flat tensor compared across nodes, every step
+            **VOTE_STATS,
+        },
     ),
     zero3("zero3_1bit_sub_groups_two_param_groups", sub_group_size=SMALL_SUB_GROUP, bias_groups=True),
     zero3("zero3_1bit_nan_on_one_rank", nan_at=(NAN_RANK, NAN_STEP)),

@@ -272,10 +272,10 @@ def run_bad_configs() -> dict[str, Any]:
     )
     cases.append(
         (
-            "zero-compressed",
+            "zero3-hpz",
             {
                 **base,
-                "zero_optimization": {"stage": 3},
+                "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2},
                 "optimizer": {"type": "LionCub", "params": {"compression": "1bit"}},
             },
         )
