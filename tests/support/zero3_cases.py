@@ -92,6 +92,8 @@ TRAINED = [
     zero3("zero3_1bit_nan_on_one_rank", nan_at=(NAN_RANK, NAN_STEP)),
     # ZeRO-3's default persistence: small parameters stay whole on every rank, the step is the same.
     dataclasses.replace(zero3("zero3_1bit_persistent_small_parameters"), extra={"zero_optimization": {"stage": 3}}),
+    # Every rank a node (ZeRO-3 over one rank: whole parameters), and one node of all ranks.
+    zero3("zero3_1bit_node_size1", node_size=1),
     zero3("zero3_1bit_node_size4", node_size=4, sub_group_size=SMALL_SUB_GROUP),
     # Control without the hybrid: DeepSpeed's own ZeRO-3 over the 4 ranks with exact Lion.
     zero3("zero3_exact_control", node_size=None, options={"compression": "none"}, sub_group_size=SMALL_SUB_GROUP),
