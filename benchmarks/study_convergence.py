@@ -14,7 +14,12 @@ weight decay 0.1, gradient clipping 1.0 by DeepSpeed's fp32 rule -- the examples
 Resumable: every finished run writes one JSON under
 ``benchmarks/results/convergence_study/<task>_<steps>steps/`` and a run whose JSON exists is skipped.
 Runs go seed-major (every cell's seed 0 before any seed 1), so a grid stopped part-way is complete
-for its first seeds. ``--jobs J`` runs J processes of one torch thread each.
+for its first seeds. ``--jobs J`` runs J processes of one torch thread each; ``--device cuda`` trains on
+the GPU (all J processes share it; the model and batches start on the CPU as always, so a CUDA run
+differs from a CPU run of the same cell and seed only by the devices' rounding).
+
+Error feedback (issue #24): :data:`EF_MODES`, the two forms on the 2- and 4-bit L1 all-to-all, are not in
+the default grid; ``benchmarks/gpu/ef_study.sh`` runs them at 32 and 64 workers.
 
 The 4-bit sign vote is the 1-bit majority vote carried in wider fields: same sums, same sign, same
 tie rule, so it trains bit for bit like ``1bit`` (checked: identical losses at 4, 8 and 16 workers,
@@ -74,12 +79,19 @@ def mode_options(mode: str, workers: int) -> dict[str, Any]:
         return {"compression": "kbit", "bits": 2, "quantizer": "l1", "kbit_algorithm": "alltoall"}
     if mode == "4bit_l1_a2a":
         return {"compression": "kbit", "bits": 4, "quantizer": "l1", "kbit_algorithm": "alltoall"}
+    for base in ("2bit_l1_a2a", "4bit_l1_a2a"):  # issue #24: the two error-feedback forms on the k-bit L1 all-to-all
+        if mode == f"{base}_ef_residual":
+            return {**mode_options(base, workers), "error_feedback": {"kind": "residual"}}
+        if mode == f"{base}_ef21":
+            return {**mode_options(base, workers), "error_feedback": {"kind": "ef21"}}
     if mode == "8bit_l1":
         return {"compression": "kbit", "bits": 8, "quantizer": "l1", "kbit_algorithm": "allreduce"}
     raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
 
 
 MODES = ("exact", "1bit", "1bit_sync", "4bit_sign", "2bit_l1_a2a", "4bit_l1_a2a", "8bit_l1")
+#: Issue #24's error-feedback variants (not in the default grid: run them with ``--modes``).
+EF_MODES = ("2bit_l1_a2a_ef_residual", "2bit_l1_a2a_ef21", "4bit_l1_a2a_ef_residual", "4bit_l1_a2a_ef21")
 
 
 @dataclass(frozen=True)
@@ -141,6 +153,7 @@ CODE_FILES = (
     "ds_lioncub/aggregation.py",
     "ds_lioncub/simulate/gradients.py",
     "ds_lioncub/simulate/train.py",
+    "ds_lioncub/error_feedback.py",
 )
 _CODE: dict[str, str] = {}
 
@@ -157,8 +170,19 @@ def code_fingerprint() -> dict[str, str]:
     return _CODE
 
 
-def execute(run: Run, root: Path) -> str:
-    """Train one run and write its JSON (atomically); returns a log line. Runs in a pool process."""
+def execute(run: Run, root: Path, device: str = "cpu", claim: bool = False) -> str:
+    """Train one run and write its JSON (atomically); returns a log line. Runs in a pool process.
+
+    ``claim``: first create ``<run>.claim`` beside the JSON, and skip the run if another process (a pool on
+    another device, sharing the grid) already did; the claim goes when the JSON is written.
+    """
+    claim_path = run.path(root).with_suffix(".claim")
+    if claim:
+        claim_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.close(os.open(claim_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return f"{run.name}: claimed by another process, skipped"
     from ds_lioncub.simulate.train import train_virtual
     from examples.simulate_gpt import task_by_name
 
@@ -166,7 +190,7 @@ def execute(run: Run, root: Path) -> str:
     code = code_fingerprint()
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
-    result = train_virtual(task, run.options(), run.workers, run.steps, run.seed)
+    result = train_virtual(task, run.options(), run.workers, run.steps, run.seed, device=device)
     wall = time.perf_counter() - t0
     record = {
         **asdict(run),
@@ -183,6 +207,7 @@ def execute(run: Run, root: Path) -> str:
         "gradient_s": result.gradient_seconds,
         "optimizer_s": result.optimizer_seconds,
         "torch_threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
         "load_average_before": load_before,
         "load_average_after": os.getloadavg()[0],
         "code": code,
@@ -193,10 +218,20 @@ def execute(run: Run, root: Path) -> str:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, path)  # a run killed mid-write leaves no JSON, so it runs again on resume
+    if claim:
+        claim_path.unlink(missing_ok=True)
     return f"{run.name}: val {result.val_loss:.4f} in {wall:.0f} s ({wall / run.steps:.2f} s/step)"
 
 
-def run_grid(runs: list[Run], root: Path, jobs: int, threads: int, max_pool_restarts: int = 5) -> int:
+def run_grid(
+    runs: list[Run],
+    root: Path,
+    jobs: int,
+    threads: int,
+    max_pool_restarts: int = 5,
+    device: str = "cpu",
+    claim: bool = False,
+) -> int:
     """Run every run without a JSON; returns how many still have none (failed: they rerun on the next resume).
 
     A pool process that dies (killed, or a crash in native code) breaks the whole pool; then a fresh
@@ -209,7 +244,7 @@ def run_grid(runs: list[Run], root: Path, jobs: int, threads: int, max_pool_rest
         broken = False
         context = get_context("spawn")
         with ProcessPoolExecutor(jobs, mp_context=context, initializer=_init_worker, initargs=(threads,)) as pool:
-            futures: dict[Future[str], Run] = {pool.submit(execute, r, root): r for r in pending}
+            futures: dict[Future[str], Run] = {pool.submit(execute, r, root, device, claim): r for r in pending}
             for future in as_completed(futures):
                 run = futures[future]
                 try:
@@ -234,12 +269,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--task", choices=("small", "large"), default="small", help="examples.simulate_gpt configuration")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     p.add_argument("--workers", type=int, nargs="+", default=list(WORKERS))
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=MODES + EF_MODES, default=list(MODES))
     p.add_argument("--beta2", type=float, nargs="+", default=list(BETA2))
     p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     p.add_argument("--only", nargs="+", default=[], help="run names to keep (globs, e.g. 'N32_*_seed0')")
     p.add_argument("--jobs", type=int, default=1, help="processes (one torch thread each by default)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where each run trains: cpu, or cuda (every process on the same GPU; the device is in each JSON)",
+    )
+    p.add_argument(
+        "--claim",
+        action="store_true",
+        help="share the grid with other processes (say, a CPU pool and a GPU pool): each run is claimed by a "
+        "<run>.claim file first and skipped where another process claimed it (remove stale claims before a rerun)",
+    )
     p.add_argument("--results", type=Path, default=RESULTS, help="results root (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="list the runs still to do and exit")
     p.add_argument("--report", action="store_true", help="write the report and plot from the JSONs present")
@@ -257,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     directory = config_dir(args.results, args.task, args.steps)
     if args.report:
         modes = [m for m in args.modes if m != "exact"]
+        # The EF section reads every EF run present; the main table shows EF rows only when asked (--modes).
         print(write_report(directory, args.workers, modes, args.beta2))
         if args.evidence is not None:
             summary = evidence(directory, args.workers, modes, args.beta2)
@@ -269,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             print(("done  " if run.path(args.results).exists() else "to do ") + run.name)
         return 0
     print(f"[study] results in {directory}; $ {' '.join([sys.executable, *sys.argv])}", flush=True)
-    return 1 if run_grid(runs, args.results, args.jobs, args.threads) else 0
+    return 1 if run_grid(runs, args.results, args.jobs, args.threads, device=args.device, claim=args.claim) else 0
 
 
 if __name__ == "__main__":

@@ -30,7 +30,14 @@ MODE_LABELS = {
     "2bit_l1_a2a": "2-bit L1 all-to-all",
     "4bit_l1_a2a": "4-bit L1 all-to-all",
     "8bit_l1": "8-bit L1 all-reduce",
+    "2bit_l1_a2a_ef_residual": "2-bit L1 a2a + EF residual",
+    "2bit_l1_a2a_ef21": "2-bit L1 a2a + EF21",
+    "4bit_l1_a2a_ef_residual": "4-bit L1 a2a + EF residual",
+    "4bit_l1_a2a_ef21": "4-bit L1 a2a + EF21",
 }
+
+#: Issue #24's error-feedback forms, by the mode suffix the study gives them.
+EF_FORMS = {"_ef_residual": "residual", "_ef21": "ef21"}
 
 
 def load_runs(directory: Path) -> dict[tuple[float, int, str], dict[int, dict[str, Any]]]:
@@ -154,6 +161,61 @@ def write_plot(
     plt.close(fig)
 
 
+def ef_target(no_ef_gap: float, ef_gap: float) -> bool:
+    """Issue #24's target for one cell: the EF form's mean gap at most half of the same mode's without EF,
+    and never worse than without EF (where the mode without EF is no worse than exact Lion, the EF gap
+    must simply not exceed it)."""
+    if ef_gap > no_ef_gap:
+        return False
+    return no_ef_gap <= 0 or ef_gap <= 0.5 * no_ef_gap
+
+
+def ef_table(cells: dict[tuple[float, int, str], dict[int, dict[str, Any]]], beta2s: list[float]) -> str:
+    """Every cell with error-feedback runs: the form's gap against exact Lion beside the same mode's gap
+    without EF (both over the seeds that all three have), its sign agreement with exact Lion, the number
+    of seeds on which EF beat no-EF, and issue #24's target (:func:`ef_target`)."""
+    lines = [
+        "| beta2 | workers | mode | EF form | seeds | no-EF gap % | EF gap % | EF better (seeds) | "
+        "EF match | EF flip | EF tie | no-EF match | target (<= half, never worse) | EF run device |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    ef_keys = sorted((beta2, n, mode) for beta2, n, mode in cells if any(mode.endswith(suffix) for suffix in EF_FORMS))
+    passed = total = 0
+    for beta2, n, mode in ef_keys:
+        if beta2 not in beta2s:
+            continue
+        suffix = next(suffix for suffix in EF_FORMS if mode.endswith(suffix))
+        base = mode.removesuffix(suffix)
+        ef_runs, no_ef_runs = cells[(beta2, n, mode)], cells.get((beta2, n, base), {})
+        exact_runs = cells.get((beta2, n, "exact"), {})
+        seeds = sorted(set(ef_runs) & set(no_ef_runs) & set(exact_runs))
+        if not seeds:
+            continue
+        ef_gaps = [gap_percent(ef_runs[s]["val_loss"], exact_runs[s]["val_loss"]) for s in seeds]
+        no_ef_gaps = [gap_percent(no_ef_runs[s]["val_loss"], exact_runs[s]["val_loss"]) for s in seeds]
+        ef_gap, no_ef_gap = seed_summary(ef_gaps), seed_summary(no_ef_gaps)
+        better = sum(e < b for e, b in zip(ef_gaps, no_ef_gaps, strict=True))
+        met = ef_target(no_ef_gap.mean, ef_gap.mean)
+        passed, total = passed + met, total + 1
+        rates = [ef_runs[s]["agreement"] for s in seeds if ef_runs[s]["agreement"]]
+        base_rates = [no_ef_runs[s]["agreement"] for s in seeds if no_ef_runs[s]["agreement"]]
+        ef_rate_text = (
+            " | ".join(f"{_mean([r[k] for r in rates]):.3f}" for k in ("match", "flip", "tie"))
+            if rates
+            else "- | - | -"
+        )
+        base_match = f"{_mean([r['match'] for r in base_rates]):.3f}" if base_rates else "-"
+        devices = sorted({str(ef_runs[s].get("device", "cpu")) for s in seeds})
+        lines.append(
+            f"| {beta2} | {n} | {MODE_LABELS.get(base, base)} | {EF_FORMS[suffix]} | {len(seeds)} | "
+            f"{_cell_text(no_ef_gap)} | {_cell_text(ef_gap)} | {better}/{len(seeds)} | {ef_rate_text} | "
+            f"{base_match} | {'**met**' if met else 'missed'} | {', '.join(devices)} |"
+        )
+    if total == 0:
+        return ""
+    return "\n".join(lines) + f"\n\nTarget met in {passed} of {total} cells.\n"
+
+
 def write_report(directory: Path, workers: list[int], modes: list[str], beta2s: list[float]) -> str:
     """Write report.md and gap_vs_workers.png into ``directory``; returns the report's text."""
     cells = load_runs(directory)
@@ -169,6 +231,16 @@ def write_report(directory: Path, workers: list[int], modes: list[str], beta2s: 
         f"step.\n\n"
         f"{report_table(cells, workers, modes, beta2s)}\n\n![gap vs workers](gap_vs_workers.png)\n"
     )
+    feedback = ef_table(cells, beta2s)
+    if feedback:
+        text += (
+            "\n## Error feedback (issue #24)\n\n"
+            "Each error-feedback form against the same mode without it: both gaps to exact Lion over the seeds "
+            "that EF, no-EF and exact Lion all have (mean ± spread, as above); EF better: the seeds on which the "
+            "EF gap is below the no-EF gap; match / flip / tie: the EF run's applied sign against exact Lion's. "
+            "Target (issue #24): the EF gap at most half of the no-EF gap and never above it (by the means).\n\n"
+            f"{feedback}"
+        )
     (directory / "report.md").write_text(text)
     write_plot(cells, workers, modes, beta2s, directory / "gap_vs_workers.png")
     return text
@@ -186,7 +258,7 @@ def evidence(directory: Path, workers: list[int], modes: list[str], beta2s: list
     seen: set[tuple[str, int, float]] = set()
     for beta2, n, mode, row in summarised_cells(cells, workers, modes, beta2s):
         key = study_mode(next(iter(cells[(beta2, n, mode)].values()))["options"])
-        if key is None or (key, n, beta2) in seen:
+        if key is None or key == "unmeasured" or (key, n, beta2) in seen:
             continue
         seen.add((key, n, beta2))
         gap: SeedSummary = row["gap"]

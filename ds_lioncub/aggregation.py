@@ -66,6 +66,10 @@ from ds_lioncub.config import LionCubConfig
 COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+#: See :attr:`Bucket.key`.
+BucketKey = tuple[int, int]
+
+
 @dataclass
 class Bucket:
     """One bucket of a step: flat fp32 values cut into parameter pieces.
@@ -76,11 +80,17 @@ class Bucket:
         piece_sizes: elements of each parameter piece, in order; they add up to ``values.numel()``.
         piece_mean_abs: for the L1 quantizer, mean |c| of the WHOLE tensor a piece was cut from
             (``None`` where the piece is a whole tensor: its own mean is used). Empty otherwise.
+        key: the bucket's identity from one step to the next, where an aggregation keeps per-bucket state
+            (error feedback): the index of its first piece's tensor among the step's entries and that
+            piece's offset in the tensor. The bucket plan is a function of the participating tensors'
+            sizes, so the key names the same elements every step while they do not change.
+            ``None`` where no state is kept (exact means, momentum sync).
     """
 
     values: torch.Tensor
     piece_sizes: list[int]
     piece_mean_abs: list[torch.Tensor | None]
+    key: BucketKey | None = None
 
 
 class AggregationState:
@@ -94,8 +104,8 @@ class AggregationState:
 
     - the knobs (:meth:`knobs`; one subclass per aggregation says what they are and how to tune them),
       fixed at construction and checked by :meth:`load_state_dict`;
-    - :attr:`buckets`: per-bucket tensors by the bucket's index in the step's bucket plan. Empty today;
-      it is where error feedback will keep each bucket's residual, and what survives across steps then;
+    - :attr:`buckets`: per-bucket tensors by the bucket's :attr:`Bucket.key`. Empty without error
+      feedback, which keeps each bucket's residual or estimates there (:mod:`ds_lioncub.error_feedback`);
     - :attr:`issued`: the buckets whose first collective this rank issued (every ``start``/``issue``),
       a counter for diagnostics that no result depends on.
 
@@ -105,7 +115,7 @@ class AggregationState:
     """
 
     def __init__(self) -> None:
-        self.buckets: dict[int, dict[str, torch.Tensor]] = {}
+        self.buckets: dict[BucketKey, dict[str, torch.Tensor]] = {}
         self.issued = 0
 
     def knobs(self) -> dict[str, Any]:
@@ -134,7 +144,13 @@ class AggregationState:
                 f"{type(self).__name__} with knobs {self.knobs()}"
             )
         self.issued = int(state["issued"])
-        self.buckets = {int(index): dict(tensors) for index, tensors in state["buckets"].items()}
+        self.buckets = {_bucket_key(key): dict(tensors) for key, tensors in state["buckets"].items()}
+
+
+def _bucket_key(key: Any) -> BucketKey:
+    """A :attr:`Bucket.key` as saved (a tuple, or the list a serializer may have made of it)."""
+    tensor_index, offset = key
+    return int(tensor_index), int(offset)
 
 
 class ExactMeanState(AggregationState):
@@ -211,6 +227,18 @@ class Aggregator(Protocol):
 
     def start(self, bucket: Bucket, positive_ties: bool) -> object: ...
 
+    @property
+    def agrees_before_start(self) -> bool:
+        """Whether :meth:`agree` issues a collective of its own before :meth:`start` can pack (EF21's shared
+        scale). ``start`` then runs ``agree`` itself if the caller did not: a caller that drives several
+        ranks in one process (the virtual world) calls ``agree`` on every rank first."""
+        ...
+
+    def agree(self, bucket: Bucket) -> None:
+        """Issue what ``start`` must know of the other ranks first, taking from ``bucket.values`` what it
+        needs (a no-op where :attr:`agrees_before_start` is False)."""
+        ...
+
     def reduce(self, pending: object) -> object: ...
 
     def complete(self, result: object, out: torch.Tensor | None = None) -> torch.Tensor: ...
@@ -277,6 +305,14 @@ class _VoteStages:
         """Every vote can serve ``overlap``: its message is :meth:`pack`'s, sent by :meth:`issue`."""
         return True
 
+    @property
+    def agrees_before_start(self) -> bool:
+        """No collective before the message (error feedback's EF21 says otherwise)."""
+        return False
+
+    def agree(self, bucket: Bucket) -> None:
+        """Nothing to agree before ``start``."""
+
     def tied_counts(self, pending: object) -> tuple[torch.Tensor, bool]:
         """The positions of ``pending`` (what ``start``/``issue`` returned, its vote complete) whose summed
         vote is 0, as an int64 count of one element, and whether the count is an owner's share.
@@ -342,6 +378,13 @@ class ExactMean:
     @property
     def votes_during_backward(self) -> bool:
         return False
+
+    @property
+    def agrees_before_start(self) -> bool:
+        return False
+
+    def agree(self, bucket: Bucket) -> None:
+        """Nothing to agree: the mean is one all-reduce."""
 
     def pack(self, bucket: Bucket, positive_ties: bool) -> torch.Tensor:
         raise self._no_vote("pack")
@@ -457,7 +500,7 @@ class KbitVote(_VoteStages):
         """The message ``start`` would send for ``bucket``: its packed b-bit fields."""
         sizes, scales = None, None
         if self.codec.quantizer == "l1":
-            means = _piece_means(bucket)
+            means = piece_means(bucket)
             sizes, scales = l1_segment_scales(bucket.values, self.codec.levels, self.l1_clip, bucket.piece_sizes, means)
         return pack_kbit_message(self.codec, bucket.values, positive_ties, scales, sizes)
 
@@ -491,7 +534,7 @@ class KbitVote(_VoteStages):
         return count_tied_kbit_sums(self.transport, self.codec, pending), self.codec.algorithm == "alltoall"
 
 
-def _piece_means(bucket: Bucket) -> torch.Tensor:
+def piece_means(bucket: Bucket) -> torch.Tensor:
     """Each piece's mu for the L1 scale: the whole tensor's mean |c| if given, else the piece's own."""
     means = []
     for piece, whole_mean in zip(bucket.values.split(bucket.piece_sizes), bucket.piece_mean_abs, strict=True):
@@ -528,6 +571,10 @@ def build_aggregation(options: LionCubConfig, transport: Transport, gradients_av
     if options.compression == "1bit":
         return OneBitVote(transport)
     codec = KbitCodec.build(transport.world_size, options.bits, options.quantizer, options.kbit_algorithm)
+    if options.error_feedback is not None:
+        from ds_lioncub.error_feedback import build_error_feedback  # noqa: PLC0415 - it builds on KbitVote
+
+        return build_error_feedback(transport, codec, options.aggregation, options.l1_clip, options.error_feedback)
     return KbitVote(transport, codec, options.aggregation, options.l1_clip)
 
 
@@ -538,6 +585,7 @@ __all__ = [
     "AggregationState",
     "Aggregator",
     "Bucket",
+    "BucketKey",
     "ExactMean",
     "ExactMeanState",
     "KbitVote",

@@ -106,7 +106,7 @@ def bucket_directions(
     mean_abs = (
         [whole_mean_abs.get(piece.tensor_index) for piece in bucket] if aggregator.needs_whole_tensor_mean_abs else []
     )
-    return Bucket(out, sizes, mean_abs)
+    return Bucket(out, sizes, mean_abs, key=(bucket[0].tensor_index, bucket[0].start))
 
 
 def prepare_bucket(

@@ -132,6 +132,46 @@ class TelemetryConfig(DeepSpeedConfigModel):
     About 30% of a world-of-one CPU step's time (benchmarks/RESULTS.md). Compressed modes only."""
 
 
+class ErrorFeedbackConfig(DeepSpeedConfigModel):
+    """Error feedback on the k-bit L1 path: what the quantizer rounds off one step is fed into the next.
+
+    Two forms (docs/design.md, section 4.8): ``"residual"`` keeps each rank's rounding error and adds a
+    moving average of it to the next step's update before quantizing; ``"ef21"`` keeps, on every rank,
+    an estimate of its own update and sends only the quantized change of it, with one scale shared by all
+    ranks, and applies the sign of the ranks' summed estimate. Both keep every rank's parameters
+    bit-identical. ``compression="kbit"`` with ``quantizer="l1"`` only.
+    """
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    kind: Literal["residual", "ef21"]
+    """``"residual"`` (h = c + e is quantized; e <- beta*e + (1-beta)*(h - dequantized), per rank; any k-bit L1
+    aggregation) or ``"ef21"`` (shared-scale EF21: ``kbit_algorithm="alltoall"`` and ``aggregation="vote"``;
+    4 B per parameter of estimate per rank plus 4/p B of the shared estimate, one small all-gather per bucket)."""
+
+    beta: Real = Field(0.9, ge=0, lt=1, allow_inf_nan=False)
+    """``"residual"`` only: the moving average's weight on the old residual (0 keeps only the last step's
+    rounding error). Try 0.8-0.95."""
+
+    reset_interval: Whole = Field(0, ge=0)
+    """``"residual"`` only: zero the residual every this many uses of a bucket (steps); 0 never resets. The
+    residual also starts over when the world size changes."""
+
+    storage: CommDtype = "fp32"
+    """``"residual"`` only: the residual's precision in memory, fp32 (4 B per parameter) or bf16 (2 B, rounds
+    each stored residual to 8 significant bits)."""
+
+    @model_validator(mode="after")
+    def _residual_knobs_only_for_residual(self) -> ErrorFeedbackConfig:
+        given = sorted(self.model_fields_set & {"beta", "reset_interval", "storage"})
+        if self.kind == "ef21" and given:
+            raise ValueError(
+                f"{', '.join(given)} only apply to kind 'residual' (ef21 keeps an estimate, not a "
+                f"residual); drop them or set kind='residual'"
+            )
+        return self
+
+
 class HybridConfig(DeepSpeedConfigModel):
     """Compressed LionCub under DeepSpeed ZeRO-1/2/3: shard inside a node, vote across nodes.
 
@@ -325,6 +365,11 @@ class LionCubConfig(DeepSpeedConfigModel):
     consistency_check: ConsistencyCheckConfig = ConsistencyCheckConfig()
     """Replica checksums every ``interval`` steps (default 100); interval 0 turns them off."""
 
+    error_feedback: ErrorFeedbackConfig | None = None
+    """Error feedback on the k-bit L1 path (default: none): ``{"kind": "residual"}`` or ``{"kind": "ef21"}``,
+    see its block. Only ``compression="kbit"`` with ``quantizer="l1"``; not yet with ``overlap`` or the
+    ZeRO-1/2 hybrid."""
+
     hybrid: HybridConfig | None = None
     """Options of compressed LionCub under ZeRO stage 1, 2 or 3, the hybrid (used there even when not given):
     ``node_size``, the ranks per node, defaults to the launcher's."""
@@ -422,6 +467,54 @@ class LionCubConfig(DeepSpeedConfigModel):
             "cuda_aware", lambda config, given: bool(_cuda_aware_conflict_of(config)), _cuda_aware_conflict_of
         ),
         CrossOptionRule(
+            "error_feedback",
+            lambda config, given: config.error_feedback is not None and config.compression != "kbit",
+            lambda config: (
+                f"error_feedback only applies to compression='kbit' with quantizer='l1' (compression is "
+                f"{config.compression!r}: a sign vote or an exact mean rounds nothing off that it could feed back); "
+                f"set compression='kbit', quantizer='l1' or drop error_feedback"
+            ),
+        ),
+        CrossOptionRule(
+            "error_feedback",
+            lambda config, given: (
+                config.error_feedback is not None and config.compression == "kbit" and config.quantizer != "l1"
+            ),
+            lambda config: (
+                f"error_feedback only applies to quantizer='l1' (quantizer is {config.quantizer!r}: a sign field "
+                f"has no rounding error to feed back); set quantizer='l1' or drop error_feedback"
+            ),
+        ),
+        CrossOptionRule(
+            "error_feedback",
+            lambda config, given: config.error_feedback is not None and config.overlap,
+            lambda config: (
+                "error_feedback does not support overlap=True yet (a vote started during backward would update "
+                "the feedback state before the final gradients are known); drop overlap or error_feedback"
+            ),
+        ),
+        CrossOptionRule(
+            "error_feedback",
+            lambda config, given: config.error_feedback is not None and config.hybrid is not None,
+            lambda config: (
+                "error_feedback does not support the ZeRO-1/2 hybrid yet; drop hybrid (and run ZeRO stage 0) or "
+                "drop error_feedback"
+            ),
+        ),
+        CrossOptionRule(
+            "error_feedback",
+            lambda config, given: (
+                config.error_feedback is not None
+                and config.error_feedback.kind == "ef21"
+                and (config.kbit_algorithm != "alltoall" or config.aggregation != "vote")
+            ),
+            lambda config: (
+                f"error_feedback kind 'ef21' needs kbit_algorithm='alltoall' and aggregation='vote' (got "
+                f"{config.kbit_algorithm!r} and {config.aggregation!r}: each chunk's owner keeps the shared "
+                f"estimate and applies its sign); set them or use kind 'residual'"
+            ),
+        ),
+        CrossOptionRule(
             "l1_clip",
             lambda config, given: config.compression == "kbit" and config.quantizer == "sign" and "l1_clip" in given,
             lambda config: "l1_clip only applies to quantizer='l1'; set quantizer='l1' or drop l1_clip",
@@ -480,6 +573,14 @@ class LionCubConfig(DeepSpeedConfigModel):
         if self.momentum_sync.interval:
             sync = self.momentum_sync
             pairs.append(f"momentum_sync=(interval={sync.interval}, layers={sync.layers!r}, dtype={sync.dtype!r})")
+        if self.error_feedback is not None:
+            feedback = self.error_feedback
+            knobs = (
+                ""
+                if feedback.kind == "ef21"
+                else (f", beta={feedback.beta}, reset_interval={feedback.reset_interval}, storage={feedback.storage!r}")
+            )
+            pairs.append(f"error_feedback=(kind={feedback.kind!r}{knobs})")
         if self.telemetry.vote_stats:
             pairs.append("telemetry.vote_stats=True")
         return ", ".join(pairs)
@@ -517,7 +618,9 @@ def parse_config(options: dict[str, Any]) -> LionCubConfig:
                 f" Valid options: {', '.join(LionCubConfig.model_fields)}; momentum_sync takes "
                 f"{', '.join(MomentumSyncConfig.model_fields)}; consistency_check takes "
                 f"{', '.join(ConsistencyCheckConfig.model_fields)}; hybrid takes "
-                f"{', '.join(HybridConfig.model_fields)}; network takes {', '.join(NetworkConfig.model_fields)}; "
+                f"{', '.join(HybridConfig.model_fields)}; error_feedback takes "
+                f"{', '.join(ErrorFeedbackConfig.model_fields)}; network takes "
+                f"{', '.join(NetworkConfig.model_fields)}; "
                 f"telemetry takes {', '.join(TelemetryConfig.model_fields)}."
             )
         raise LionCubConfigError(f"LionCub: invalid options: {problems}.{hint}") from None

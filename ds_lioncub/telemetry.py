@@ -16,13 +16,16 @@ integration and the documentation have one list to follow.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
 from ds_lioncub.aggregation import Aggregator
 from ds_lioncub.comm.packing import pack_signs
-from ds_lioncub.comm.transport import CommStats
+from ds_lioncub.comm.transport import CommStats, Transport
 from ds_lioncub.comm.votes import PendingAggregate, count_set_bits
 
 #: The prefix of every monitor event LionCub writes.
@@ -206,12 +209,13 @@ def count_tied_votes(aggregator: Aggregator, pending: PendingAggregate) -> tuple
 class StepTelemetry:
     """The optimizer's per-step records: the last one, and totals over all of them.
 
-    The optimizer calls :meth:`begin_step`, :meth:`add_bucket` per aggregated bucket,
-    :meth:`count_vote` per bucket when ``vote_stats`` is on, and :meth:`end_step`. A mode that takes
-    a bucket's vote again in the same step increments :attr:`revoted_buckets` (via
-    :meth:`note_revoted_bucket`), so the record shows it. The DeepSpeed integration brackets each
-    engine step with :meth:`hold` and :meth:`release`, which make one record of however many ``step``
-    calls it took (none: a skipped step; one per param group under ZeRO).
+    The optimizer calls :meth:`begin_step` and, at the end, :meth:`close_step`; in between the step
+    paths observe their buckets through a :class:`BucketWatch` (:meth:`watch`), which calls
+    :meth:`add_bucket` per aggregated bucket, :meth:`count_vote` per bucket when ``vote_stats`` is on,
+    and :meth:`note_revoted_bucket` when a bucket's vote is taken again in the same step, so the
+    record shows it. The DeepSpeed integration brackets each engine step with :meth:`hold` and
+    :meth:`release`, which make one record of however many ``step`` calls it took (none: a skipped
+    step; one per param group under ZeRO).
     """
 
     vote_stats: bool = False
@@ -279,6 +283,21 @@ class StepTelemetry:
         differing = count_set_bits(torch.bitwise_xor(local_signs, pack_signs(applied, pending.positive_ties)))
         votes.agreeing = _add_count(votes.agreeing, applied.numel() - differing)
 
+    def watch(self, transport: Transport) -> BucketWatch:
+        """The observer of one step path whose aggregation communicates over ``transport``."""
+        return BucketWatch(self, transport)
+
+    def close_step(self, step: int, transport: Transport, comm: Callable[[], CommStats]) -> StepRecord:
+        """Sum the chunk owners' tie counts over ``transport``'s group (``vote_stats`` only), then close
+        step ``step`` with the traffic ``comm()`` gives after that."""
+        owner_ties = self.owner_tie_counts()
+        if owner_ties is not None:
+            # The telemetry's own 8-byte all-reduce is left out of the traffic counts, like the set-up
+            # check: the counters describe the training's traffic.
+            with transport.uncounted():
+                transport.all_reduce_sum(owner_ties)
+        return self.end_step(step, comm())
+
     def owner_tie_counts(self) -> torch.Tensor | None:
         """The step's owner-side tie count (int64, one element), to be summed over the group in place
         before :meth:`end_step`; None when the step counted none."""
@@ -316,8 +335,66 @@ class StepTelemetry:
         return record
 
 
+_Result = TypeVar("_Result")
+
+
+class BucketWatch:
+    """What one step path's buckets tell :class:`StepTelemetry`, through one object.
+
+    The path times each bucket's aggregation stages with :meth:`timed` (the transport's collectives
+    taken out), hands over this rank's packed signs before the vote (:meth:`local_signs`, only when
+    :attr:`wants_signs`) and the pending vote (:meth:`issued`), counts them against the applied
+    direction (:meth:`voted`, where :meth:`counts`) and closes each bucket with :meth:`bucket_done`.
+    """
+
+    def __init__(self, telemetry: StepTelemetry, transport: Transport) -> None:
+        self._telemetry = telemetry
+        self._transport = transport
+        #: Whether the step's vote statistics are counted (option ``telemetry.vote_stats``).
+        self.wants_signs = telemetry.vote_stats
+        self._seconds: dict[int, float] = {}
+        self._signs: dict[int, torch.Tensor] = {}
+        self._pending: dict[int, object] = {}
+
+    def timed(self, k: int, stage: Callable[..., _Result], *args: Any) -> _Result:
+        """``stage(*args)``, its local seconds (its collectives' taken out) added to bucket ``k``'s."""
+        started, in_collectives = time.perf_counter(), self._transport.stats.seconds
+        try:
+            return stage(*args)
+        finally:
+            elapsed = time.perf_counter() - started - (self._transport.stats.seconds - in_collectives)
+            self._seconds[k] = self._seconds.get(k, 0.0) + elapsed
+
+    def local_signs(self, k: int, signs: torch.Tensor) -> None:
+        """This rank's signs of bucket ``k`` (:func:`pack_local_signs`), taken before the vote."""
+        self._signs[k] = signs
+
+    def issued(self, k: int, pending: object) -> None:
+        """Bucket ``k``'s first collective is out; kept until :meth:`voted` only if its signs are counted."""
+        if k in self._signs:
+            self._pending[k] = pending
+
+    def counts(self, k: int) -> bool:
+        """Whether bucket ``k``'s vote is counted (its local signs were handed over)."""
+        return k in self._signs
+
+    def voted(self, k: int, aggregator: Aggregator, applied: torch.Tensor) -> None:
+        """Count bucket ``k``'s tied votes and agreeing signs against ``applied``; forget what was kept."""
+        signs, pending = self._signs.pop(k), self._pending.pop(k)
+        self._telemetry.count_vote(aggregator, pending, signs, applied)
+
+    def bucket_done(self, k: int, voted_elements: int) -> None:
+        """Bucket ``k`` is aggregated: record its local seconds and the elements it voted on."""
+        self._telemetry.add_bucket(self._seconds.pop(k, 0.0), voted_elements)
+
+    def revoted_bucket(self) -> None:
+        """A bucket of this step was voted on again."""
+        self._telemetry.note_revoted_bucket()
+
+
 __all__ = [
     "MONITOR_PREFIX",
+    "BucketWatch",
     "StepRecord",
     "StepTelemetry",
     "TelemetryTotals",

@@ -82,8 +82,9 @@ class GPTTask:
         starts = torch.linspace(0, len(val) - self.seq_len - 1, self.eval_windows).long()
         offsets = torch.arange(self.seq_len + 1)
         total = 0.0
+        device = next(model.parameters()).device
         for chunk in starts.split(self.eval_batch):
-            windows = val[chunk[:, None] + offsets].long()
+            windows = val[chunk[:, None] + offsets].long().to(device)
             _, loss = model(windows[:, :-1], windows[:, 1:])
             assert loss is not None
             total += float(loss) * len(chunk)  # the mean over windows, whatever the chunking

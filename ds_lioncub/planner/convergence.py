@@ -92,6 +92,8 @@ def study_mode(params: Mapping[str, Any]) -> str | None:
     compression = params.get("compression", "1bit")
     if compression == "none":
         return None
+    if params.get("error_feedback"):  # the study measured error feedback apart (issue #24), not as planner evidence
+        return "unmeasured"
     sync = params.get("momentum_sync") or {}
     synced = bool(sync.get("interval")) and sync.get("layers", "auto") == "auto" and int(sync["interval"]) <= 10
     voted = params.get("aggregation", "vote") == "vote"

@@ -189,6 +189,7 @@ def train_virtual(
     clip_rule: ClipRule = "deepspeed",
     gradient_method: Method = "auto",
     agreement_stats: bool = True,
+    device: torch.device | str = "cpu",
 ) -> TrainResult:
     """Train ``task`` for ``steps`` steps with ``VirtualLionCub(workers=workers, **options)``.
 
@@ -202,11 +203,14 @@ def train_virtual(
         grad_clip, clip_rule: gradient clipping (module docstring).
         gradient_method: how the per-worker gradients are computed ("auto": the fused pass where it can).
         agreement_stats: record the compressed steps' agreement with exact Lion.
+        device: where the model, the workers' momenta and the aggregation run ("cuda" for a GPU). The
+            model is initialised and the batches are drawn on the CPU, as on any device, then moved, so
+            runs on two devices start alike and differ only by their devices' rounding.
     """
     if steps < 1:
         raise LionCubConfigError(f"LionCub: steps must be >= 1, got {steps}")
     torch.manual_seed(seed)
-    model = task.build_model(seed)
+    model = task.build_model(seed).to(device)
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     exact = options.get("compression", "1bit") == "none"
@@ -223,7 +227,8 @@ def train_virtual(
     model.train()
     for step in range(steps):
         t0 = time.perf_counter()
-        computed = worker_gradients(model, task.loss, task.batch(step, seed), workers, params, gradient_method, buffers)
+        batch = tuple(tensor.to(device) for tensor in task.batch(step, seed))
+        computed = worker_gradients(model, task.loss, batch, workers, params, gradient_method, buffers)
         t1 = time.perf_counter()
         clip_worker_gradients(computed.grads, grad_clip, clip_rule, exact)
         result.lrs.append(float(optimizer.param_groups[0]["lr"]))

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ds_lioncub.aggregation import COMM_DTYPES, Aggregator, Bucket, ExactMean, build_aggregation
+from ds_lioncub.aggregation import COMM_DTYPES, AggregationState, Aggregator, Bucket, ExactMean, build_aggregation
 from ds_lioncub.bucket_work import (
     BucketBuffers,
     Entry,
@@ -172,6 +172,15 @@ class VirtualLionCub(torch.optim.Optimizer):
             for param in self._flat_params()
         ]
 
+    def worker_aggregation_state(self, worker: int) -> AggregationState | None:
+        """Worker ``worker``'s aggregation state (error feedback's residuals or estimates live there, per bucket
+        key); None for exact Lion."""
+        if not 0 <= worker < self.workers:
+            raise IndexError(
+                f"LionCub: worker {worker} is not in a world of {self.workers}; ask for 0..{self.workers - 1}."
+            )
+        return None if self._aggregators is None else self._aggregators[worker].state
+
     def worker_comm_stats(self, worker: int) -> CommStats:
         """The collectives and bytes worker ``worker`` would have sent so far, counted as LionCub counts them."""
         return self.network.transports[worker].stats + CommStats()
@@ -244,14 +253,26 @@ class VirtualLionCub(torch.optim.Optimizer):
             numel = sum(piece.length for piece in bucket)
             exact_c = summed_directions(entries, bucket) if tally is not None else None
             pending: list[object] = []
+            prepared_buckets = []
             for i, aggregator in enumerate(aggregators):
-                if packed_signs:
+                if aggregator.agrees_before_start:
+                    # A collective before the message (EF21's shared scale): every worker agrees, then every
+                    # worker starts. agree takes what start needs of the values, so the workers share the scratch.
+                    prepared = prepare_bucket(entries[i], bucket, scratch, whole_mean_abs[i], aggregator)
+                    aggregator.agree(prepared)
+                    prepared_buckets.append(prepared)
+                elif packed_signs:
                     bits, nbytes = aggregator.sign_message_layout(numel)
                     message = prepare_sign_message(entries[i], bucket, positive_ties, bits, nbytes)
                     pending.append(aggregator.issue(message, numel, positive_ties))
                 else:
                     prepared = prepare_bucket(entries[i], bucket, scratch, whole_mean_abs[i], aggregator)
                     pending.append(aggregator.start(prepared, positive_ties))
+            if prepared_buckets:
+                pending = [
+                    aggregator.start(prepared, positive_ties)
+                    for aggregator, prepared in zip(aggregators, prepared_buckets, strict=True)
+                ]
             results = [aggregator.reduce(mine) for aggregator, mine in zip(aggregators, pending, strict=True)]
             if packed_signs:
                 voted = aggregators[0].complete_packed(results[0])

@@ -230,12 +230,12 @@ def test_state_dict_round_trip(make: object) -> None:
     first: Aggregator = make(transport)  # type: ignore[operator]
     first.state.issued = 5
     residual = torch.randn(16)
-    first.state.buckets[1] = {"residual": residual}
+    first.state.buckets[(1, 0)] = {"residual": residual}
     saved = first.state.state_dict()
     second: Aggregator = make(transport)  # type: ignore[operator]
     second.state.load_state_dict(saved)
     assert second.state.issued == 5
-    assert list(second.state.buckets) == [1] and torch.equal(second.state.buckets[1]["residual"], residual)
+    assert list(second.state.buckets) == [(1, 0)] and torch.equal(second.state.buckets[(1, 0)]["residual"], residual)
     assert second.state.state_dict()["knobs"] == saved["knobs"]
     # Through torch.save and torch.load, as a checkpoint would carry it.
     buffer = io.BytesIO()

@@ -338,6 +338,8 @@ NUMERIC_FIELD_CONTEXT: dict[str, dict[str, Any]] = {
     "momentum_sync.interval": {},
     "consistency_check.interval": {},
     "hybrid.node_size": {},
+    "error_feedback.beta": {**KBIT_L1, "error_feedback": {"kind": "residual"}},
+    "error_feedback.reset_interval": {**KBIT_L1, "error_feedback": {"kind": "residual"}},
     "network.bandwidth": {"compression": "auto"},
     "network.latency": {"compression": "auto"},
     "network.intra_node_bandwidth": {"compression": "auto"},
@@ -413,6 +415,7 @@ def test_numeric_fields_are_all_known() -> None:
         "betas.0": 0.5,
         "betas.1": 0.5,
         "bits": 8,
+        "error_feedback.beta": 0.5,
         "network.ring_efficiency": 1,
         "network.all_to_all_efficiency": 1,
     }

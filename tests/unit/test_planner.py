@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-import ds_lioncub.optimizer as optimizer_module
+import ds_lioncub.optimizer_setup as optimizer_setup
 import ds_lioncub.planner.convergence as convergence
 from ds_lioncub import LionCub, parse_config
 from ds_lioncub._logging import get_logger
@@ -771,7 +771,7 @@ def test_lioncub_resolves_auto_at_construction_and_checks_the_resolved_options(m
     """A world of one: exact Lion; the set-up fingerprint sees "auto" as written, then the resolved compression."""
     seen: list[Any] = []
     monkeypatch.setattr(
-        optimizer_module, "check_same_on_every_rank", lambda transport, components, layout: seen.append(components)
+        optimizer_setup, "check_same_on_every_rank", lambda transport, components, layout: seen.append(components)
     )
     model = torch.nn.Linear(4, 3)
     lioncub = LionCub(
