@@ -130,6 +130,7 @@ REFUSED: dict[str, tuple[HybridCase, tuple[str, ...]]] = {
         ("offload",),
     ),
     "parameter_offload": (zero3("parameter_offload", zero={"offload_param": {"device": "cpu"}}), ("offload",)),
+    "elastic_checkpoint": (zero3("elastic_checkpoint", zero={"elastic_checkpoint": True}), ("elastic",)),
     "universal_checkpoint": (
         zero3("universal_checkpoint", extra={"checkpoint": {"load_universal": True}}),
         ("universal",),
