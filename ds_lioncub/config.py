@@ -173,11 +173,12 @@ class ErrorFeedbackConfig(DeepSpeedConfigModel):
 
 
 class HybridConfig(DeepSpeedConfigModel):
-    """Compressed LionCub under DeepSpeed ZeRO-1/2: shard inside a node, vote across nodes.
+    """Compressed LionCub under DeepSpeed ZeRO-1/2/3: shard inside a node, vote across nodes.
 
     N ranks run as M nodes of G ranks. Inside a node ZeRO averages gradients and partitions the
-    optimizer state in full precision; each node is one Lion Cub worker, and rank (k, j) votes on
-    shard j with the ranks (k', j) of the other nodes. The engine's data-parallel world stays N.
+    optimizer state (at stage 3 the parameters too) in full precision; each node is one Lion Cub
+    worker, and rank (k, j) votes on shard j with the ranks (k', j) of the other nodes. The engine's
+    data-parallel world stays N.
     """
 
     model_config = ConfigDict(use_attribute_docstrings=True)
@@ -370,7 +371,7 @@ class LionCubConfig(DeepSpeedConfigModel):
     ZeRO-1/2 hybrid."""
 
     hybrid: HybridConfig | None = None
-    """Options of compressed LionCub under ZeRO stage 1 or 2, the hybrid (used there even when not given):
+    """Options of compressed LionCub under ZeRO stage 1, 2 or 3, the hybrid (used there even when not given):
     ``node_size``, the ranks per node, defaults to the launcher's."""
 
     telemetry: TelemetryConfig = TelemetryConfig()
@@ -440,7 +441,7 @@ class LionCubConfig(DeepSpeedConfigModel):
             "hybrid",
             lambda config, given: config.compression == "none" and config.hybrid is not None,
             lambda config: (
-                "hybrid only applies to compressed modes under ZeRO stage 1 or 2 (with compression='none' ZeRO "
+                "hybrid only applies to compressed modes under ZeRO stage 1, 2 or 3 (with compression='none' ZeRO "
                 "shards exact Lion over the whole world); drop hybrid or choose compression='1bit' or 'kbit'"
             ),
         ),

@@ -132,7 +132,8 @@ def resolve_auto(
     if zero_stage >= 3:
         return _exact(
             options,
-            f"LionCub auto: exact Lion (compression 'none'): ZeRO stage {zero_stage} runs exact Lion only.",
+            f"LionCub auto: exact Lion (compression 'none'): the planner does not price the ZeRO stage {zero_stage} "
+            f"hybrid yet; set compression='1bit' or 'kbit' to run it.",
         )
     layout = plan_hybrid(world_size, node_size)
     where = f"{num_params:,} parameters on {layout.nodes} x {layout.node_size} ranks at {describe_network(network)}"
