@@ -17,7 +17,8 @@ What is left out, as for ZeRO-2: the gathers are priced as whole buckets of ``ze
 elements, while ZeRO-3 gathers layer by layer (same bytes, more rounds of α: one set per layer);
 the flat parameters are padded to ``p`` (or G) equal parts, while ZeRO-3 pads each parameter (at
 most ``p - 1`` elements each); the gathers run inside the forward and backward passes, and the model
-adds them to the step as it adds ZeRO-2's reduce-scatter, with no overlap.
+adds them to the step as it adds ZeRO-2's reduce-scatter, with no overlap; the hybrid's one-byte skip
+agreements over the vote group (section 12.1) are left out, as under the ZeRO-1/2 hybrid.
 """
 
 from __future__ import annotations
