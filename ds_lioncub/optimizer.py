@@ -35,14 +35,7 @@ from ds_lioncub.overlap import OverlapController, overlap_transport
 from ds_lioncub.param_selection import names_by_position
 from ds_lioncub.planner.auto import AutoResolution
 from ds_lioncub.post_step import MomentumSync, PostStepHook, ReplicaCheck, StepDone
-from ds_lioncub.step_paths import (
-    StepContext,
-    compressed_step,
-    exact_lion_step,
-    overlapped_step,
-    participants,
-    require_finite_gradients,
-)
+from ds_lioncub.step_paths import StepContext, participants, run_step_path
 from ds_lioncub.telemetry import StepRecord, StepTelemetry, TelemetryTotals
 
 
@@ -379,16 +372,7 @@ class LionCub(torch.optim.Optimizer):
             self._flat_params(),
             self.param_names,
         )
-        aggregator = self._aggregator
-        if aggregator is None or aggregator.reduces_gradients:
-            exact_lion_step(entries, aggregator, self.transport, context)
-        elif armed is not None:
-            assert self._overlap.take_armed() is armed
-            self._overlap.revoted_buckets += overlapped_step(entries, armed, step, positive_ties, context)
-        else:
-            if self.options.check_finite:
-                require_finite_gradients(entries, step, context)
-            compressed_step(entries, aggregator, positive_ties, context)
+        run_step_path(entries, step, positive_ties, self._aggregator, self.transport, self._overlap, context)
         if parts is None:
             for group in self.param_groups:
                 group["step"] = step
