@@ -30,6 +30,7 @@ from tests.support.hf_cases import (  # noqa: E402
     MICRO_BATCH,
     NODE_SIZE,
     NODES,
+    SEQUENCE,
     STEPS,
     WEIGHT_DECAY,
     WORLD,
@@ -182,7 +183,7 @@ def test_the_trainer_gives_each_rank_its_own_batches_and_every_example_once(laun
         for record in records:
             assert len(record["calls"]) == STEPS, name
             for call in record["calls"]:
-                assert call["input_ids"].shape == (MICRO_BATCH, call["input_ids"].shape[1]), name
+                assert call["input_ids"].shape == (MICRO_BATCH, SEQUENCE), name
                 assert torch.equal(call["input_ids"], call["labels"]), name
                 seen.append(call["input_ids"])
         rows = sorted(tuple(row.tolist()) for row in torch.cat(seen))
