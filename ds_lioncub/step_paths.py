@@ -1,8 +1,8 @@
 """The step paths of :class:`~ds_lioncub.optimizer.LionCub`: how one optimizer step runs over its buckets.
 
-``LionCub.step`` runs one path per step (:func:`run_step_path` picks it); every path cuts the participating parameters into buckets
-(:mod:`ds_lioncub.buckets`) and runs each bucket's local halves (:mod:`ds_lioncub.bucket_work`) around
-its aggregation (:mod:`ds_lioncub.aggregation`):
+``LionCub.step`` runs one path per step (:func:`run_step_path` picks it); every path cuts the
+participating parameters into buckets (:mod:`ds_lioncub.buckets`) and runs each bucket's local halves
+(:mod:`ds_lioncub.bucket_work`) around its aggregation (:mod:`ds_lioncub.aggregation`):
 
 - :func:`exact_lion_step`: exact Lion on each bucket's gradients, averaged over the ranks unless the
   caller already did (compression "none", or a world of one);
