@@ -89,7 +89,9 @@ setup(
     extras_require={
         "mpi": ["mpi4py", "mpich"],
         "cuda": ["cupy-cuda12x"],
-        "test": ["pytest", "pytest-timeout", "tqdm"],
+        # transformers and accelerate: the Hugging Face Trainer test (tests/integration/test_hf_trainer.py), pinned
+        # to the versions it was written against (its CPU set-up works around their handling of a machine with no GPU).
+        "test": ["pytest", "pytest-timeout", "tqdm", "transformers==5.24.0", "accelerate==1.15.0"],
         "bench": ["matplotlib"],  # bench_train.py's loss plots
     },
     ext_modules=EXT_MODULES,

@@ -17,12 +17,14 @@ differ only in how gradients (or updates) cross the network and in beta2 where t
 | ddp_powersgd | torch DDP | plain Lion, DDP's PowerSGD hook (rank-2 low-rank gradients) |
 | lion_zero2 | DeepSpeed | exact Lion, ZeRO-2 over the whole world: fp32 gradient reduce, fp32 all-gather |
 | lioncub_1bit_zero2_hybrid | DeepSpeed | ZeRO-2 in fp32 inside each node; 1-bit vote of each shard across nodes |
+| lion_zero3 | DeepSpeed | exact Lion, ZeRO-3 over the whole world: fp32 reduce-scatter, parameter gathers |
+| lioncub_1bit_zero3_hybrid | DeepSpeed | ZeRO-3 in fp32 inside each node; 1-bit vote of the slices across nodes |
 
 The k-bit methods use ``kbit_algorithm="alltoall"``: on the emulated cluster it is the faster of the
 two (benchmarks/RESULTS.md, compressed collectives) and it computes the same vote. Gradient clipping is off
 everywhere (DeepSpeed's default is 1.0): DDP has none, and Lion's update is a sign anyway.
 
-The two ZeRO methods are meant for a cluster of nodes with several ranks each (``bench_train.py
+The ZeRO methods are meant for a cluster of nodes with several ranks each (``bench_train.py
 --node-size G``): the hybrid's ``hybrid.node_size`` is that G, so its ZeRO groups are the ranks that
 share a node's unshaped loopback and its votes are what crosses the shaped links between nodes.
 """
@@ -142,6 +144,15 @@ METHODS: tuple[Method, ...] = (
         "deepspeed",
         lioncub={"compression": "1bit"},
         zero_stage=2,
+        hybrid=True,
+    ),
+    Method("lion_zero3", "Lion, ZeRO-3", "deepspeed", lioncub={"compression": "none"}, zero_stage=3),
+    Method(
+        "lioncub_1bit_zero3_hybrid",
+        "Lion Cub 1-bit, ZeRO-3 hybrid",
+        "deepspeed",
+        lioncub={"compression": "1bit"},
+        zero_stage=3,
         hybrid=True,
     ),
 )

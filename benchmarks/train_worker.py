@@ -63,7 +63,7 @@ from benchmarks.plain_lion import PlainLion
 from benchmarks.train_methods import Method, TrainSettings, ds_config, select_methods
 from ds_lioncub.comm.transport import COMMUNICATING_METHODS
 from ds_lioncub.deepspeed_integration import find_lioncub
-from ds_lioncub.integration import hybrid_zero
+from ds_lioncub.integration import hybrid_zero, hybrid_zero3
 from examples.corpus import DEFAULT_MAX_BYTES, Corpus, load_corpus
 from examples.gpt import GPT, GPTConfig
 from examples.train_gpt import checked_parameters, evaluate, fp32_loss, get_batch, params_in_sync
@@ -131,6 +131,13 @@ def ranks_per_link() -> int:
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
+def gathered_module_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The whole parameters of a ZeRO-3 module (each gathered from its partition group), copied."""
+    params = list(module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().clone() for p in params]
+
+
 def optimizer_state_bytes(optimizer: Any) -> int:
     """Bytes of the ``exp_avg`` tensors in ``optimizer.state`` (Lion's only state: its momentum)."""
     return sum(
@@ -183,7 +190,8 @@ def train(
         if method.hybrid:
             # The hybrid's world-wide skip agreement (a one-byte all-reduce over the vote group, through
             # torch.distributed): it waits for the other nodes, which is communication, not update.
-            clock.wrap(hybrid_zero, "_any_rank")
+            clock.wrap(hybrid_zero, "any_rank")
+            clock.wrap(hybrid_zero3, "any_rank")
         lioncub = find_lioncub(engine.optimizer)
         state_holder = lioncub
         if lioncub is not None:
@@ -195,7 +203,10 @@ def train(
 
         backward: Callable[[torch.Tensor], None] = engine.backward
         update: Callable[[], None] = engine.step
-        if method.zero_stage:
+        if method.zero_stage == 3:
+            # ZeRO-3 keeps each rank's slice of the weights: gathered, they must agree.
+            synced = lambda: gathered_module_parameters(engine.module)  # noqa: E731
+        elif method.zero_stage:
             # Under ZeRO each rank's optimizer holds its own shard: only the module's weights can agree.
             synced = lambda: list(engine.module.parameters())  # noqa: E731
         else:

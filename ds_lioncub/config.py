@@ -7,17 +7,12 @@ the option, the value, what is allowed, and how to fix it.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
-from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
-from ds_lioncub.comm.transport import cuda_aware_conflict
 from ds_lioncub.comm.vocabulary import (
     Aggregation,
     CommBackendName,
@@ -26,237 +21,23 @@ from ds_lioncub.comm.vocabulary import (
     Quantizer,
     TieBreak,
 )
+from ds_lioncub.config_rules import CROSS_OPTION_RULES, CrossOptionRule
+from ds_lioncub.config_sections import (
+    CommDtype,
+    ConsistencyCheckConfig,
+    ErrorFeedbackConfig,
+    HybridConfig,
+    MomentumSyncConfig,
+    NetworkConfig,
+    TelemetryConfig,
+)
 from ds_lioncub.config_types import (
-    Duration,
     Flag,
-    OptionalRate,
-    OptionalReal,
-    OptionalWhole,
-    Rate,
     Real,
     Whole,
     only_numbers,
 )
 from ds_lioncub.errors import LionCubConfigError
-
-CommDtype = Literal["fp32", "bf16"]
-
-
-class MomentumSyncConfig(DeepSpeedConfigModel):
-    """Selective momentum synchronisation: average some layers' ``exp_avg`` over the ranks now and then.
-
-    With compression each rank's momentum drifts from the others'; averaging the layers that drift
-    most (embeddings and the output head) every few steps brings Lion Cub closer to Lion for a few
-    percent more bytes.
-    """
-
-    model_config = ConfigDict(use_attribute_docstrings=True)
-
-    def __init__(self, strict: bool = True, **data: Any) -> None:
-        # DeepSpeed's config models drop every "auto" value (HF's placeholder), but layers="auto" is a value of its
-        # own here: dropped, {"layers": "auto"} would read as an empty block and its missing interval go unnoticed.
-        super().__init__(strict=strict, **data)
-
-    interval: Whole = Field(0, ge=0)
-    """Every K-th step (t % K == 0) the selected ``exp_avg`` tensors are averaged; 0 never syncs. Try 10.
-    ``layers`` or ``dtype`` without an interval, or with interval 0, is refused: they would never take effect."""
-
-    layers: list[str] | Literal["all", "auto"] = "auto"
-    """Regexes searched in parameter names (``module.named_parameters()`` names), ``"all"``, or
-    ``"auto"``: the nn.Embedding weights and the output head (the last nn.Linear); ``"auto"`` needs the
-    model (``LionCub(..., module=model)``; DeepSpeed passes its engine's). An empty list is refused."""
-
-    dtype: CommDtype = "fp32"
-    """Precision of the averaging all-reduce; bf16 halves its bytes."""
-
-    @field_validator("layers")
-    @classmethod
-    def _regexes_compile(cls, layers: list[str] | str) -> list[str] | str:
-        if isinstance(layers, list):
-            if not layers:
-                # An empty list selects nothing: the config says "sync" and the job syncs no momentum, like a
-                # regex that matches no parameter name (refused when the optimizer is built).
-                raise ValueError(
-                    "an empty list selects no parameter, so nothing would be synced; list regexes of parameter "
-                    'names (e.g. ["^lm_head\\."]), use "auto" or "all", or drop momentum_sync'
-                )
-            for pattern in layers:
-                try:
-                    re.compile(pattern)
-                except re.error as error:
-                    raise ValueError(f"layers entry {pattern!r} is not a valid regex: {error}") from None
-        return layers
-
-    @model_validator(mode="after")
-    def _interval_given(self) -> MomentumSyncConfig:
-        # Layers or a dtype with no interval (or interval 0) would never take effect: the job trains without any
-        # sync and nothing says so. The rule reads values, not only which keys were given, so that a valid block
-        # stays valid after model_dump() and parsing again (compression="auto" and the engine do that).
-        given = [name for name in ("layers", "dtype") if name in self.model_fields_set]
-        interval_missing = "interval" not in self.model_fields_set and bool(given)
-        non_default = any(getattr(self, name) != type(self).model_fields[name].default for name in given)
-        if self.interval == 0 and (interval_missing or non_default):
-            shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in given)
-            raise ValueError(
-                f"momentum_sync sets {shown} but its interval is {'missing' if interval_missing else '0'}, and "
-                f"interval 0 never syncs; set momentum_sync.interval (e.g. 10: every 10th step) or drop momentum_sync"
-            )
-        return self
-
-
-class ConsistencyCheckConfig(DeepSpeedConfigModel):
-    """Replica checksums: confirm every few steps that all ranks hold bitwise identical parameters."""
-
-    model_config = ConfigDict(use_attribute_docstrings=True)
-
-    interval: Whole = Field(100, ge=0)
-    """Every K-th step the ranks compare a checksum of their parameters (one read pass over them and an
-    8-byte all-gather) and all raise, naming the step and the parameter, if they differ; 0 never checks.
-    At 100 the cost is well under 1% of a step (benchmarks/RESULTS.md)."""
-
-
-class TelemetryConfig(DeepSpeedConfigModel):
-    """What the per-step telemetry measures beyond bytes, collectives and seconds (always recorded).
-
-    Every step's record is :attr:`ds_lioncub.LionCub.last_step_telemetry`; under DeepSpeed it is also
-    written through the engine's monitor (docs/design.md, section 15).
-    """
-
-    model_config = ConfigDict(use_attribute_docstrings=True)
-
-    vote_stats: Flag = False
-    """Also measure the vote's tie rate (the fraction of elements whose summed vote is 0) and this
-    rank's agreement rate (the fraction whose local sign equals the applied sign). Costs, per bucket,
-    a packed copy of the local signs (n/8 bytes), two 1-bit votes or a histogram of the summed fields,
-    and a packing of the result; per step one 8-byte integer all-reduce (left out of ``comm_stats()``).
-    About 30% of a world-of-one CPU step's time (benchmarks/RESULTS.md). Compressed modes only."""
-
-
-class ErrorFeedbackConfig(DeepSpeedConfigModel):
-    """Error feedback on the k-bit L1 path: what the quantizer rounds off one step is fed into the next.
-
-    Two forms (docs/design.md, section 4.8): ``"residual"`` keeps each rank's rounding error and adds a
-    moving average of it to the next step's update before quantizing; ``"ef21"`` keeps, on every rank,
-    an estimate of its own update and sends only the quantized change of it, with one scale shared by all
-    ranks, and applies the sign of the ranks' summed estimate. Both keep every rank's parameters
-    bit-identical. ``compression="kbit"`` with ``quantizer="l1"`` only.
-    """
-
-    model_config = ConfigDict(use_attribute_docstrings=True)
-
-    kind: Literal["residual", "ef21"]
-    """``"residual"`` (h = c + e is quantized; e <- beta*e + (1-beta)*(h - dequantized), per rank; any k-bit L1
-    aggregation) or ``"ef21"`` (shared-scale EF21: ``kbit_algorithm="alltoall"`` and ``aggregation="vote"``;
-    4 B per parameter of estimate per rank plus 4/p B of the shared estimate, one small all-gather per bucket)."""
-
-    beta: Real = Field(0.9, ge=0, lt=1, allow_inf_nan=False)
-    """``"residual"`` only: the moving average's weight on the old residual (0 keeps only the last step's
-    rounding error). Try 0.8-0.95."""
-
-    reset_interval: Whole = Field(0, ge=0)
-    """``"residual"`` only: zero the residual every this many uses of a bucket (steps); 0 never resets. The
-    residual also starts over when the world size changes."""
-
-    storage: CommDtype = "fp32"
-    """``"residual"`` only: the residual's precision in memory, fp32 (4 B per parameter) or bf16 (2 B, rounds
-    each stored residual to 8 significant bits)."""
-
-    @model_validator(mode="after")
-    def _residual_knobs_only_for_residual(self) -> ErrorFeedbackConfig:
-        given = sorted(self.model_fields_set & {"beta", "reset_interval", "storage"})
-        if self.kind == "ef21" and given:
-            raise ValueError(
-                f"{', '.join(given)} only apply to kind 'residual' (ef21 keeps an estimate, not a "
-                f"residual); drop them or set kind='residual'"
-            )
-        return self
-
-
-class HybridConfig(DeepSpeedConfigModel):
-    """Compressed LionCub under DeepSpeed ZeRO-1/2: shard inside a node, vote across nodes.
-
-    N ranks run as M nodes of G ranks. Inside a node ZeRO averages gradients and partitions the
-    optimizer state in full precision; each node is one Lion Cub worker, and rank (k, j) votes on
-    shard j with the ranks (k', j) of the other nodes. The engine's data-parallel world stays N.
-    """
-
-    model_config = ConfigDict(use_attribute_docstrings=True)
-
-    node_size: OptionalWhole = Field(None, ge=1)
-    """G, the ranks per node. Default: the launcher's ranks per machine (LOCAL_WORLD_SIZE, LOCAL_SIZE,
-    OMPI_COMM_WORLD_LOCAL_SIZE or MPI_LOCALNRANKS); set it to emulate nodes on one machine."""
-
-
-class NetworkConfig(DeepSpeedConfigModel):
-    """The network that ``compression="auto"`` plans for (:mod:`ds_lioncub.planner`).
-
-    The numbers are the user's, not measured by a start-up probe. Every rank reads the same numbers
-    and so resolves the same mode, with no collective and no agreement step; a probe would measure a
-    different value on every rank (and need one rank's value broadcast to all), would measure the
-    links while the job is still starting (ranks loading, connections being set up), and would let
-    the mode, and with it the training run, change from one launch to the next. Measure the links
-    once (``iperf3``, or ``benchmarks/bench_comm.py``) and write the figures here.
-    """
-
-    model_config = ConfigDict(use_attribute_docstrings=True)
-
-    bandwidth: Rate = Field(gt=0, allow_inf_nan=False)
-    """Each node's link to the network, per direction: a rate such as "1gbit", "100gbit" or "10GB/s" (bits
-    or bytes per second, tc's units), or a number of bytes per second. The node's ranks share it."""
-
-    latency: Duration = Field(50e-6, ge=0, allow_inf_nan=False)
-    """Seconds per round of a collective (the time for a small message to arrive): "5us", "50us", "1ms", or
-    a number of seconds. Default 50us."""
-
-    intra_node_bandwidth: OptionalRate = Field(None, gt=0, allow_inf_nan=False)
-    """Between two ranks of one node, per direction; unset: in-node links are no bottleneck (NVLink
-    next to Ethernet). Set it when the ranks of a node talk over something slow."""
-
-    ring_efficiency: OptionalReal = Field(None, gt=0, le=1, allow_inf_nan=False)
-    """The fraction of the link rate ring collectives (all-reduce, all-gather, reduce-scatter) reach; unset:
-    on CPU ranks gloo's, as measured on an emulated network (``ds_lioncub.planner.GLOO_LINK_EFFICIENCY``,
-    0.9), on CUDA ranks NCCL's (1: it comes near the link rate)."""
-
-    all_to_all_efficiency: OptionalReal = Field(None, gt=0, le=1, allow_inf_nan=False)
-    """The same for pairwise all-to-alls (the 1-bit vote's first collective); unset: gloo's 0.68 on CPU
-    ranks (which favours modes built on all-reduces), NCCL's 1 on CUDA ranks."""
-
-    device_bandwidth: OptionalRate = Field(None, gt=0, allow_inf_nan=False)
-    """The GPUs' memory bandwidth, which prices the local work of CUDA ranks (a table derived from each
-    pass's bytes, ``ds_lioncub.planner.devices``): a rate such as "3.35TB/s"; unset: an H100's (3.35TB/s). CPU ranks
-    use the built-in measured table and ignore it."""
-
-
-@dataclass(frozen=True)
-class CrossOptionRule:
-    """A combination of LionCub options that cannot work together.
-
-    ``option`` is the option the rule governs (the one its message tells to drop or change first);
-    ``refuses(config, given)`` is true for a config the rule refuses, where ``given`` holds the options the
-    user set (to any value, the default included); ``message(config)`` says why and how to fix it
-    (:func:`parse_config` puts "LionCub: invalid options: " before it and a period after).
-    """
-
-    option: str
-    refuses: Callable[[LionCubConfig, AbstractSet[str]], bool]
-    message: Callable[[LionCubConfig], str]
-
-
-def _kbit_only(name: str) -> CrossOptionRule:
-    """``name`` set with a compression other than "kbit", where it would silently do nothing."""
-    return CrossOptionRule(
-        name,
-        lambda config, given: config.compression != "kbit" and name in given,
-        lambda config: (
-            f"{name}={getattr(config, name)!r} only applies to compression='kbit' "
-            f"(compression is {config.compression!r}); set compression='kbit' or drop {name}"
-        ),
-    )
-
-
-def _cuda_aware_conflict_of(config: LionCubConfig) -> str:
-    """Why the config's cuda_aware cannot go with its comm_backend_name ("": it can); make_transport says the same."""
-    return cuda_aware_conflict(config.comm_backend_name, config.cuda_aware) or ""
 
 
 class LionCubConfig(DeepSpeedConfigModel):
@@ -370,155 +151,16 @@ class LionCubConfig(DeepSpeedConfigModel):
     ZeRO-1/2 hybrid."""
 
     hybrid: HybridConfig | None = None
-    """Options of compressed LionCub under ZeRO stage 1 or 2, the hybrid (used there even when not given):
+    """Options of compressed LionCub under ZeRO stage 1, 2 or 3, the hybrid (used there even when not given):
     ``node_size``, the ranks per node, defaults to the launcher's."""
 
     telemetry: TelemetryConfig = TelemetryConfig()
     """Opt-in parts of the per-step telemetry (``{"vote_stats": true}``); every step's record is
     ``opt.last_step_telemetry`` (docs/user-guide.md, "What each step did")."""
 
-    # Every rule across options, in the order they are checked: a config with several problems is refused with the
-    # first rule's message. A new option that depends on another adds its rule here (one entry).
-    CROSS_OPTION_RULES: ClassVar[tuple[CrossOptionRule, ...]] = (
-        CrossOptionRule(
-            "network",
-            lambda config, given: config.compression == "auto" and config.network is None,
-            lambda config: (
-                "compression='auto' needs the network to plan for: add "
-                '"network": {"bandwidth": "1gbit", "latency": "50us"} with your links\' figures '
-                "(python -m ds_lioncub.planner shows what each mode would cost), or choose the compression yourself"
-            ),
-        ),
-        CrossOptionRule(
-            "network",
-            lambda config, given: config.compression != "auto" and config.network is not None,
-            lambda config: (
-                f"network only applies to compression='auto' (compression is {config.compression!r}); "
-                f"set compression='auto' or drop network"
-            ),
-        ),
-        CrossOptionRule(
-            "comm_dtype",
-            lambda config, given: config.compression == "auto" and "comm_dtype" in given,
-            lambda config: (
-                "comm_dtype is chosen by compression='auto' (exact Lion in fp32 or bf16); drop comm_dtype, "
-                "or choose the compression yourself"
-            ),
-        ),
-        _kbit_only("bits"),
-        _kbit_only("quantizer"),
-        _kbit_only("aggregation"),
-        _kbit_only("kbit_algorithm"),
-        _kbit_only("l1_clip"),
-        CrossOptionRule(
-            "comm_dtype",
-            lambda config, given: (
-                config.compression != "none" and "comm_dtype" in given and config.comm_dtype != "fp32"
-            ),
-            lambda config: (
-                f"comm_dtype={config.comm_dtype!r} applies to compression='none' (the uncompressed gradient "
-                f"all-reduce); compressed modes send bits, so drop comm_dtype"
-            ),
-        ),
-        CrossOptionRule(
-            "momentum_sync",
-            lambda config, given: config.compression == "none" and config.momentum_sync.interval > 0,
-            lambda config: (
-                "momentum_sync only applies to compressed modes: with compression='none' every rank's momentum "
-                "is already identical; drop momentum_sync or choose compression='1bit' or 'kbit'"
-            ),
-        ),
-        CrossOptionRule(
-            "telemetry",
-            lambda config, given: config.compression == "none" and config.telemetry.vote_stats,
-            lambda config: (
-                "telemetry.vote_stats only applies to compressed modes (compression='none' takes no vote); drop "
-                "telemetry.vote_stats or choose compression='1bit' or 'kbit'"
-            ),
-        ),
-        CrossOptionRule(
-            "hybrid",
-            lambda config, given: config.compression == "none" and config.hybrid is not None,
-            lambda config: (
-                "hybrid only applies to compressed modes under ZeRO stage 1 or 2 (with compression='none' ZeRO "
-                "shards exact Lion over the whole world); drop hybrid or choose compression='1bit' or 'kbit'"
-            ),
-        ),
-        CrossOptionRule(
-            "overlap",
-            lambda config, given: config.overlap and config.compression == "none",
-            lambda config: (
-                "overlap=True starts compressed votes during backward; with compression='none' the gradients "
-                "are averaged instead (DDP or DeepSpeed overlap that themselves). Drop overlap or choose "
-                "compression='1bit' or 'kbit'"
-            ),
-        ),
-        CrossOptionRule(
-            "overlap",
-            lambda config, given: config.overlap and config.comm_backend_name != "torch",
-            lambda config: (
-                f"overlap=True needs collectives that run while backward goes on, which "
-                f"comm_backend_name={config.comm_backend_name!r} does not offer yet; use comm_backend_name='torch' "
-                f"or drop overlap"
-            ),
-        ),
-        CrossOptionRule(
-            "cuda_aware", lambda config, given: bool(_cuda_aware_conflict_of(config)), _cuda_aware_conflict_of
-        ),
-        CrossOptionRule(
-            "error_feedback",
-            lambda config, given: config.error_feedback is not None and config.compression != "kbit",
-            lambda config: (
-                f"error_feedback only applies to compression='kbit' with quantizer='l1' (compression is "
-                f"{config.compression!r}: a sign vote or an exact mean rounds nothing off that it could feed back); "
-                f"set compression='kbit', quantizer='l1' or drop error_feedback"
-            ),
-        ),
-        CrossOptionRule(
-            "error_feedback",
-            lambda config, given: (
-                config.error_feedback is not None and config.compression == "kbit" and config.quantizer != "l1"
-            ),
-            lambda config: (
-                f"error_feedback only applies to quantizer='l1' (quantizer is {config.quantizer!r}: a sign field "
-                f"has no rounding error to feed back); set quantizer='l1' or drop error_feedback"
-            ),
-        ),
-        CrossOptionRule(
-            "error_feedback",
-            lambda config, given: config.error_feedback is not None and config.overlap,
-            lambda config: (
-                "error_feedback does not support overlap=True yet (a vote started during backward would update "
-                "the feedback state before the final gradients are known); drop overlap or error_feedback"
-            ),
-        ),
-        CrossOptionRule(
-            "error_feedback",
-            lambda config, given: config.error_feedback is not None and config.hybrid is not None,
-            lambda config: (
-                "error_feedback does not support the ZeRO-1/2 hybrid yet; drop hybrid (and run ZeRO stage 0) or "
-                "drop error_feedback"
-            ),
-        ),
-        CrossOptionRule(
-            "error_feedback",
-            lambda config, given: (
-                config.error_feedback is not None
-                and config.error_feedback.kind == "ef21"
-                and (config.kbit_algorithm != "alltoall" or config.aggregation != "vote")
-            ),
-            lambda config: (
-                f"error_feedback kind 'ef21' needs kbit_algorithm='alltoall' and aggregation='vote' (got "
-                f"{config.kbit_algorithm!r} and {config.aggregation!r}: each chunk's owner keeps the shared "
-                f"estimate and applies its sign); set them or use kind 'residual'"
-            ),
-        ),
-        CrossOptionRule(
-            "l1_clip",
-            lambda config, given: config.compression == "kbit" and config.quantizer == "sign" and "l1_clip" in given,
-            lambda config: "l1_clip only applies to quantizer='l1'; set quantizer='l1' or drop l1_clip",
-        ),
-    )
+    #: Every rule across options, in the order they are checked (ds_lioncub.config_rules): a config with several
+    #: problems is refused with the first rule's message. A new option that depends on another adds its rule there.
+    CROSS_OPTION_RULES: ClassVar[tuple[CrossOptionRule, ...]] = CROSS_OPTION_RULES
 
     @field_validator("comm_backend_name", mode="before")
     @classmethod

@@ -14,6 +14,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from ds_lioncub.comm.backend import CompressedBackend
 from ds_lioncub.comm.quantize import tie_sign
 from ds_lioncub.comm.transport import CommStats, Transport, make_transport
 from ds_lioncub.config import LionCubConfig, parse_config
-from ds_lioncub.errors import LionCubConfigError, LionCubError
+from ds_lioncub.errors import LionCubConfigError, LionCubError, LionCubSetupError
 from ds_lioncub.fingerprint import describe_parameters
 from ds_lioncub.local_state import (
     load_local_momenta,
@@ -39,14 +40,7 @@ from ds_lioncub.overlap import OverlapController, overlap_transport
 from ds_lioncub.param_selection import names_by_position
 from ds_lioncub.planner.auto import AutoResolution
 from ds_lioncub.post_step import MomentumSync, PostStepHook, ReplicaCheck, StepDone
-from ds_lioncub.step_paths import (
-    StepContext,
-    compressed_step,
-    exact_lion_step,
-    overlapped_step,
-    participants,
-    require_finite_gradients,
-)
+from ds_lioncub.step_paths import StepContext, participants, run_step_path
 from ds_lioncub.telemetry import StepRecord, StepTelemetry, TelemetryTotals
 
 
@@ -101,6 +95,8 @@ class LionCub(torch.optim.Optimizer):
         # but not identities.
         self.param_names: list[str] | None = None
         self._states_only = False
+        # Inside optimizer_step_in_parts(): the step every step() call is a part of (None outside).
+        self._parts: StepInParts | None = None
         # The bucket schedule of compressed steps (step_paths.compressed_step); False runs buckets one by one.
         self._pipelined_buckets = True
         # Per-step records (docs/design.md, section 15).
@@ -244,6 +240,29 @@ class LionCub(torch.optim.Optimizer):
         finally:
             self._states_only = False
 
+    @contextmanager
+    def optimizer_step_in_parts(self) -> Iterator[None]:
+        """Within this block every ``step()`` call is one part of a single optimizer step.
+
+        For callers that step the parameters in several calls, each with only some of them in
+        ``param_groups`` (DeepSpeed's ZeRO-3 steps one flat sub-group per call). Every part runs with
+        the same step number, so the tie rule is the step's; each part does its own tensors' work (the
+        vote, the post-step hooks on its tensors, one telemetry record). The step count advances once,
+        when the block ends after at least one part; a block in which no part ran (a skipped step) or
+        that raised leaves it as it was.
+        """
+        if self._parts is not None:
+            raise LionCubSetupError("LionCub: optimizer_step_in_parts() blocks do not nest; end the first one.")
+        parts = StepInParts(self.param_groups[0]["step"] + 1 if self.param_groups else 1)
+        self._parts = parts
+        try:
+            yield
+        finally:
+            self._parts = None
+        if parts.taken:
+            for group in self.param_groups:
+                group["step"] = parts.step
+
     # ------------------------------------------------------------------ public helpers
 
     def comm_stats(self) -> CommStats:
@@ -353,7 +372,8 @@ class LionCub(torch.optim.Optimizer):
         entries = participants(self.param_groups, self.state, alone=self.transport.world_size == 1)
         if self._states_only:
             return loss
-        step = self.param_groups[0]["step"] + 1
+        parts = self._parts
+        step = parts.step if parts is not None else self.param_groups[0]["step"] + 1
         positive_ties = tie_sign(step, self.options.tie_break) > 0
         armed = self._overlap.armed
         baseline = self.comm_stats()
@@ -369,18 +389,12 @@ class LionCub(torch.optim.Optimizer):
             self._flat_params(),
             self.param_names,
         )
-        aggregator = self._aggregator
-        if aggregator is None or aggregator.reduces_gradients:
-            exact_lion_step(entries, aggregator, self.transport, context)
-        elif armed is not None:
-            assert self._overlap.take_armed() is armed
-            self._overlap.revoted_buckets += overlapped_step(entries, armed, step, positive_ties, context)
+        run_step_path(entries, step, positive_ties, self._aggregator, self.transport, self._overlap, context)
+        if parts is None:
+            for group in self.param_groups:
+                group["step"] = step
         else:
-            if self.options.check_finite:
-                require_finite_gradients(entries, step, context)
-            compressed_step(entries, aggregator, positive_ties, context)
-        for group in self.param_groups:
-            group["step"] = step
+            parts.taken += 1  # the count advances when the block ends
         done = StepDone(
             step,
             self._flat_params(),
@@ -393,7 +407,16 @@ class LionCub(torch.optim.Optimizer):
         )
         for hook in self.post_step_hooks:
             hook(done)
-        if aggregator is not None:  # error feedback's ratio (one host sync), None without
-            self.telemetry.note_feedback(aggregator.state.feedback_kind, aggregator.state.take_feedback_ratio())
+        aggregation = self._aggregator
+        if aggregation is not None:  # error feedback's ratio (one host sync), None without
+            self.telemetry.note_feedback(aggregation.state.feedback_kind, aggregation.state.take_feedback_ratio())
         self.telemetry.close_step(step, self.transport, self.comm_stats)
         return loss
+
+
+@dataclass
+class StepInParts:
+    """The optimizer step that ``step()`` calls are parts of (:meth:`LionCub.optimizer_step_in_parts`)."""
+
+    step: int
+    taken: int = 0

@@ -1,8 +1,8 @@
 """The step paths of :class:`~ds_lioncub.optimizer.LionCub`: how one optimizer step runs over its buckets.
 
-``LionCub.step`` picks one path per step; every path cuts the participating parameters into buckets
-(:mod:`ds_lioncub.buckets`) and runs each bucket's local halves (:mod:`ds_lioncub.bucket_work`) around
-its aggregation (:mod:`ds_lioncub.aggregation`):
+``LionCub.step`` runs one path per step (:func:`run_step_path` picks it); every path cuts the
+participating parameters into buckets (:mod:`ds_lioncub.buckets`) and runs each bucket's local halves
+(:mod:`ds_lioncub.bucket_work`) around its aggregation (:mod:`ds_lioncub.aggregation`):
 
 - :func:`exact_lion_step`: exact Lion on each bucket's gradients, averaged over the ranks unless the
   caller already did (compression "none", or a world of one);
@@ -44,7 +44,7 @@ from ds_lioncub.comm.packing import pack_fields, packed_length, unpack_fields, u
 from ds_lioncub.comm.schedule import run_three_stages
 from ds_lioncub.comm.transport import Transport
 from ds_lioncub.errors import NonFiniteGradientError, UnsupportedParameterError
-from ds_lioncub.overlap import ArmedBackward
+from ds_lioncub.overlap import ArmedBackward, OverlapController
 from ds_lioncub.telemetry import BucketWatch, StepTelemetry, pack_local_signs
 
 
@@ -307,6 +307,30 @@ def overlapped_step(
     return revoted
 
 
+def run_step_path(
+    entries: list[Entry],
+    step: int,
+    positive_ties: bool,
+    aggregator: Aggregator | None,
+    transport: Transport,
+    overlap: OverlapController,
+    context: StepContext,
+) -> None:
+    """Step ``entries`` by the path that fits: exact Lion when ``aggregator`` is None or averages gradients
+    (over ``transport``), the armed backward's votes when ``overlap`` holds one (counting the buckets voted
+    again), else the compressed step after the agreed non-finite check (``context.check_finite``)."""
+    if aggregator is None or aggregator.reduces_gradients:
+        exact_lion_step(entries, aggregator, transport, context)
+        return
+    armed = overlap.take_armed()
+    if armed is not None:
+        overlap.revoted_buckets += overlapped_step(entries, armed, step, positive_ties, context)
+        return
+    if context.check_finite:
+        require_finite_gradients(entries, step, context)
+    compressed_step(entries, aggregator, positive_ties, context)
+
+
 def sign_bits_of_message(message: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """The first ``numel`` sign fields of a ``bits``-wide sign message as 1-bit signs, unpadded: what
     :func:`~ds_lioncub.telemetry.pack_local_signs` gives for the direction the message was packed from."""
@@ -324,5 +348,6 @@ __all__ = [
     "raise_if_non_finite",
     "require_finite_gradients",
     "run_bucket_schedule",
+    "run_step_path",
     "sign_bits_of_message",
 ]

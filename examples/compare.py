@@ -71,6 +71,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per rank (default: train_gpt.py's, 1 on any machine, so the losses repeat from machine "
+        "to machine; 0 = cores / ranks, faster on a large machine, but the losses then depend on its core count)",
+    )
     g = p.add_argument_group("common settings (ignored with --as-is)")
     g.add_argument("--micro-batch", type=int, default=16, help="sequences per rank per step (accumulation 1)")
     g.add_argument("--lr", type=float, default=1e-3, help="peak lr of the common schedule")
@@ -283,6 +290,7 @@ def main() -> None:
             str(corpus_path),
             "--corpus-bytes",
             "0",
+            *([] if args.threads is None else ["--threads", str(args.threads)]),
         ]
         results = [(m, run_method(m, configs[m.config][0], common, args, out_dir)) for m in METHODS]
 

@@ -43,6 +43,10 @@ from ds_lioncub.deepspeed_integration import find_lioncub
 from examples.corpus import DEFAULT_MAX_BYTES, Corpus, load_corpus
 from examples.gpt import GPT, GPTConfig
 
+# Torch threads per rank unless --threads says otherwise: see set_threads. 1 is what the README's table ran
+# with on its 2-core machine (2 ranks x cores / 2), so its numbers stand.
+DEFAULT_THREADS = 1
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,7 +65,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=320,
         help="validation windows, evenly spaced (split over ranks; the same set for every config)",
     )
-    g.add_argument("--threads", type=int, default=0, help="torch threads per rank (0 = cores / local ranks)")
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=DEFAULT_THREADS,
+        help=f"torch threads per rank (default {DEFAULT_THREADS}, whatever the machine; 0 = cores / local ranks: "
+        "faster on a large machine, but the losses then depend on its core count)",
+    )
 
     g = p.add_argument_group("model")
     g.add_argument("--n-layer", type=int, default=2)
@@ -113,7 +123,11 @@ def read_ds_config(path: Path) -> dict[str, Any]:
 
 
 def set_threads(requested: int) -> int:
-    # Ranks on one machine share its cores; oversubscribing them makes step times meaningless.
+    # A fixed count by default, not one derived from the cores: MKL splits the sum over a batch's tokens
+    # in a weight gradient (dW = dY^T X) by thread count, so the gradients' last bits, then after a few
+    # dozen steps a Lion sign and from there the losses, depend on it (benchmarks/RESULTS.md,
+    # "make train across thread counts"). 0 still gives the faster cores / local ranks. Ranks on one
+    # machine share its cores; oversubscribing them makes step times meaningless.
     if requested > 0:
         threads = requested
     else:

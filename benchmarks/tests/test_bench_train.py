@@ -385,3 +385,38 @@ def test_emulated_two_by_two_cluster_zero_hybrid_bytes_and_state(
         assert model <= sent <= 1.15 * model, (step, sent, model)
     zero2_sent = train_report.breakdown(results["lion_zero2"], warmup=0).tx_bytes
     assert zero2_sent >= 16 * train_report.breakdown(results["lioncub_1bit_zero2_hybrid"], warmup=0).tx_bytes
+
+
+@pytest.mark.netns
+def test_emulated_two_by_two_cluster_zero3_hybrid_bytes_between_nodes(
+    tmp_path: Path, packing_op_build: tuple[Any, Any]
+) -> None:
+    """2 nodes x 2 ranks under ZeRO-3: the hybrid's parameter gathers and gradient reduce-scatters stay inside the
+    node, so between nodes only the 1-bit vote of each rank's slices crosses (and small agreement messages);
+    exact Lion under ZeRO-3 gathers and reduces over the whole world. Its state is each rank's slices."""
+    out = tmp_path / "run"
+    methods = ["lion_zero3", "lioncub_1bit_zero3_hybrid"]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_train",
+        *("--ranks", "4", "--node-size", "2", "--bandwidth", "1gbit", "--steps", "3"),
+        *("--methods", ",".join(methods), *CLUSTER_MODEL, "--out-dir", str(out)),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = train_report.load_results(out, methods)
+    for result in results.values():
+        assert result["node_size"] == 2 and result["ranks_per_link"] == 2 and result["params_in_sync"]
+        assert len(set(result["optimizer_state_bytes"])) == 1
+    n = results["lion_zero3"]["n_params"]
+    zero3, hybrid = (train_report.state_bytes(results[name]) for name in methods)
+    # ZeRO-3 slices every parameter into ceil(numel / P) elements: at least n / P each.
+    assert 4 * n <= 4 * zero3 <= 4 * n * 1.01 and 4 * n <= 2 * hybrid <= 4 * n * 1.01
+    # Each step: the 1-bit vote of the rank's slices (one sub-group) over M = 2 nodes, with headers, ACKs and
+    # the agreement messages; the first step also carries ZeRO-3's one-off check of the module order.
+    model = wire.vote_1bit_bytes(hybrid // 4, 2)
+    for step, sent in enumerate(results["lioncub_1bit_zero3_hybrid"]["per_step"]["tx_bytes"][1:], 2):
+        assert model <= sent <= 1.15 * model, (step, sent, model)
+    zero3_sent = train_report.breakdown(results["lion_zero3"], warmup=1).tx_bytes
+    assert zero3_sent >= 16 * train_report.breakdown(results["lioncub_1bit_zero3_hybrid"], warmup=1).tx_bytes

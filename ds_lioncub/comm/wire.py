@@ -29,6 +29,10 @@ Per link, for a cluster of nodes of ``G`` ranks each, numbered node-major (:func
 many bytes cross one node's link to the network and how many one rank sends to ranks in its own
 node, for a group that spans the whole cluster, for the G groups of one rank per node that the
 ZeRO hybrid's votes run in (docs/design.md, section 12), or for a group inside one node.
+
+ZeRO's collectives (:func:`zero2_collectives`, :func:`zero3_collectives`) are what the planner prices; the
+engine runs them, and their counts are checked against the emulated network's link counters
+(benchmarks/RESULTS.md, "ZeRO-3 hybrid on an emulated 2 x 2 cluster").
 """
 
 from __future__ import annotations
@@ -188,6 +192,29 @@ def zero2_collectives(numel: int, world_size: int, element_size: int) -> list[Co
     ]
 
 
+#: How often ZeRO-3 all-gathers a parameter per step: for the forward pass and again for the backward pass, once
+#: the forward released it (every parameter above ``stage3_param_persistence_threshold``; at 0 every one).
+ZERO3_PARAMETER_GATHERS = 2
+
+
+def zero3_collectives(
+    numel: int, world_size: int, element_size: int, gathers: int = ZERO3_PARAMETER_GATHERS
+) -> list[Collective]:
+    """ZeRO-3 over ``world_size`` ranks: ``gathers`` all-gathers of the parameter partitions, a reduce-scatter
+    of the gradients.
+
+    Each rank holds ``zero_partition_numel`` elements of the parameters; every gather brings the whole
+    ``numel`` back (in ``element_size`` bytes, fp32 training: 4), and the gradients are reduce-scattered into
+    the partitions as under ZeRO-2. No all-gather follows the step: the updated partitions are the
+    parameters. Modelled as bandwidth-optimal rings, so each of the ``gathers + 1`` collectives sends half
+    what one all-reduce of the gradients sends.
+    """
+    partition = zero_partition_numel(numel, world_size)
+    return [Collective("all_gather", partition * element_size, world_size) for _ in range(gathers)] + [
+        Collective("reduce_scatter", partition * world_size * element_size, world_size)
+    ]
+
+
 # ---------------------------------------------------------------------------------------------- per link
 
 Placement = Literal["spanning", "one_per_node", "within_node"]
@@ -233,6 +260,7 @@ def link_bytes(collective: Collective, placement: Placement, node_size: int) -> 
 
 
 __all__ = [
+    "ZERO3_PARAMETER_GATHERS",
     "Collective",
     "CollectiveKind",
     "LinkBytes",
@@ -252,5 +280,6 @@ __all__ = [
     "vote_1bit_collectives",
     "vote_padded_numel",
     "zero2_collectives",
+    "zero3_collectives",
     "zero_partition_numel",
 ]

@@ -4,7 +4,9 @@ With compression each rank's momentum differs, and DeepSpeed saves only one rank
 so each data-parallel rank writes ``lioncub_dp_rank_XXXXX.pt`` into the tag's directory beside
 DeepSpeed's files, and reads it back on load. Under the ZeRO hybrid every global rank holds its
 node's momentum for its own shard, and DeepSpeed's optimizer files come from node 0 only: each global
-rank writes ``lioncub_hybrid_rank_XXXXX.pt``.
+rank writes ``lioncub_hybrid_rank_XXXXX.pt``. Under the ZeRO-3 hybrid the shards are the flat tensors of
+ZeRO-3's sub-groups (this rank's slice of each parameter), and DeepSpeed's model-state files come from
+node 0 only too (their names, by rank in the node, would collide across nodes).
 
 A file holds its format version, the world size, its rank, the LionCub step, the parameter layout
 (names, shapes, dtypes in optimizer order), the options the run used, the hybrid topology where there
@@ -20,7 +22,7 @@ another run or another world size, a parameter layout that changed, or a hybrid 
 changed is refused with :class:`~ds_lioncub.errors.LionCubSetupError` naming the files and what is
 wrong. What may change across a resume: lr and its schedule, betas, weight decay, the compression
 mode and its options, bucket size (the momenta are the same kind of tensor in every mode). What may
-not: the parameter layout, and the hybrid topology (M nodes x G ranks).
+not: the parameter layout, and the hybrid topology (M nodes x G ranks, and ZeRO-3 or ZeRO-1/2 shards).
 
 Resharding rule (per-rank files): loaded at the world size it was saved with, rank r reads file r; at
 another world size, and only from a complete set, every rank starts from the element-wise mean of all
@@ -87,7 +89,9 @@ def momentum_state(optimizer: LionCub, rank: int, hybrid: HybridSetup | None = N
     if aggregation is not None:
         state["aggregation"] = aggregation
     if hybrid is not None:
-        state.update(nodes=hybrid.groups.layout.nodes, node_size=hybrid.groups.layout.node_size)
+        state.update(
+            nodes=hybrid.groups.layout.nodes, node_size=hybrid.groups.layout.node_size, zero_stage=hybrid.zero_stage
+        )
     return state
 
 
@@ -213,6 +217,13 @@ def _momenta_to_restore(optimizer: LionCub, directory: str, hybrid: HybridSetup 
         )
     layout = optimizer.parameter_layout()
     if hybrid is not None:
+        saved_zero3, zero3 = int(first.get("zero_stage", 2)) == 3, hybrid.zero_stage == 3
+        if saved_zero3 != zero3:
+            raise _Problems(
+                f"it was saved by the {_hybrid_kind(saved_zero3)} hybrid, but this engine runs the "
+                f"{_hybrid_kind(zero3)} hybrid, whose shards hold other elements; resume at the ZeRO stage it was "
+                f"saved with"
+            )
         current = hybrid.groups.layout
         saved = (first.get("nodes"), first.get("node_size"))
         if saved != (current.nodes, current.node_size):
@@ -239,6 +250,10 @@ def _momenta_to_restore(optimizer: LionCub, directory: str, hybrid: HybridSetup 
             f"feedback state is each rank's own, in its world's chunks, and is not resharded"
         )
     return RankRestore(_mean_momenta(states), None, dropped)
+
+
+def _hybrid_kind(zero3: bool) -> str:
+    return "ZeRO-3" if zero3 else "ZeRO-1/2"
 
 
 def _mean_momenta(saved: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:

@@ -11,7 +11,8 @@
 - ``_configure_fp16_optimizer``: the fp16/bf16 wrapper's state-creating dummy step must not move
   the parameters;
 - ``_configure_zero_optimizer``: under ZeRO stage 1/2 with compression, builds ZeRO inside the node
-  (:mod:`ds_lioncub.integration.hybrid_zero`);
+  (:mod:`ds_lioncub.integration.hybrid_zero`); at stage 3, ZeRO-3 whose sub-group steps are parts of one
+  LionCub step, inside the node with compression (:mod:`ds_lioncub.integration.hybrid_zero3`);
 - ``_take_model_step``: closes the step's telemetry record (a step DeepSpeed skipped on overflow,
   where LionCub's ``step`` never ran, as skipped) and writes it through the engine's monitor
   (docs/design.md, section 15); with ``overlap=True`` drops the votes of a skipped step;
@@ -36,6 +37,7 @@ from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.fingerprint import check_same_on_every_rank, describe_parameters
 from ds_lioncub.integration import checkpoint
 from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE, configure_hybrid_zero
+from ds_lioncub.integration.hybrid_zero3 import configure_zero3, flat_groups_visible, node_zero_writes_the_model_states
 from ds_lioncub.integration.wiring import refuse_before_construction, resolve_auto_for_engine, wire_engine
 from ds_lioncub.optimizer import LionCub
 from ds_lioncub.telemetry import StepRecord
@@ -148,11 +150,22 @@ def _wrap_configure_fp16_optimizer(original: Callable[..., Any]) -> Callable[...
 
 def _wrap_configure_zero_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
     def configure_zero_optimizer(engine: Any, optimizer: Any) -> Any:
+        if _zero3_steps_lioncub(engine, optimizer):
+            return configure_zero3(engine, original, optimizer)
         if getattr(engine, ENGINE_ATTRIBUTE, None) is None:
             return original(engine, optimizer)
         return configure_hybrid_zero(engine, original, optimizer)
 
     return configure_zero_optimizer
+
+
+def _zero3_steps_lioncub(engine: Any, optimizer: Any) -> bool:
+    """Whether ZeRO-3 will step ``optimizer``, a LionCub, on the device (the hybrid, or exact Lion without offload)."""
+    if int(engine.zero_optimization_stage()) != 3 or not isinstance(optimizer, LionCub):
+        return False
+    offload = engine.zero_offload_optimizer()
+    offloaded = offload is not None and str(offload.device) != "none"
+    return getattr(engine, ENGINE_ATTRIBUTE, None) is not None or not (offloaded or engine.super_offload())
 
 
 def write_step_telemetry(engine: Any, record: StepRecord) -> None:
@@ -210,8 +223,10 @@ def _wrap_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
             )
         if lioncub is not None:
             # First, so that DeepSpeed's latest (written at the end of its save) never names an incomplete set.
-            checkpoint.save_local_momentum(lioncub, save_dir, str(tag), getattr(engine, ENGINE_ATTRIBUTE, None))
-        return original(engine, save_dir, tag, *args, **kwargs)
+            with flat_groups_visible(engine, lioncub):
+                checkpoint.save_local_momentum(lioncub, save_dir, str(tag), getattr(engine, ENGINE_ATTRIBUTE, None))
+        with node_zero_writes_the_model_states(engine):
+            return original(engine, save_dir, tag, *args, **kwargs)
 
     return save_checkpoint
 
@@ -226,11 +241,13 @@ def _wrap_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
         skip_optimizer = kwargs.get("load_module_only", False) or not kwargs.get("load_optimizer_states", True)
         momenta = None
         if lioncub is not None and not skip_optimizer:
-            momenta = checkpoint.prepare_load(lioncub, load_dir, tag_name, hybrid)  # before DeepSpeed reads anything
+            with flat_groups_visible(engine, lioncub):  # before DeepSpeed reads anything
+                momenta = checkpoint.prepare_load(lioncub, load_dir, tag_name, hybrid)
         result = original(engine, load_dir, tag, *args, **kwargs)
         load_path = result[0] if isinstance(result, tuple) else None
         if lioncub is not None and load_path is not None and momenta is not None:
-            checkpoint.restore(lioncub, momenta)
+            with flat_groups_visible(engine, lioncub):
+                checkpoint.restore(lioncub, momenta)
         return result
 
     return load_checkpoint

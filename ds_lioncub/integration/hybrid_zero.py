@@ -1,4 +1,4 @@
-"""Compressed LionCub under ZeRO-1/2: shard inside a node, vote across nodes.
+"""Compressed LionCub under ZeRO-1/2: shard inside a node, vote across nodes (ZeRO-3: :mod:`.hybrid_zero3`).
 
 N ranks run as M nodes of G ranks (:mod:`ds_lioncub.comm.topology`). Inside a node ZeRO does what it
 always does, in full precision: it reduce-scatters the gradients, keeps the master weights and the
@@ -45,13 +45,14 @@ ENGINE_ATTRIBUTE = "_lioncub_hybrid"
 
 @dataclass
 class HybridSetup:
-    """What the wiring decided for one engine: the groups and where G came from."""
+    """What the wiring decided for one engine: the groups, where G came from, and the ZeRO stage it runs."""
 
     groups: HybridGroups
     node_size_source: str
+    zero_stage: int = 2
 
 
-def _any_rank(flag: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+def any_rank(flag: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
     """Whether ``flag`` is true on any rank of ``group`` (one byte, MAX)."""
     value = torch.tensor([1 if flag else 0], dtype=torch.uint8, device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
@@ -73,11 +74,11 @@ class HybridZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def has_overflow(self, partition_gradients: bool = True) -> bool:
         overflow = bool(super().has_overflow(partition_gradients))
-        return _any_rank(overflow, self._lioncub_vote_group, self._flag_device())
+        return any_rank(overflow, self._lioncub_vote_group, self._flag_device())
 
     def scaled_global_norm(self, norm_type: int = 2) -> Any:
         norm = super().scaled_global_norm(norm_type)
-        if _any_rank(is_invalid_grad_norm(norm), self._lioncub_vote_group, self._flag_device()):
+        if any_rank(is_invalid_grad_norm(norm), self._lioncub_vote_group, self._flag_device()):
             # What DeepSpeed's norm helpers report for an invalid norm: ZeRO then skips the step.
             return torch.full_like(norm, float("inf")) if torch.is_tensor(norm) else float("inf")
         return norm
@@ -101,18 +102,19 @@ def configure_hybrid_zero(engine: Any, configure: Any, optimizer: Any) -> Any:
     finally:
         engine.seq_data_parallel_group = world_group
         engine_module.DeepSpeedZeroOptimizer = zero_class
-    _check_shards_match(zero, setup)
+    shard_sizes = [p.numel() for p in zero.single_partition_of_fp32_groups]
+    check_shards_match(shard_sizes, setup)
     lioncub = optimizer if isinstance(optimizer, LionCub) else None
     if lioncub is not None:
         # LionCub now steps one flat shard per param group: name them so errors say what they are.
         lioncub.param_names = [f"param group {i} (ZeRO shard)" for i in range(len(lioncub.param_groups))]
-        _log_topology(setup, zero, lioncub)
+        log_topology(setup, shard_sizes, lioncub)
     return zero
 
 
-def _check_shards_match(zero: Any, setup: HybridSetup) -> None:
+def check_shards_match(shard_sizes: list[int], setup: HybridSetup) -> None:
     """Raise unless every rank of the vote group holds shards of the same sizes (the same elements)."""
-    sizes = torch.tensor([p.numel() for p in zero.single_partition_of_fp32_groups], dtype=torch.int64)
+    sizes = torch.tensor(shard_sizes, dtype=torch.int64)
     gathered = [torch.empty_like(sizes) for _ in range(setup.groups.layout.nodes)]
     dist.all_gather(gathered, sizes, group=setup.groups.vote_group)
     if any(not torch.equal(other, sizes) for other in gathered):
@@ -123,22 +125,23 @@ def _check_shards_match(zero: Any, setup: HybridSetup) -> None:
         )
 
 
-def _log_topology(setup: HybridSetup, zero: Any, lioncub: LionCub) -> None:
+def log_topology(setup: HybridSetup, shard_sizes: list[int], lioncub: LionCub) -> None:
+    """Say on rank 0 how the ranks are grouped and what each sends across nodes per step (one vote per shard)."""
     layout = setup.groups.layout
     if dist.get_rank() != 0:
         return
-    shard = sum(p.numel() for p in zero.single_partition_of_fp32_groups)
+    shard = sum(shard_sizes)
     options = lioncub.options
     if options.compression == "1bit":
-        per_step = wire.vote_1bit_bytes(shard, layout.nodes)
+        per_step = sum(wire.vote_1bit_bytes(size, layout.nodes) for size in shard_sizes)
     else:
         codec = KbitCodec.build(layout.nodes, options.bits, options.quantizer, options.kbit_algorithm)
-        per_step = wire.kbit_bytes(shard, codec, options.aggregation)
+        per_step = sum(wire.kbit_bytes(size, codec, options.aggregation) for size in shard_sizes)
     get_logger().info(
-        f"LionCub hybrid ZeRO: {layout.nodes} node(s) x {layout.node_size} rank(s) (node size from "
+        f"LionCub hybrid ZeRO-{setup.zero_stage}: {layout.nodes} node(s) x {layout.node_size} rank(s) (node size from "
         f"{setup.node_size_source}); node groups {list(layout.node_groups)}, vote groups "
-        f"{list(layout.vote_groups)}; each rank votes on a {shard}-element shard and sends {per_step} bytes "
-        f"across nodes per step"
+        f"{list(layout.vote_groups)}; each rank votes on {shard} elements in {len(shard_sizes)} flat shard(s) and "
+        f"sends {per_step} bytes across nodes per step"
     )
 
 
@@ -164,7 +167,10 @@ __all__ = [
     "ENGINE_ATTRIBUTE",
     "HybridSetup",
     "HybridZeroOptimizer",
+    "any_rank",
     "check_node_blocks_on_one_host",
+    "check_shards_match",
     "configure_hybrid_zero",
+    "log_topology",
     "zero_class_for",
 ]

@@ -4,8 +4,9 @@
   LionCub applies exact Lion to the mean and communicates nothing itself.
 - compressed modes at ZeRO stage 0: LionCub's votes replace the engine's gradient all-reduce, which
   is switched off.
-- compressed modes at ZeRO stage 1 or 2: the hybrid (:mod:`ds_lioncub.integration.hybrid_zero`):
-  ZeRO averages and shards inside each node, LionCub votes across nodes.
+- compressed modes at ZeRO stage 1, 2 or 3: the hybrid (:mod:`ds_lioncub.integration.hybrid_zero`,
+  :mod:`ds_lioncub.integration.hybrid_zero3`): ZeRO averages and shards inside each node, LionCub votes
+  across nodes.
 
 Every refusal is raised here, before training starts, from values every rank shares, so every rank
 raises the same message.
@@ -26,12 +27,13 @@ from ds_lioncub.config import LionCubConfig
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.fingerprint import agreed_text
 from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE, HybridSetup, check_node_blocks_on_one_host
+from ds_lioncub.integration.hybrid_zero3 import refuse_a_model_partitioned_elsewhere
 from ds_lioncub.optimizer import LionCub
 from ds_lioncub.planner.auto import AUTO_NODE_SIZE_LABEL, auto_node_size, log_auto_resolution, resolve_auto
 from ds_lioncub.planner.devices import device_of
 from ds_lioncub.planner.model import DEEPSPEED_BUCKET_SIZE
 
-# The hybrid relies on private parts of DeepSpeed's engine and ZeRO-1/2 optimizer, checked against these releases.
+# The hybrid relies on private parts of DeepSpeed's engine and ZeRO optimizers, checked against these releases.
 TESTED_DEEPSPEED_MINOR = (0, 19)
 
 
@@ -46,14 +48,14 @@ def _hybrid_refusal(options: LionCubConfig, stage: int, what: str, fix: str) -> 
 def refuse_before_construction(engine: Any, options: LionCubConfig) -> None:
     """What must be refused before LionCub is built from a ds_config (building it would already communicate)."""
     stage = int(engine.zero_optimization_stage())
-    if options.compression != "none" and stage in (1, 2) and options.comm_backend_name != "torch":
+    if options.compression != "none" and stage in (1, 2, 3) and options.comm_backend_name != "torch":
         raise _hybrid_refusal(
             options,
             stage,
             "comm_backend_name='mpi' (the MPI world would have to be the vote group)",
             "use comm_backend_name='torch'",
         )
-    if options.error_feedback is not None and stage in (1, 2):
+    if options.error_feedback is not None and stage in (1, 2, 3):
         raise _hybrid_refusal(
             options,
             stage,
@@ -109,8 +111,8 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
     stage = int(engine.zero_optimization_stage())
     if optimizer.options.hybrid is not None and stage == 0:
         raise LionCubConfigError(
-            "LionCub: hybrid applies under ZeRO stage 1 or 2 (shard inside a node, vote across nodes); at stage 0 "
-            "every rank is a voter already. Drop hybrid, or set zero_optimization.stage to 1 or 2."
+            "LionCub: hybrid applies under ZeRO stage 1, 2 or 3 (shard inside a node, vote across nodes); at stage 0 "
+            "every rank is a voter already. Drop hybrid, or set zero_optimization.stage to 1, 2 or 3."
         )
     if compression == "none":
         # Under ZeRO each rank steps its own partition: those are not replicas to compare.
@@ -118,12 +120,6 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
             engine.seq_data_parallel_group, engine.module, gradients_averaged=True, params_are_replicas=stage == 0
         )
         return
-    if stage >= 3:
-        raise LionCubConfigError(
-            f"LionCub: compression={compression!r} does not run under ZeRO stage {stage} (stage 3 partitions the "
-            f"parameters too, over the whole world). Use zero_optimization.stage 1 or 2 (the hybrid: ZeRO inside "
-            f"each node, Lion Cub's vote across nodes), or compression='none' (exact Lion, sharded by ZeRO-3)."
-        )
     if stage == 0:
         _refuse_what_overlap_cannot_do(engine, optimizer)
         optimizer.bind(engine.seq_data_parallel_group, engine.module, gradients_averaged=False)
@@ -134,9 +130,11 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
     world_size = int(engine.seq_dp_world_size)
     node_size, source = resolve_node_size(_node_size_option(optimizer), os.environ)
     layout = plan_hybrid(world_size, node_size)
-    setup = HybridSetup(create_groups(layout, int(engine.global_rank)), source)
+    setup = HybridSetup(create_groups(layout, int(engine.global_rank)), source, zero_stage=stage)
     if source != "hybrid.node_size":
         check_node_blocks_on_one_host(setup)
+    if stage == 3:
+        refuse_a_model_partitioned_elsewhere(engine, setup)
     # ZeRO keeps the engine's gradient reduction (inside the node); LionCub votes over the vote
     # group, and its finite check agrees over the whole world.
     optimizer.bind(setup.groups.vote_group, engine.module, gradients_averaged=False, agreement_group=world)
@@ -170,7 +168,7 @@ def _refuse_what_the_hybrid_cannot_do(engine: Any, optimizer: LionCub, stage: in
     version = tuple(int(part) for part in deepspeed.__version__.split(".")[:2])
     if version != TESTED_DEEPSPEED_MINOR:
         raise LionCubConfigError(
-            f"LionCub: the ZeRO hybrid hooks private parts of DeepSpeed's ZeRO-1/2 optimizer and was tested with "
+            f"LionCub: the ZeRO hybrid hooks private parts of DeepSpeed's ZeRO optimizers and was tested with "
             f"DeepSpeed {'.'.join(map(str, TESTED_DEEPSPEED_MINOR))}.x, but {deepspeed.__version__} is installed. "
             f"Install deepspeed=={'.'.join(map(str, TESTED_DEEPSPEED_MINOR))}.8, or run at zero_optimization.stage 0."
         )
@@ -206,6 +204,30 @@ def _refuse_what_the_hybrid_cannot_do(engine: Any, optimizer: LionCub, stage: in
             "use momentum_sync.layers='all'",
         ),
     ]
+    if stage == 3:
+        refusals += _stage3_refusals(engine)
     for refused, what, fix in refusals:
         if refused:
             raise _hybrid_refusal(optimizer.options, stage, what, fix)
+
+
+def _stage3_refusals(engine: Any) -> list[tuple[bool, str, str]]:
+    """What the ZeRO-3 hybrid refuses beyond the ZeRO-1/2 hybrid: ZeRO++'s groups span the whole world."""
+    return [
+        (
+            int(engine.zero_hpz_partition_size()) > 1,
+            "hpZ (zero_hpz_partition_size > 1: a secondary parameter partition over the whole world's groups)",
+            "set zero_optimization.zero_hpz_partition_size to 1 (the hybrid already gathers parameters inside a node)",
+        ),
+        (
+            bool(engine.zero_quantized_gradients()),
+            "zero_quantized_gradients (its all-to-all reduces gradients across nodes)",
+            "set zero_optimization.zero_quantized_gradients to false",
+        ),
+        (
+            bool(engine.zero_quantized_weights()) or bool(engine.zero_quantized_nontrainable_weights()),
+            "zero_quantized_weights / zero_quantized_nontrainable_weights",
+            "set both to false",
+        ),
+        (bool(engine.super_offload()), "SuperOffload", "drop zero_optimization.super_offload"),
+    ]

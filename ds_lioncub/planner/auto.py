@@ -11,7 +11,8 @@ communication dtype).
 The result is the fastest candidate of :func:`~ds_lioncub.planner.plan` at that ZeRO stage that the
 convergence study (:mod:`ds_lioncub.planner.convergence`) does not show losing more than 2% of exact
 Lion's loss at the voters' count and ``betas[1]``; passing over a faster mode is said in the sentence
-and logged as a warning. The
+and logged as a warning. Under ZeRO stage 3 the candidates are exact Lion under ZeRO-3 and the ZeRO-3
+hybrid (:mod:`ds_lioncub.planner.zero3`). The
 options the user gave are kept, except that ``network`` is dropped (it served its purpose), and
 when exact Lion wins ``momentum_sync`` and ``hybrid`` too (they apply to compressed modes only), and
 ``telemetry.vote_stats`` is turned off (exact Lion takes no vote to measure; the sentence says so);
@@ -129,11 +130,6 @@ def resolve_auto(
     network = Network(given.bandwidth, given.intra_node_bandwidth, given.latency, efficiency)
     if world_size == 1:
         return _exact(options, "LionCub auto: exact Lion (compression 'none'): a world of one rank sends nothing.")
-    if zero_stage >= 3:
-        return _exact(
-            options,
-            f"LionCub auto: exact Lion (compression 'none'): ZeRO stage {zero_stage} runs exact Lion only.",
-        )
     layout = plan_hybrid(world_size, node_size)
     where = f"{num_params:,} parameters on {layout.nodes} x {layout.node_size} ranks at {describe_network(network)}"
     if device == "cuda":  # the CPU sentence stays as it was; a CUDA one says which table priced the local work
@@ -144,7 +140,7 @@ def resolve_auto(
             where += (
                 f", CUDA ranks (local work as measured on an {DEFAULT_GPU}, scaled to {bandwidth} memory bandwidth)"
             )
-    if zero_stage in (1, 2) and layout.nodes == 1:
+    if zero_stage in (1, 2, 3) and layout.nodes == 1:
         return _exact(
             options,
             f"LionCub auto: exact Lion (compression 'none'): under ZeRO stage {zero_stage} LionCub votes across "
@@ -155,7 +151,7 @@ def resolve_auto(
         Cluster(layout.nodes, layout.node_size),
         network,
         local_costs,
-        zero_stages=(0,) if zero_stage == 0 else (2,),
+        zero_stages=(0,) if zero_stage == 0 else (2,) if zero_stage in (1, 2) else (3,),
         exact_comm_dtypes=exact_comm_dtypes,
         bucket_size=options.bucket_size,
         exact_bucket_size=options.bucket_size if exact_bucket_size is None else exact_bucket_size,

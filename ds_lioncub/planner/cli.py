@@ -6,6 +6,7 @@
            [--device cpu|cuda] [--gpu NAME | --device-bandwidth RATE]
            [--intra-node-bandwidth RATE] [--latency T] [--json] [--local-costs FILE]
            [--ring-efficiency E] [--all-to-all-efficiency E] [--ranks-per-core R] [--beta2 B]
+           [--zero-stage 0|2|3]
     python -m ds_lioncub.planner --calibrate [--device cpu|cuda] [--save FILE]
 
 The default output is a table of every feasible candidate, fastest predicted step first, with what
@@ -16,6 +17,10 @@ with its gap). ``--json`` prints ``{"recommended": {"params", "zero_stage"}, "lo
 "measured_on"}, "candidates": [{"params", "zero_stage", "seconds_per_step", "bytes_per_step_per_rank"},
 ...]}``, plus ``"passed_over": [{"params", "zero_stage", "gap_percent", "spread_percent", "why"}, ...]``
 when faster candidates were passed over. Bad arguments exit with status 2 and argparse's message.
+
+The candidates are those of ZeRO stages 0 and 2 (stage 2 with more than one node); ``--zero-stage S``
+lists one stage's alone, for a job whose stage is fixed: 0, 2, or 3 (exact Lion under ZeRO-3 over the
+world, and the ZeRO-3 hybrid with more than one node; :mod:`ds_lioncub.planner.zero3`).
 
 The device (:mod:`ds_lioncub.planner.devices`) picks the local cost table and the link efficiencies
 (the fraction of the link rate each kind of collective reaches,
@@ -83,6 +88,8 @@ MAX_PARAMS = 10**13
 MAX_NODES = 10**6
 MAX_RANKS_PER_NODE = 10**4
 MAX_THREADS = 10**4
+#: What ``--zero-stage`` takes (stage 1 communicates as stage 2 does: the stage-2 candidates cover it).
+ZERO_STAGES = (0, 2, 3)
 
 
 def _as_float(text: str, hint: str = "") -> float:
@@ -225,6 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a convergence study summary (python -m benchmarks.study_convergence --report writes one; default: "
         "the study shipped with ds_lioncub, the example GPT at 4-64 workers)",
     )
+    parser.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=ZERO_STAGES,
+        metavar="S",
+        help="only the candidates of ZeRO stage S, for a job whose stage is fixed: 0, 2 or 3 (3: exact Lion under "
+        "ZeRO-3 and the ZeRO-3 hybrid; default: stages 0 and 2)",
+    )
     parser.add_argument("--json", action="store_true", help="print the recommendation and candidates as JSON")
     parser.add_argument(
         "--local-costs", metavar="FILE", help="a local cost table saved by --calibrate --save (default: the built-in)"
@@ -281,6 +296,14 @@ def _calibrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return 0
 
 
+def _stages(args: argparse.Namespace) -> dict[str, Any]:
+    """``plan``'s stage arguments: stages 0 and 2 by default; one fixed stage with ``--zero-stage``."""
+    if args.zero_stage is None:
+        return {}
+    # A job fixed at a ZeRO stage runs the hybrid even with one rank per node (as compression="auto" plans).
+    return {"zero_stages": (args.zero_stage,), "hybrid_with_one_rank_per_node": args.zero_stage != 0}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -321,7 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default.all_to_all if args.all_to_all_efficiency is None else args.all_to_all_efficiency,
     )
     network = Network(args.inter_node_bandwidth, args.intra_node_bandwidth, args.latency, efficiency)
-    candidates = plan(args.params, cluster, network, costs, ranks_per_core=args.ranks_per_core)
+    candidates = plan(args.params, cluster, network, costs, ranks_per_core=args.ranks_per_core, **_stages(args))
+    if not candidates:  # --zero-stage 2 on one node: the stage-2 candidates vote or shard across nodes
+        parser.error(f"--zero-stage {args.zero_stage}: the planner's stage-2 candidates need more than one node")
     try:
         evidence = load_evidence() if args.convergence_evidence is None else read_evidence(args.convergence_evidence)
     except (OSError, ValueError, KeyError, TypeError) as error:

@@ -157,7 +157,7 @@ def assess(
 
 def voters(candidate: Candidate, cluster: Cluster) -> int:
     """The workers whose updates ``candidate`` votes over: the nodes under a ZeRO hybrid, else every rank."""
-    if candidate.compression != "none" and candidate.zero_stage in (1, 2):
+    if candidate.compression != "none" and candidate.zero_stage in (1, 2, 3):
         return cluster.nodes
     return cluster.nodes * cluster.gpus_per_node
 

@@ -36,7 +36,7 @@ Candidates (:func:`plan`): at ZeRO stage 0 exact Lion (fp32 or bf16 all-reduce),
 every k-bit vote (2/4/8 bits, sign or L1 fields, all-reduce or all-to-all) that
 :class:`~ds_lioncub.comm.kbit.KbitCodec` admits for the world; with more than one node, ZeRO-2 too:
 exact Lion sharded over the world, and the hybrid (docs/design.md, section 12) with every
-compressed mode over the nodes' vote groups.
+compressed mode over the nodes' vote groups; when asked for, ZeRO-3 (:mod:`ds_lioncub.planner.zero3`).
 """
 
 from __future__ import annotations
@@ -376,12 +376,13 @@ def plan(
 ) -> list[Candidate]:
     """Every feasible candidate for ``num_params`` parameters on ``cluster``, fastest predicted step first.
 
-    ``zero_stages``: which of stage 0 (flat) and stage 2 (the hybrid and exact ZeRO-2; only with more
-    than one node) to consider. ``exact_comm_dtypes``: the precisions exact Lion's all-reduce may use.
+    ``zero_stages``: which of stage 0 (flat), stage 2 (the hybrid and exact ZeRO-2; only with more
+    than one node) and stage 3 (exact ZeRO-3; the ZeRO-3 hybrid with more than one node) to consider.
+    ``exact_comm_dtypes``: the precisions exact Lion's all-reduce may use.
     ``bucket_size``: LionCub's; ``exact_bucket_size``: the elements per bucket of exact Lion's
     gradient reduction (DeepSpeed's by default; LionCub's own when it runs without DeepSpeed).
     ``hybrid_with_one_rank_per_node``: list the hybrid also when G = 1, where it is stage 0 under
-    another name (for a job whose ZeRO stage is fixed at 2). ``ranks_per_core``: ranks sharing each CPU
+    another name (for a job whose ZeRO stage is fixed at 2 or 3). ``ranks_per_core``: ranks sharing each CPU
     core of a machine; above 1 every candidate's local work is multiplied by it (the table is one
     rank's alone on its core; see :func:`predict_aggregation_seconds`).
     """
@@ -404,6 +405,19 @@ def plan(
             candidates.append(
                 hybrid_candidate(label, params, num_params, cluster, network, costs, bucket_size, exact_bucket_size)
             )
+    if 3 in zero_stages:
+        from ds_lioncub.planner.zero3 import zero3_candidates  # it builds on this module's pieces
+
+        candidates += zero3_candidates(
+            num_params,
+            cluster,
+            network,
+            costs,
+            exact_comm_dtype=exact_comm_dtypes[0],
+            bucket_size=bucket_size,
+            zero_bucket_size=exact_bucket_size,
+            hybrid_with_one_rank_per_node=hybrid_with_one_rank_per_node,
+        )
     return sorted(candidates, key=lambda candidate: candidate.seconds_per_step)
 
 

@@ -309,7 +309,7 @@ def test_client_lioncub_gets_the_same_wiring(launched: dict[str, Any], kind: str
         ("bits", ["LionCubConfigError", "bits=3", "2, 4 or 8"]),
         ("unknown-key", ["LionCubConfigError", "unknown option 'momentun'", "Valid options"]),
         ("world-too-large", ["at most 1 workers", "world has 2", "kbit_algorithm='alltoall'"]),
-        ("zero-compressed", ["LionCubConfigError", "ZeRO stage 3", "stage 1 or 2", "compression='none'"]),
+        ("zero3-hpz", ["LionCubConfigError", "ZeRO stage 3", "hpZ", "zero_hpz_partition_size to 1"]),
         ("overlap-zero2", ["LionCubConfigError", "ZeRO stage 2", "overlap", "drop overlap"]),
     ],
 )

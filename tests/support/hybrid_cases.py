@@ -195,8 +195,7 @@ OTHER_TOPOLOGIES = (1, 4)
 
 # Configurations that must be refused before training, with words the message must contain.
 REFUSED: dict[str, tuple[HybridCase, tuple[str, ...]]] = {
-    "zero3_compressed": (HybridCase("zero3_compressed", stage=3), ("stage 3",)),
-    "hybrid_at_stage0": (HybridCase("hybrid_at_stage0", stage=0), ("hybrid", "stage 1 or 2")),
+    "hybrid_at_stage0": (HybridCase("hybrid_at_stage0", stage=0), ("hybrid", "stage 1, 2 or 3")),
     "node_size_not_dividing": (HybridCase("node_size_not_dividing", node_size=3), ("node_size=3", "divide")),
     "optimizer_offload": (
         # DeepSpeed's own refusal of a non-DeepSpeed optimizer with offload is switched off, so LionCub's is reached.

@@ -93,7 +93,7 @@ ONE_RULE_BROKEN: list[tuple[str, dict[str, Any], str]] = [
     (
         "hybrid-without-compression",
         {"compression": "none", "hybrid": {"node_size": 2}},
-        "hybrid only applies to compressed modes under ZeRO stage 1 or 2 (with compression='none' ZeRO shards "
+        "hybrid only applies to compressed modes under ZeRO stage 1, 2 or 3 (with compression='none' ZeRO shards "
         "exact Lion over the whole world); drop hybrid or choose compression='1bit' or 'kbit'",
     ),
     (

@@ -679,7 +679,8 @@ def test_auto_falls_back_to_exact_lion_loudly_when_compression_does_not_pay() ->
 
 @pytest.mark.parametrize(("world", "node_size", "stage"), [(16, 8, 0), (1, 1, 0), (8, 4, 3)])
 def test_auto_turns_vote_stats_off_when_it_chooses_exact_lion(world: int, node_size: int, stage: int) -> None:
-    # 400 Gbit/s and 1e5 parameters: compression does not pay; a world of one and ZeRO-3 run exact Lion too.
+    # 400 Gbit/s and 1e5 parameters: compression does not pay (at stage 3 the ZeRO-3 hybrid neither); a world of
+    # one runs exact Lion too.
     options = auto_options("400gbit", "5us", telemetry={"vote_stats": True})
     resolution = resolve_auto(options, 100_000, world, node_size, stage)
     assert resolution.fell_back and resolution.options.compression == "none"
@@ -722,7 +723,7 @@ def test_auto_is_a_pure_function_of_its_inputs() -> None:
 
 @pytest.mark.parametrize(
     ("world", "node_size", "stage", "why"),
-    [(1, 1, 0, "a world of one"), (8, 4, 3, "ZeRO stage 3"), (4, 4, 2, "one node")],
+    [(1, 1, 0, "a world of one"), (4, 4, 3, "ZeRO stage 3 LionCub votes across nodes"), (4, 4, 2, "one node")],
 )
 def test_auto_runs_exact_lion_where_there_is_nothing_to_vote_over(
     world: int, node_size: int, stage: int, why: str

@@ -90,6 +90,10 @@ def build(config: dict[str, Any], client: str | None = None) -> Any:
 
 
 def master_params(engine: Any) -> list[torch.Tensor]:
+    """What LionCub steps: its parameters, or ZeRO-3's flat tensors (LionCub holds them only during a step)."""
+    zero3_flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)
+    if zero3_flats is not None:
+        return list(zero3_flats)
     lioncub = find_lioncub(engine.optimizer)
     return lioncub._flat_params() if lioncub is not None else []
 
@@ -295,10 +299,10 @@ def run_bad_configs() -> dict[str, Any]:
     )
     cases.append(
         (
-            "zero-compressed",
+            "zero3-hpz",
             {
                 **base,
-                "zero_optimization": {"stage": 3},
+                "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2},
                 "optimizer": {"type": "LionCub", "params": {"compression": "1bit"}},
             },
         )

@@ -1,0 +1,194 @@
+"""The rules across LionCub's options: combinations that cannot work together, one table entry each.
+
+:data:`CROSS_OPTION_RULES` is checked in order by :class:`~ds_lioncub.config.LionCubConfig`'s validator after
+every option is valid on its own; a config with several problems is refused with the first rule's message
+(:func:`~ds_lioncub.config.parse_config` puts "LionCub: invalid options: " before it). A new option that
+depends on another adds one entry here, not a branch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ds_lioncub.comm.transport import cuda_aware_conflict
+
+if TYPE_CHECKING:  # the rules read a config; config.py imports this table
+    from ds_lioncub.config import LionCubConfig
+
+
+@dataclass(frozen=True)
+class CrossOptionRule:
+    """A combination of LionCub options that cannot work together.
+
+    ``option`` is the option the rule governs (the one its message tells to drop or change first);
+    ``refuses(config, given)`` is true for a config the rule refuses, where ``given`` holds the options the
+    user set (to any value, the default included); ``message(config)`` says why and how to fix it
+    (:func:`parse_config` puts "LionCub: invalid options: " before it and a period after).
+    """
+
+    option: str
+    refuses: Callable[[LionCubConfig, AbstractSet[str]], bool]
+    message: Callable[[LionCubConfig], str]
+
+
+def _kbit_only(name: str) -> CrossOptionRule:
+    """``name`` set with a compression other than "kbit", where it would silently do nothing."""
+    return CrossOptionRule(
+        name,
+        lambda config, given: config.compression != "kbit" and name in given,
+        lambda config: (
+            f"{name}={getattr(config, name)!r} only applies to compression='kbit' "
+            f"(compression is {config.compression!r}); set compression='kbit' or drop {name}"
+        ),
+    )
+
+
+def _cuda_aware_conflict_of(config: LionCubConfig) -> str:
+    """Why the config's cuda_aware cannot go with its comm_backend_name ("": it can); make_transport says the same."""
+    return cuda_aware_conflict(config.comm_backend_name, config.cuda_aware) or ""
+
+
+# Every rule across options, in the order they are checked: a config with several problems is refused with the
+# first rule's message. A new option that depends on another adds its rule here (one entry).
+CROSS_OPTION_RULES: tuple[CrossOptionRule, ...] = (
+    CrossOptionRule(
+        "network",
+        lambda config, given: config.compression == "auto" and config.network is None,
+        lambda config: (
+            "compression='auto' needs the network to plan for: add "
+            '"network": {"bandwidth": "1gbit", "latency": "50us"} with your links\' figures '
+            "(python -m ds_lioncub.planner shows what each mode would cost), or choose the compression yourself"
+        ),
+    ),
+    CrossOptionRule(
+        "network",
+        lambda config, given: config.compression != "auto" and config.network is not None,
+        lambda config: (
+            f"network only applies to compression='auto' (compression is {config.compression!r}); "
+            f"set compression='auto' or drop network"
+        ),
+    ),
+    CrossOptionRule(
+        "comm_dtype",
+        lambda config, given: config.compression == "auto" and "comm_dtype" in given,
+        lambda config: (
+            "comm_dtype is chosen by compression='auto' (exact Lion in fp32 or bf16); drop comm_dtype, "
+            "or choose the compression yourself"
+        ),
+    ),
+    _kbit_only("bits"),
+    _kbit_only("quantizer"),
+    _kbit_only("aggregation"),
+    _kbit_only("kbit_algorithm"),
+    _kbit_only("l1_clip"),
+    CrossOptionRule(
+        "comm_dtype",
+        lambda config, given: config.compression != "none" and "comm_dtype" in given and config.comm_dtype != "fp32",
+        lambda config: (
+            f"comm_dtype={config.comm_dtype!r} applies to compression='none' (the uncompressed gradient "
+            f"all-reduce); compressed modes send bits, so drop comm_dtype"
+        ),
+    ),
+    CrossOptionRule(
+        "momentum_sync",
+        lambda config, given: config.compression == "none" and config.momentum_sync.interval > 0,
+        lambda config: (
+            "momentum_sync only applies to compressed modes: with compression='none' every rank's momentum "
+            "is already identical; drop momentum_sync or choose compression='1bit' or 'kbit'"
+        ),
+    ),
+    CrossOptionRule(
+        "telemetry",
+        lambda config, given: config.compression == "none" and config.telemetry.vote_stats,
+        lambda config: (
+            "telemetry.vote_stats only applies to compressed modes (compression='none' takes no vote); drop "
+            "telemetry.vote_stats or choose compression='1bit' or 'kbit'"
+        ),
+    ),
+    CrossOptionRule(
+        "hybrid",
+        lambda config, given: config.compression == "none" and config.hybrid is not None,
+        lambda config: (
+            "hybrid only applies to compressed modes under ZeRO stage 1, 2 or 3 (with compression='none' ZeRO "
+            "shards exact Lion over the whole world); drop hybrid or choose compression='1bit' or 'kbit'"
+        ),
+    ),
+    CrossOptionRule(
+        "overlap",
+        lambda config, given: config.overlap and config.compression == "none",
+        lambda config: (
+            "overlap=True starts compressed votes during backward; with compression='none' the gradients "
+            "are averaged instead (DDP or DeepSpeed overlap that themselves). Drop overlap or choose "
+            "compression='1bit' or 'kbit'"
+        ),
+    ),
+    CrossOptionRule(
+        "overlap",
+        lambda config, given: config.overlap and config.comm_backend_name != "torch",
+        lambda config: (
+            f"overlap=True needs collectives that run while backward goes on, which "
+            f"comm_backend_name={config.comm_backend_name!r} does not offer yet; use comm_backend_name='torch' "
+            f"or drop overlap"
+        ),
+    ),
+    CrossOptionRule("cuda_aware", lambda config, given: bool(_cuda_aware_conflict_of(config)), _cuda_aware_conflict_of),
+    CrossOptionRule(
+        "error_feedback",
+        lambda config, given: config.error_feedback is not None and config.compression != "kbit",
+        lambda config: (
+            f"error_feedback only applies to compression='kbit' with quantizer='l1' (compression is "
+            f"{config.compression!r}: a sign vote or an exact mean rounds nothing off that it could feed back); "
+            f"set compression='kbit', quantizer='l1' or drop error_feedback"
+        ),
+    ),
+    CrossOptionRule(
+        "error_feedback",
+        lambda config, given: (
+            config.error_feedback is not None and config.compression == "kbit" and config.quantizer != "l1"
+        ),
+        lambda config: (
+            f"error_feedback only applies to quantizer='l1' (quantizer is {config.quantizer!r}: a sign field "
+            f"has no rounding error to feed back); set quantizer='l1' or drop error_feedback"
+        ),
+    ),
+    CrossOptionRule(
+        "error_feedback",
+        lambda config, given: config.error_feedback is not None and config.overlap,
+        lambda config: (
+            "error_feedback does not support overlap=True yet (a vote started during backward would update "
+            "the feedback state before the final gradients are known); drop overlap or error_feedback"
+        ),
+    ),
+    CrossOptionRule(
+        "error_feedback",
+        lambda config, given: config.error_feedback is not None and config.hybrid is not None,
+        lambda config: (
+            "error_feedback does not support the ZeRO-1/2 hybrid yet; drop hybrid (and run ZeRO stage 0) or "
+            "drop error_feedback"
+        ),
+    ),
+    CrossOptionRule(
+        "error_feedback",
+        lambda config, given: (
+            config.error_feedback is not None
+            and config.error_feedback.kind == "ef21"
+            and (config.kbit_algorithm != "alltoall" or config.aggregation != "vote")
+        ),
+        lambda config: (
+            f"error_feedback kind 'ef21' needs kbit_algorithm='alltoall' and aggregation='vote' (got "
+            f"{config.kbit_algorithm!r} and {config.aggregation!r}: each chunk's owner keeps the shared "
+            f"estimate and applies its sign); set them or use kind 'residual'"
+        ),
+    ),
+    CrossOptionRule(
+        "l1_clip",
+        lambda config, given: config.compression == "kbit" and config.quantizer == "sign" and "l1_clip" in given,
+        lambda config: "l1_clip only applies to quantizer='l1'; set quantizer='l1' or drop l1_clip",
+    ),
+)
+
+
+__all__ = ["CROSS_OPTION_RULES", "CrossOptionRule"]
