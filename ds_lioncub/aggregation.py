@@ -97,8 +97,8 @@ class AggregationState:
     """What an aggregation keeps from one step to the next, in the shape of PyTorch's ``PowerSGDState``
     for DDP communication hooks: the knobs that fix its results, per-bucket state, and counters.
 
-    Today every aggregation is memoryless: a bucket's result is a function of that step's messages and
-    tie rule only. The tie rule is not kept here: the optimizer passes it to each call, derived from
+    Without error feedback every aggregation is memoryless: a bucket's result is a function of that step's
+    messages and tie rule only. The tie rule is not kept here: the optimizer passes it to each call, derived from
     its step count (``tie_break``), which the optimizer's own state already checkpoints. So the state
     holds:
 
@@ -109,9 +109,8 @@ class AggregationState:
     - :attr:`issued`: the buckets whose first collective this rank issued (every ``start``/``issue``),
       a counter for diagnostics that no result depends on.
 
-    :meth:`state_dict` and :meth:`load_state_dict` make it checkpointable. The optimizer's checkpoint
-    does not carry it yet (that would change the checkpoint's format, and there is nothing in it a
-    result depends on): error feedback must add it there.
+    :meth:`state_dict` and :meth:`load_state_dict` make it checkpointable: each rank's checkpoint file
+    carries it where it holds per-bucket state (error feedback; docs/design.md, section 11.5).
     """
 
     def __init__(self) -> None:
@@ -121,6 +120,15 @@ class AggregationState:
     def knobs(self) -> dict[str, Any]:
         """The options that fix this aggregation's results, as plain values."""
         return {}
+
+    @property
+    def feedback_kind(self) -> str | None:
+        """The error feedback this state keeps ("residual", "ef21"), None without."""
+        return None
+
+    def take_feedback_ratio(self) -> float | None:
+        """The error feedback's telemetry since the last call (:mod:`ds_lioncub.error_feedback`); None without."""
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """The state as plain values and tensors (the per-bucket tensors are not copied)."""

@@ -52,6 +52,31 @@ class _FeedbackState(KbitVoteState):
     def __init__(self, codec: KbitCodec, aggregation: AggregationKind, l1_clip: float, feedback: ErrorFeedbackConfig):
         super().__init__(codec, aggregation, l1_clip)
         self.feedback = feedback
+        # Since the last take_feedback_ratio(): the sums of squares of what is fed back and of c (fp64, on device).
+        self._squares: torch.Tensor | None = None
+
+    @property
+    def feedback_kind(self) -> str | None:
+        return self.feedback.kind
+
+    def add_squares(self, fed_back: torch.Tensor, update: torch.Tensor) -> None:
+        """Count one bucket in the telemetry's ratio: ``||fed_back||^2`` and ``||update||^2`` (no host sync)."""
+        self.add_sums_of_squares(_sum_of_squares(fed_back), _sum_of_squares(update))
+
+    def add_sums_of_squares(self, fed_back: torch.Tensor, update: torch.Tensor) -> None:
+        squares = torch.stack([fed_back, update])
+        self._squares = squares if self._squares is None else self._squares + squares
+
+    def take_feedback_ratio(self) -> float | None:
+        """``sqrt(sum ||fed_back||^2 / sum ||c||^2)`` over the buckets since the last call (one host sync), and
+        start counting again; None when no bucket was counted or c was 0. The residual form counts its
+        residual e after the step; EF21 the part of c its own estimate still misses, ``c - G_i`` after the
+        update: the proxy of ``|G - mean c|`` that one rank can compute."""
+        squares, self._squares = self._squares, None
+        if squares is None:
+            return None
+        fed_back, update = squares.tolist()
+        return None if update == 0 else (fed_back / update) ** 0.5
 
     def knobs(self) -> dict[str, Any]:
         feedback: dict[str, Any] = {"kind": self.feedback.kind}
@@ -134,17 +159,23 @@ class KbitVoteResidual(KbitVote):
         # Piece by piece with the piece's scale (a 0-d fp32 tensor): the same fp32 products and quotients as
         # with a per-element scale, without building one.
         on_device, positive = scales.to(values.device), (scales > 0).tolist()
-        quantized, dequantized = torch.empty_like(compensated), torch.zeros_like(compensated)
+        quantized = torch.empty_like(compensated)
         for h, q, scale in zip(compensated.split(sizes), quantized.split(sizes), on_device, strict=True):
             torch.mul(h, scale, out=q)
         quantized.round_().clamp_(-levels, levels)
-        pieces = zip(quantized.split(sizes), dequantized.split(sizes), on_device, positive, strict=True)
-        for q, dq, scale, scaled in pieces:
-            if scaled:  # else q = 0 and dequant(q) = 0
-                torch.div(q, scale, out=dq)
+        # h - dequant(q), in place of h (dequant(q) = q / s; 0 where s is 0, as q is)
+        for h, q, scale, scaled in zip(
+            compensated.split(sizes), quantized.split(sizes), on_device, positive, strict=True
+        ):
+            if scaled:
+                h.sub_(q / scale)
         # e <- beta * e + (1 - beta) * (h - dequant(q)), evaluated in fp32 and stored in the storage dtype.
-        error = compensated.sub_(dequantized).mul_(1 - feedback.beta)
-        residual.copy_(residual.float().mul_(feedback.beta).add_(error))
+        error = compensated.mul_(1 - feedback.beta)
+        if residual.dtype == torch.float32:
+            residual.mul_(feedback.beta).add_(error)
+        else:
+            residual.copy_(residual.float().mul_(feedback.beta).add_(error))
+        self.state.add_squares(residual, values)
         self.state.uses[_key_of(bucket)] = uses + 1
         fields = quantized.add_(levels).to(torch.uint8)
         return pack_fields(fields, self.codec.bits, nbytes=kbit_message_bytes(self.codec, values.numel()))
@@ -159,6 +190,7 @@ class _Agreed:
 
     difference: torch.Tensor
     spreads: InFlight
+    update_squares: torch.Tensor  # ||c||^2 (fp64), for the telemetry
 
 
 @dataclass
@@ -202,7 +234,9 @@ class KbitVoteEf21(KbitVote):
         slot = self._slot(_key_of(bucket), values.numel(), values.device)
         difference = values - slot["estimate"]
         spreads = torch.stack([piece.abs().mean() for piece in difference.split(bucket.piece_sizes)])
-        self._agreed[_key_of(bucket)] = _Agreed(difference, self.transport.start_all_gather(spreads))
+        self._agreed[_key_of(bucket)] = _Agreed(
+            difference, self.transport.start_all_gather(spreads), _sum_of_squares(values)
+        )
 
     def pack(self, bucket: Bucket, positive_ties: bool) -> torch.Tensor:
         raise ValueError("EF21's message needs the shared scale: use start(), which agrees on it first")
@@ -227,10 +261,15 @@ class KbitVoteEf21(KbitVote):
                 torch.div(diff, step, out=q)
         quantized.round_().clamp_(-levels, levels)
         estimate = self._slot(key, numel, quantized.device)["estimate"]
-        pieces = zip(estimate.split(sizes), quantized.split(sizes), steps, stepped, strict=True)
-        for estimated, q, step, positive in pieces:
+        remaining = agreed.difference.split(sizes)  # c - G_i, made c - G_i after the update (telemetry)
+        for estimated, left, q, step, positive in zip(
+            estimate.split(sizes), remaining, quantized.split(sizes), steps, stepped, strict=True
+        ):
             if positive:
-                estimated.add_(q * step)
+                moved = q * step
+                estimated.add_(moved)
+                left.sub_(moved)
+        self.state.add_sums_of_squares(_sum_of_squares(agreed.difference), agreed.update_squares)
         fields = quantized.add_(levels).to(torch.uint8)
         message = pack_fields(fields, self.codec.bits, nbytes=kbit_message_bytes(self.codec, numel))
         chunk_step = _chunk_of_pieces(steps, sizes, p, self.transport.rank, vote_padded_numel(numel, p) // p)
@@ -265,6 +304,11 @@ class KbitVoteEf21(KbitVote):
 
     def __repr__(self) -> str:
         return f"KbitVoteEf21(bits={self.codec.bits})"
+
+
+def _sum_of_squares(values: torch.Tensor) -> torch.Tensor:
+    """``||values||^2`` in one read pass (fp32 accumulation, then fp64: enough for a telemetry ratio)."""
+    return torch.linalg.vector_norm(values.float()).double().square()
 
 
 def _chunk_of_pieces(values: torch.Tensor, sizes: list[int], world_size: int, rank: int, chunk: int) -> torch.Tensor:

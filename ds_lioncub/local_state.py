@@ -1,9 +1,12 @@
-"""The per-rank optimizer state a checkpoint keeps beside DeepSpeed's files: each rank's own momentum.
+"""The per-rank optimizer state a checkpoint keeps beside DeepSpeed's files: each rank's own momentum, and
+its aggregation's state (error feedback's residuals or estimates).
 
 Every LionCub rank keeps its own ``exp_avg`` (the ranks vote on directions, not momenta), so a
 checkpoint must hold every rank's, by flat parameter position (group order, then parameter order);
 ``integration/checkpoint.py`` writes and reads them through ``LionCub.local_momentum_state`` and
-``LionCub.load_local_momentum``, which call these.
+``LionCub.load_local_momentum``, which call these. With error feedback each rank's aggregation also
+keeps per-bucket state (:class:`~ds_lioncub.aggregation.AggregationState`), saved in the same file
+(``LionCub.aggregation_state`` / ``LionCub.load_aggregation_state``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ds_lioncub.aggregation import Aggregator
 from ds_lioncub.errors import LionCubSetupError
 
 
@@ -44,4 +48,37 @@ def load_local_momenta(
         param_state["exp_avg"].copy_(momentum.view(param.shape))
 
 
-__all__ = ["load_local_momenta", "local_momenta"]
+def saved_aggregation_state(aggregator: Aggregator | None) -> dict[str, Any] | None:
+    """The aggregation's state for a checkpoint file, its tensors copied to the CPU; None where it keeps
+    nothing across steps (every aggregation without error feedback, or one that has not stepped yet)."""
+    if aggregator is None or not aggregator.state.buckets:
+        return None
+    state = aggregator.state.state_dict()
+    state["buckets"] = {
+        key: {name: tensor.detach().cpu().clone() for name, tensor in tensors.items()}
+        for key, tensors in state["buckets"].items()
+    }
+    return state
+
+
+def restore_aggregation_state(aggregator: Aggregator | None, state: dict[str, Any] | None, device: torch.device) -> str:
+    """Take over a saved aggregation state (its tensors moved to ``device``); returns "" when taken, else why
+    not. Not taken, the aggregation keeps its fresh state: error feedback starts over from zeros, which is
+    what a change of world size or of its knobs calls for (a residual kept under other knobs, or an estimate
+    kept in another world's chunks, means something else)."""
+    if state is None:
+        return "the checkpoint holds no aggregation state (saved without error feedback)"
+    if aggregator is None:
+        return "this optimizer's aggregation keeps no state"
+    moved = dict(state)
+    moved["buckets"] = {
+        key: {name: tensor.to(device) for name, tensor in tensors.items()} for key, tensors in state["buckets"].items()
+    }
+    try:
+        aggregator.state.load_state_dict(moved)
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+__all__ = ["load_local_momenta", "local_momenta", "restore_aggregation_state", "saved_aggregation_state"]

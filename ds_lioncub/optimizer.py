@@ -29,7 +29,12 @@ from ds_lioncub.comm.transport import CommStats, Transport, make_transport
 from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.errors import LionCubConfigError, LionCubError, LionCubSetupError
 from ds_lioncub.fingerprint import describe_parameters
-from ds_lioncub.local_state import load_local_momenta, local_momenta
+from ds_lioncub.local_state import (
+    load_local_momenta,
+    local_momenta,
+    restore_aggregation_state,
+    saved_aggregation_state,
+)
 from ds_lioncub.optimizer_setup import check_same_set_up, log_setting, resolve_auto_at_construction
 from ds_lioncub.overlap import OverlapController, overlap_transport
 from ds_lioncub.param_selection import names_by_position
@@ -343,6 +348,18 @@ class LionCub(torch.optim.Optimizer):
         """
         load_local_momenta(self._flat_params(), self.state, momenta)
 
+    def aggregation_state(self) -> dict[str, Any] | None:
+        """This rank's aggregation state for checkpoints (error feedback's residuals or estimates, per bucket,
+        on the CPU); None where the aggregation keeps nothing across steps."""
+        return saved_aggregation_state(self._aggregator)
+
+    def load_aggregation_state(self, state: dict[str, Any] | None) -> str:
+        """Take over :meth:`aggregation_state` of a checkpoint: "" when taken, else why the aggregation keeps
+        its fresh state (error feedback then starts over from zeros)."""
+        params = self._flat_params()
+        device = params[0].device if params else torch.device("cpu")
+        return restore_aggregation_state(self._aggregator, state, device)
+
     # ------------------------------------------------------------------ the step
 
     @torch.no_grad()
@@ -390,6 +407,9 @@ class LionCub(torch.optim.Optimizer):
         )
         for hook in self.post_step_hooks:
             hook(done)
+        aggregation = self._aggregator
+        if aggregation is not None:  # error feedback's ratio (one host sync), None without
+            self.telemetry.note_feedback(aggregation.state.feedback_kind, aggregation.state.take_feedback_ratio())
         self.telemetry.close_step(step, self.transport, self.comm_stats)
         return loss
 

@@ -30,6 +30,8 @@ from ds_lioncub.comm.votes import PendingAggregate, count_set_bits
 
 #: The prefix of every monitor event LionCub writes.
 MONITOR_PREFIX = "LionCub"
+#: The monitor event of each error-feedback form's ratio (:attr:`StepRecord.feedback_ratio`), under MONITOR_PREFIX.
+FEEDBACK_EVENTS = {"residual": "ef_residual_ratio", "ef21": "ef21_estimate_gap"}
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,11 @@ class StepRecord:
         agreeing_elements: with ``telemetry.vote_stats``: voted elements where this rank's sign of its
             pre-sign update c (zeros by the tie rule) equals the sign of the applied direction (0 by
             the tie rule) (count); None otherwise.
+        feedback_kind: the error feedback of the step ("residual", "ef21"); None without.
+        feedback_ratio: with error feedback, this rank's ``||fed back|| / ||c||`` over the step's buckets
+            (a ratio): the residual e after the step (residual form), or ``c - G_i`` after the update, the
+            part of its own update its estimate still misses (EF21: the proxy of ``|G - mean c|`` a rank
+            can compute); None without.
     """
 
     step: int
@@ -74,6 +81,8 @@ class StepRecord:
     voted_elements: int
     tied_elements: int | None
     agreeing_elements: int | None
+    feedback_kind: str | None = None
+    feedback_ratio: float | None = None
 
     @property
     def tie_rate(self) -> float | None:
@@ -107,6 +116,8 @@ class StepRecord:
             events.append(("tie_rate", self.tie_rate))
         if self.agreement_rate is not None:
             events.append(("agreement_rate", self.agreement_rate))
+        if self.feedback_ratio is not None:
+            events.append((FEEDBACK_EVENTS.get(self.feedback_kind or "", "feedback_ratio"), self.feedback_ratio))
         return [(f"{MONITOR_PREFIX}/{name}", value) for name, value in events]
 
     @classmethod
@@ -133,6 +144,8 @@ class StepRecord:
             voted_elements=sum(r.voted_elements for r in records),
             tied_elements=None if None in tied else sum(t for t in tied if t is not None),
             agreeing_elements=None if None in agreeing else sum(a for a in agreeing if a is not None),
+            feedback_kind=next((r.feedback_kind for r in reversed(records) if r.feedback_ratio is not None), None),
+            feedback_ratio=next((r.feedback_ratio for r in reversed(records) if r.feedback_ratio is not None), None),
         )
 
 
@@ -228,6 +241,7 @@ class StepTelemetry:
     _buckets: int = 0
     _votes: VoteCounts = field(default_factory=VoteCounts)
     _held: list[StepRecord] | None = None
+    _feedback: tuple[str | None, float | None] = (None, None)
 
     def hold(self) -> None:
         """Keep the records of the following ``step`` calls apart until :meth:`release` (or :meth:`drop_held`)."""
@@ -250,6 +264,11 @@ class StepTelemetry:
         self._buckets = 0
         self.revoted_buckets = 0
         self._votes = VoteCounts()
+        self._feedback = (None, None)
+
+    def note_feedback(self, kind: str | None, ratio: float | None) -> None:
+        """The step's error-feedback ratio (:attr:`StepRecord.feedback_ratio`), of the aggregation's ``kind``."""
+        self._feedback = (kind, ratio) if ratio is not None else (None, None)
 
     def add_bucket(self, local_seconds: float, voted_elements: int) -> None:
         """One aggregated bucket: its local work's seconds (its collectives' taken out) and the elements it
@@ -323,6 +342,8 @@ class StepTelemetry:
             # One host sync per step, for the vote statistics only.
             tied_elements=sum(int(count.item()) for count in tied) if measured else None,
             agreeing_elements=int(votes.agreeing.item()) if measured and votes.agreeing is not None else None,
+            feedback_kind=self._feedback[0],
+            feedback_ratio=self._feedback[1],
         )
         if self._held is not None:
             self._held.append(record)

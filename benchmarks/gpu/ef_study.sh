@@ -77,7 +77,7 @@ if [ "$(left)" -gt 60 ]; then
         --steps "$STEPS" --workers 32 64 --beta2 0.95 0.99 --seeds 0 1 2 --modes exact --results "$OUT/cuda_control"
 fi
 # The report of the whole study (its main table as before) with the EF section, then the control's gaps.
-run_step report 120 bash -c "$PY -m benchmarks.study_convergence --report --steps $STEPS --results $ROOT && \
+run_step report 120 bash -c "$PY -m benchmarks.study_convergence --report --steps $STEPS --results $ROOT; \
     $PY -m benchmarks.ef_device_noise $STUDY $OUT/cuda_control/gpt-small_${STEPS}steps"
 mkdir -p "$OUT/convergence_study/gpt-small_${STEPS}steps"
 cp "$STUDY"/N*_ef_residual_*.json "$STUDY"/N*_ef21_*.json "$STUDY"/report.md "$STUDY"/gap_vs_workers.png \

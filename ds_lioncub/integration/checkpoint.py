@@ -10,10 +10,11 @@ node 0 only too (their names, by rank in the node, would collide across nodes).
 
 A file holds its format version, the world size, its rank, the LionCub step, the parameter layout
 (names, shapes, dtypes in optimizer order), the options the run used, the hybrid topology where there
-is one, and ``exp_avg`` by flat parameter position. It is written to a temporary name and renamed,
-and every rank's file is complete before DeepSpeed's own save starts, so DeepSpeed's ``latest`` only
-ever names a tag whose LionCub set is complete (a save interrupted part-way leaves ``latest`` at the
-previous tag).
+is one, ``exp_avg`` by flat parameter position, and, with error feedback, ``aggregation``: the rank's
+aggregation state (its residuals or EF21 estimates per bucket; absent otherwise). It is written to a
+temporary name and renamed, and every rank's file is complete before DeepSpeed's own save starts, so
+DeepSpeed's ``latest`` only ever names a tag whose LionCub set is complete (a save interrupted part-way
+leaves ``latest`` at the previous tag).
 
 Loading validates the whole set before DeepSpeed reads anything, and every rank reaches the same
 verdict (the ranks exchange what they found): a missing, truncated or unreadable file, a file from
@@ -26,18 +27,22 @@ not: the parameter layout, and the hybrid topology (M nodes x G ranks, and ZeRO-
 Resharding rule (per-rank files): loaded at the world size it was saved with, rank r reads file r; at
 another world size, and only from a complete set, every rank starts from the element-wise mean of all
 saved momenta (parameters with no saved state anywhere keep theirs). Files written by ds_lioncub
-0.1.0 (no format field) are read without the layout checks.
+0.1.0 (no format field) are read without the layout checks. The aggregation state is restored only at the
+world size it was saved with and under the same error-feedback knobs; otherwise error feedback starts
+over from zeros (rank 0 logs why), as at a change of topology (docs/design.md, section 4.8).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ds_lioncub._logging import get_logger
 from ds_lioncub.comm.transport import make_transport
 from ds_lioncub.errors import LionCubSetupError
 from ds_lioncub.fingerprint import gather_texts
@@ -80,6 +85,9 @@ def momentum_state(optimizer: LionCub, rank: int, hybrid: HybridSetup | None = N
         "options": repr(optimizer.options.model_dump()),  # what the run used; options may change across a resume
         "exp_avg": [None if m is None else m.cpu() for m in momenta],
     }
+    aggregation = optimizer.aggregation_state()
+    if aggregation is not None:
+        state["aggregation"] = aggregation
     if hybrid is not None:
         state.update(
             nodes=hybrid.groups.layout.nodes, node_size=hybrid.groups.layout.node_size, zero_stage=hybrid.zero_stage
@@ -160,10 +168,19 @@ def _check_file(state: dict[str, Any], path: str, rank: int, world_size: int, la
         raise _Problems(f"{name} holds {len(state['exp_avg'])} momenta for {len(layout)} parameters")
 
 
-def _momenta_to_restore(
-    optimizer: LionCub, directory: str, hybrid: HybridSetup | None
-) -> list[torch.Tensor | None] | None:
-    """This rank's momenta from a validated set (None: no LionCub files); raises _Problems."""
+@dataclass(frozen=True)
+class RankRestore:
+    """What :func:`prepare_load` found for this rank: its momenta, and its aggregation state (None: not saved,
+    or saved at another world size: error feedback starts over)."""
+
+    momenta: list[torch.Tensor | None]
+    aggregation: dict[str, Any] | None = None
+    #: Why no aggregation state comes back although one may have been saved ("" otherwise).
+    aggregation_dropped: str = ""
+
+
+def _momenta_to_restore(optimizer: LionCub, directory: str, hybrid: HybridSetup | None) -> RankRestore | None:
+    """This rank's momenta (and aggregation state) from a validated set (None: no LionCub files); raises _Problems."""
     plain, hybrid_files = momentum_files(directory), momentum_files(directory, HYBRID_FILE_PREFIX)
     if hybrid is None and hybrid_files:
         raise _Problems(
@@ -220,13 +237,19 @@ def _momenta_to_restore(
     if hybrid is not None or saved_world == optimizer.transport.world_size:  # each rank its own file
         own = state_of(expected[rank])
         _check_file(own, expected[rank], rank, saved_world, layout)
-        return list(own["exp_avg"])
+        return RankRestore(list(own["exp_avg"]), own.get("aggregation"))
     states = []
     for saved_rank, path in enumerate(expected):
         state = state_of(path)
         _check_file(state, path, saved_rank, saved_world, layout)
         states.append(state["exp_avg"])
-    return _mean_momenta(states)
+    dropped = ""
+    if any("aggregation" in state_of(path) for path in expected):
+        dropped = (
+            f"it was saved by {saved_world} ranks and this world has {optimizer.transport.world_size}; the "
+            f"feedback state is each rank's own, in its world's chunks, and is not resharded"
+        )
+    return RankRestore(_mean_momenta(states), None, dropped)
 
 
 def _hybrid_kind(zero3: bool) -> str:
@@ -245,9 +268,7 @@ def _mean_momenta(saved: list[list[torch.Tensor | None]]) -> list[torch.Tensor |
     return merged
 
 
-def prepare_load(
-    optimizer: LionCub, load_dir: str, tag: str | None, hybrid: HybridSetup | None
-) -> list[torch.Tensor | None] | None:
+def prepare_load(optimizer: LionCub, load_dir: str, tag: str | None, hybrid: HybridSetup | None) -> RankRestore | None:
     """Validate the saved LionCub set before DeepSpeed reads the checkpoint; this rank's momenta to restore after.
 
     Collective over the world: the ranks exchange what they found, and if any found a problem every rank
@@ -256,7 +277,7 @@ def prepare_load(
     directory = tag_directory(load_dir, tag)
     if directory is None or not os.path.isdir(directory):
         return None  # DeepSpeed reports a missing checkpoint itself
-    momenta: list[torch.Tensor | None] | None = None
+    momenta: RankRestore | None = None
     try:
         momenta = _momenta_to_restore(optimizer, directory, hybrid)
         found = ""
@@ -280,13 +301,26 @@ def prepare_load(
     return momenta
 
 
+def restore(optimizer: LionCub, found: RankRestore) -> None:
+    """Load what :func:`prepare_load` found into ``optimizer`` (after DeepSpeed's own load); logs on rank 0 when
+    the optimizer has error feedback and its saved state could not be taken (it starts over from zeros)."""
+    optimizer.load_local_momentum(found.momenta)
+    if optimizer.options.error_feedback is None:
+        return
+    why = found.aggregation_dropped or optimizer.load_aggregation_state(found.aggregation)
+    if why and optimizer.transport.rank == 0:
+        get_logger().warning(f"LionCub: error feedback starts over from zeros after this resume: {why}")
+
+
 __all__ = [
     "FORMAT",
     "HYBRID_FILE_PREFIX",
     "MOMENTUM_FILE_PREFIX",
+    "RankRestore",
     "momentum_file",
     "momentum_files",
     "momentum_state",
     "prepare_load",
+    "restore",
     "save_local_momentum",
 ]

@@ -247,7 +247,7 @@ def _wrap_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
         load_path = result[0] if isinstance(result, tuple) else None
         if lioncub is not None and load_path is not None and momenta is not None:
             with flat_groups_visible(engine, lioncub):
-                lioncub.load_local_momentum(momenta)
+                checkpoint.restore(lioncub, momenta)
         return result
 
     return load_checkpoint

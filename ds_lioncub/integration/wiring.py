@@ -55,6 +55,13 @@ def refuse_before_construction(engine: Any, options: LionCubConfig) -> None:
             "comm_backend_name='mpi' (the MPI world would have to be the vote group)",
             "use comm_backend_name='torch'",
         )
+    if options.error_feedback is not None and stage in (1, 2, 3):
+        raise _hybrid_refusal(
+            options,
+            stage,
+            "error_feedback yet (its state would have to follow ZeRO's shards)",
+            "drop error_feedback, or run at zero_optimization.stage 0",
+        )
 
 
 def resolve_auto_for_engine(engine: Any, options: LionCubConfig, model_parameters: Iterable[Any]) -> LionCubConfig:

@@ -143,6 +143,15 @@ def vote_chunk_sizes(
     return [end - begin for begin, end in chunk_bounds(numel, pipeline_chunk_numel, multiple)] or [numel]
 
 
+#: Error feedback's local work per element beyond its aggregation's, in units of Lion's update (the table's
+#: "lion_update"): its extra passes over the bucket (design section 4.8), measured as the difference of the
+#: 2- and 4-bit L1 all-to-all votes with and without it on 8,388,608-element buckets, one thread
+#: (benchmarks/RESULTS.md, "Error feedback: local cost").
+ERROR_FEEDBACK_LOCAL_PASSES = {"residual": 2.4, "ef21": 3.0}
+#: EF21's all-gather of the per-piece spreads: 4 bytes per parameter tensor in the bucket; priced as one.
+EF21_SPREAD_BYTES = 4
+
+
 def aggregation_collectives(options: LionCubConfig, numel: int, world_size: int) -> list[wire.Collective]:
     """What one aggregation of ``numel`` elements over ``world_size`` ranks issues (LionCub's own collectives)."""
     if options.compression == "none":
@@ -150,7 +159,19 @@ def aggregation_collectives(options: LionCubConfig, numel: int, world_size: int)
     if options.compression == "1bit":
         return wire.vote_1bit_collectives(numel, world_size)
     codec = KbitCodec.build(world_size, options.bits, options.quantizer, options.kbit_algorithm)
-    return wire.kbit_collectives(numel, codec, options.aggregation)
+    collectives = wire.kbit_collectives(numel, codec, options.aggregation)
+    if options.error_feedback is not None and options.error_feedback.kind == "ef21":
+        collectives.insert(0, wire.Collective("all_gather", EF21_SPREAD_BYTES, world_size))
+    return collectives
+
+
+def aggregation_local_cost(costs: LocalCosts, options: LionCubConfig) -> float:
+    """Seconds per element of a compressed aggregation's local work: the table's entry, plus error feedback's
+    passes (:data:`ERROR_FEEDBACK_LOCAL_PASSES`) where it is on."""
+    cost = costs.cost(aggregation_key(options))
+    if options.error_feedback is not None:
+        cost += ERROR_FEEDBACK_LOCAL_PASSES[options.error_feedback.kind] * costs.cost(LION_UPDATE)
+    return cost
 
 
 def bucket_sizes(numel: int, bucket_size: int) -> list[int]:
@@ -216,7 +237,7 @@ def predict_aggregation_seconds(
     tally = _Tally()
     for piece in pieces:  # each chunk pays its own rounds
         tally.add(aggregation_collectives(options, piece, world_size), "spanning", 1, network)
-    local = costs.cost(aggregation_key(options)) * numel * max(1.0, ranks_per_core) if world_size > 1 else 0.0
+    local = aggregation_local_cost(costs, options) * numel * max(1.0, ranks_per_core) if world_size > 1 else 0.0
     return pipelined_seconds(tally.seconds, local, len(pieces))
 
 
@@ -308,7 +329,7 @@ def flat_candidate(
         votes.add(aggregation_collectives(options, bucket, p), "spanning", node_size, network)
     if p > 1 and options.check_finite:
         alone.add(wire.finite_check_collectives(p), "spanning", node_size, network)
-    aggregation = costs.cost(aggregation_key(options)) * num_params if p > 1 else 0.0
+    aggregation = aggregation_local_cost(costs, options) * num_params if p > 1 else 0.0
     local = costs.cost(LION_UPDATE) * num_params + aggregation
     return _candidate(label, params, 0, alone, local, votes, len(buckets))
 
@@ -336,7 +357,7 @@ def hybrid_candidate(
         votes.add(aggregation_collectives(options, bucket, nodes), "one_per_node", node_size, network)
     if options.check_finite:  # agreed over the whole world (section 12)
         alone.add(wire.finite_check_collectives(cluster.world_size), "spanning", node_size, network)
-    local = (costs.cost(LION_UPDATE) + costs.cost(aggregation_key(options))) * shard
+    local = (costs.cost(LION_UPDATE) + aggregation_local_cost(costs, options)) * shard
     return _candidate(f"{label}, ZeRO-2 hybrid", hybrid_params, 2, alone, local, votes, len(buckets))
 
 

@@ -171,10 +171,13 @@ def test_head_momentum_sync_by_module_names(launched: dict[str, Any], variant: s
         assert equal == expected, f"{variant} step {step}"
 
 
-@pytest.mark.parametrize("config", ["lioncub_1bit", "lioncub_4bit_sign"])
+@pytest.mark.parametrize("config", ["lioncub_1bit", "lioncub_4bit_sign", "lioncub_ef_residual", "lioncub_ef21"])
 def test_checkpoint_resume_reproduces_the_uninterrupted_run(launched: dict[str, Any], config: str) -> None:
+    """Error feedback included (issue #24): its per-bucket state is in each rank's file, and the resumed run
+    equals the uninterrupted one bit for bit only if that state came back exactly."""
     for rank, results in enumerate(launched["main"]):
         record = results[f"resume/{config}"]
+        assert record["aggregation_saved"] == config.startswith("lioncub_ef"), f"rank {rank}"
         for name, value in record["uninterrupted"].items():
             assert torch.equal(record["resumed"][name], value), f"rank {rank}: {name}"
         for index, (a, b) in enumerate(zip(record["uninterrupted_momenta"], record["resumed_momenta"], strict=True)):

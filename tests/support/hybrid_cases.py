@@ -222,4 +222,16 @@ REFUSED: dict[str, tuple[HybridCase, tuple[str, ...]]] = {
         HybridCase("mpi_backend", options={"compression": "1bit", "comm_backend_name": "mpi"}),
         ("mpi", "hybrid"),
     ),
+    "error_feedback": (
+        HybridCase(
+            "error_feedback",
+            options={
+                "compression": "kbit",
+                "quantizer": "l1",
+                "kbit_algorithm": "alltoall",
+                "error_feedback": {"kind": "residual"},
+            },
+        ),
+        ("error_feedback", "stage 0"),
+    ),
 }

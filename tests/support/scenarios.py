@@ -168,6 +168,37 @@ def training_modes(world_size: int) -> dict[str, dict[str, object]]:
     return modes
 
 
+def error_feedback_modes(world_size: int) -> dict[str, dict[str, object]]:
+    """The error-feedback forms (docs/design.md, section 4.8) the gloo jobs train beside :func:`training_modes`,
+    kept apart from them: the brute-force reference of those modes has no error feedback (the EF tests hold
+    these to tests/support/error_feedback_reference.py)."""
+    l1_alltoall: dict[str, object] = {"compression": "kbit", "quantizer": "l1", "kbit_algorithm": "alltoall"}
+    modes: dict[str, dict[str, object]] = {
+        "ef-residual-2bit-a2a": {**l1_alltoall, "bits": 2, "error_feedback": {"kind": "residual"}},
+        "ef-residual-4bit-a2a-bf16-reset": {
+            **l1_alltoall,
+            "bits": 4,
+            "error_feedback": {"kind": "residual", "beta": 0.8, "reset_interval": 2, "storage": "bf16"},
+        },
+        "ef-residual-2bit-a2a-mean": {
+            **l1_alltoall,
+            "bits": 2,
+            "aggregation": "mean",
+            "error_feedback": {"kind": "residual", "beta": 0.95},
+        },
+        "ef21-2bit": {**l1_alltoall, "bits": 2, "error_feedback": {"kind": "ef21"}},
+        "ef21-4bit": {**l1_alltoall, "bits": 4, "error_feedback": {"kind": "ef21"}},
+    }
+    if world_size <= 7:  # a 4-bit L1 all-reduce holds 7 workers
+        modes["ef-residual-4bit-allreduce"] = {
+            "compression": "kbit",
+            "quantizer": "l1",
+            "bits": 4,
+            "error_feedback": {"kind": "residual"},
+        }
+    return modes
+
+
 # The modes whose buckets go through the packed sign vote (and so the fused step kernels where compiled).
 SIGN_VOTE_MODES = ("1bit", "1bit-positive", "4bit-sign", "2bit-sign", "1bit-sync")
 

@@ -1,9 +1,9 @@
-"""Error feedback on the k-bit L1 path (docs/design.md, section 4.8) in the virtual world at 16-40 workers.
+"""Error feedback on the k-bit L1 path (docs/design.md, section 4.8) in the virtual world at 16 and 33 workers.
 
 Each form against the plain loop of tests/support/error_feedback_reference.py (torch's elementwise
 operations, no ds_lioncub code): the parameters, every worker's momentum and every worker's EF state
-(residual, or G_i and the shared G, which the library keeps one chunk per owner) bit for bit after
-every step. Then the refusals, with their messages.
+(residual, or G_i and the shared G, which the library keeps one chunk per owner) bit for bit after 5
+steps. Then the refusals, with their messages.
 """
 
 from __future__ import annotations

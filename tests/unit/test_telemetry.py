@@ -144,6 +144,9 @@ def test_the_documented_event_names_are_the_written_ones() -> None:
     """docs/design.md section 15's table and the user guide's list name exactly what a record writes."""
     record = StepRecord(1, False, 2, 3, 3, 0.5, 0.25, 1, 0, 100, 50, 75)
     written = {name for name, _ in record.monitor_events()}
+    for kind in ("residual", "ef21"):  # error feedback's ratio, one event per form
+        with_feedback = StepRecord(1, False, 2, 3, 3, 0.5, 0.25, 1, 0, 100, 50, 75, kind, 0.1)
+        written |= {name for name, _ in with_feedback.monitor_events()}
     design = (REPO / "docs" / "design.md").read_text().split("## 15. Per-step telemetry")[1]
     assert set(re.findall(r"^\| `(LionCub/\w+)` \|", design, flags=re.MULTILINE)) == written
     guide = (REPO / "docs" / "user-guide.md").read_text().split("## With DeepSpeed")[1].split("\n## ")[0]
@@ -152,4 +155,6 @@ def test_the_documented_event_names_are_the_written_ones() -> None:
     assert {name for name, _ in without_rates.monitor_events()} == written - {
         "LionCub/tie_rate",
         "LionCub/agreement_rate",
+        "LionCub/ef_residual_ratio",
+        "LionCub/ef21_estimate_gap",
     }

@@ -214,10 +214,25 @@ def run_configs(args: argparse.Namespace, data: torch.Tensor) -> dict[str, Any]:
     return results
 
 
+def error_feedback_config(kind: str) -> dict[str, Any]:
+    """configs/lioncub_8bit_l1.json as a 4-bit L1 all-to-all vote with error feedback of ``kind`` (issue #24)."""
+    config = json.loads((REPO / "configs" / "lioncub_8bit_l1.json").read_text())
+    config["optimizer"]["params"].update(bits=4, kbit_algorithm="alltoall", error_feedback={"kind": kind})
+    return config
+
+
+#: The error-feedback configurations checkpointed beside two shipped ones (their aggregation state is saved too).
+ERROR_FEEDBACK_KINDS = {"lioncub_ef_residual": "residual", "lioncub_ef21": "ef21"}
+CHECKPOINTED = ("lioncub_1bit", "lioncub_4bit_sign", *ERROR_FEEDBACK_KINDS)
+
+
 def run_checkpoints(args: argparse.Namespace, data: torch.Tensor) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    for name in ("lioncub_1bit", "lioncub_4bit_sign"):
-        config = json.loads((REPO / "configs" / f"{name}.json").read_text())
+    for name in CHECKPOINTED:
+        if name in ERROR_FEEDBACK_KINDS:
+            config = error_feedback_config(ERROR_FEEDBACK_KINDS[name])
+        else:
+            config = json.loads((REPO / "configs" / f"{name}.json").read_text())
         uninterrupted = build(config)
         train(uninterrupted, data, 1, 2 * CHECKPOINT_STEPS)
         save_dir = str(args.out / f"ckpt-{name}")
@@ -232,8 +247,16 @@ def run_checkpoints(args: argparse.Namespace, data: torch.Tensor) -> dict[str, A
             "resumed": full_params(resumed),
             "uninterrupted_momenta": momenta(uninterrupted),
             "resumed_momenta": momenta(resumed),
+            "aggregation_saved": "aggregation"
+            in torch.load(
+                sorted((Path(save_dir) / first_tag(save_dir)).glob("lioncub_dp_rank_*.pt"))[0], weights_only=True
+            ),
         }
     return results
+
+
+def first_tag(save_dir: str) -> str:
+    return (Path(save_dir) / "latest").read_text().strip()
 
 
 def run_client_optimizers(data: torch.Tensor) -> dict[str, Any]:

@@ -194,6 +194,9 @@ def run_training(rank: int, world_size: int) -> dict[str, object]:
         results.update(train_mode(rank, mode, options, pipelined=True))
         if options["compression"] != "none":
             results.update(train_mode(rank, mode, options, pipelined=False))
+    for mode, options in sc.error_feedback_modes(world_size).items():  # beside the modes, with the "ef/" prefix
+        results.update(train_mode(rank, mode, options, pipelined=True, prefix="ef/"))
+        results.update(train_mode(rank, mode, options, pipelined=False, prefix="ef/"))
     # The sign votes again on the torch packing path (the composition the fused kernels must equal).
     packing.set_packing_path("torch")
     for mode in sc.SIGN_VOTE_MODES:

@@ -1,0 +1,115 @@
+"""Error feedback through LionCub itself (a world of one, in process): the telemetry's ratio against the
+residual or estimate written out here with plain torch, and the checkpoint round trip of the aggregation
+state (``aggregation_state`` / ``load_aggregation_state``) against the uninterrupted run, bit for bit."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+
+from ds_lioncub import LionCub
+
+L1_A2A = {"compression": "kbit", "quantizer": "l1", "kbit_algorithm": "alltoall", "bits": 2}
+HYPER = {"lr": 0.01, "betas": (0.9, 0.99), "weight_decay": 0.0}
+
+
+def gradient(step: int, numel: int = 3000) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(step))
+
+
+def one_step(kind: str) -> tuple[LionCub, torch.Tensor]:
+    param = torch.zeros(3000, requires_grad=True)
+    optimizer = LionCub([param], **HYPER, **L1_A2A, error_feedback={"kind": kind})
+    param.grad = gradient(1)
+    optimizer.step()
+    c = torch.zeros(3000).mul_(0.9).add_(param.grad, alpha=1 - 0.9)  # Lion's c with a zero momentum
+    return optimizer, c
+
+
+def test_the_residual_ratio_is_the_residual_over_c() -> None:
+    optimizer, c = one_step("residual")
+    scale = 1 / (2.0 * c.abs().mean())  # L / (tau * mu), L = 1 at 2 bits
+    q = torch.round(c * scale).clamp(-1, 1)
+    residual = (c - q / scale) * (1 - 0.9)  # e starts at 0: beta * 0 + (1 - beta) * (h - dequant(q))
+    record = optimizer.last_step_telemetry
+    assert record is not None and record.feedback_kind == "residual"
+    expected = float(residual.double().norm() / c.double().norm())
+    assert record.feedback_ratio == pytest.approx(expected, rel=1e-6)
+    assert ("LionCub/ef_residual_ratio", record.feedback_ratio) in record.monitor_events()
+
+
+def test_the_ef21_ratio_is_what_the_estimate_still_misses() -> None:
+    optimizer, c = one_step("ef21")
+    step = 2.0 * c.abs().mean() / 1  # u = tau * sigma / L; one rank: sigma is its own mean |c - 0|
+    d = torch.round(c / step).clamp(-1, 1)
+    missed = c - d * step  # c - G_i after G_i += u * d
+    record = optimizer.last_step_telemetry
+    assert record is not None and record.feedback_kind == "ef21"
+    assert record.feedback_ratio == pytest.approx(float(missed.double().norm() / c.double().norm()), rel=1e-6)
+    assert ("LionCub/ef21_estimate_gap", record.feedback_ratio) in record.monitor_events()
+
+
+def test_no_feedback_no_ratio() -> None:
+    param = torch.zeros(3000, requires_grad=True)
+    optimizer = LionCub([param], **HYPER, **L1_A2A)
+    param.grad = gradient(1)
+    optimizer.step()
+    record = optimizer.last_step_telemetry
+    assert record is not None and record.feedback_ratio is None
+    assert not any("ef" in name for name, _ in record.monitor_events())
+
+
+def train(optimizer: LionCub, param: torch.Tensor, steps: range) -> None:
+    for step in steps:
+        param.grad = gradient(step) + 0.3 * param.detach()
+        optimizer.step()
+
+
+@pytest.mark.parametrize(
+    "feedback", [{"kind": "residual", "reset_interval": 4}, {"kind": "residual", "storage": "bf16"}, {"kind": "ef21"}]
+)
+def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(feedback: dict[str, Any]) -> None:
+    def build() -> tuple[LionCub, torch.Tensor]:
+        param = torch.linspace(-1, 1, 3000).requires_grad_(True)
+        return LionCub([param], **HYPER, **L1_A2A, bucket_size=1024, error_feedback=feedback), param
+
+    uninterrupted, expected = build()
+    train(uninterrupted, expected, range(1, 9))
+    first, param = build()
+    train(first, param, range(1, 5))
+    saved = io.BytesIO()
+    torch.save({"optimizer": first.state_dict(), "aggregation": first.aggregation_state()}, saved)
+    saved.seek(0)
+    checkpoint = torch.load(saved, weights_only=True)
+    resumed, resumed_param = build()
+    with torch.no_grad():
+        resumed_param.copy_(param)
+    resumed.load_state_dict(checkpoint["optimizer"])
+    assert resumed.load_aggregation_state(checkpoint["aggregation"]) == ""
+    train(resumed, resumed_param, range(5, 9))
+    assert torch.equal(resumed_param, expected)
+    # Without the aggregation state the resumed run differs: the state is what makes the resume exact.
+    fresh, fresh_param = build()
+    with torch.no_grad():
+        fresh_param.copy_(param)
+    fresh.load_state_dict(checkpoint["optimizer"])
+    train(fresh, fresh_param, range(5, 9))
+    assert not torch.equal(fresh_param, expected)
+
+
+def test_a_state_saved_under_other_knobs_is_not_taken() -> None:
+    param = torch.zeros(3000, requires_grad=True)
+    saver = LionCub([param], **HYPER, **L1_A2A, error_feedback={"kind": "residual", "beta": 0.9})
+    train(saver, param, range(1, 3))
+    other = LionCub([torch.zeros(3000, requires_grad=True)], **HYPER, **L1_A2A, error_feedback={"kind": "residual"})
+    assert other.load_aggregation_state(saver.aggregation_state()) == ""  # the same knobs (beta 0.9 is the default)
+    changed = LionCub(
+        [torch.zeros(3000, requires_grad=True)], **HYPER, **L1_A2A, error_feedback={"kind": "residual", "beta": 0.8}
+    )
+    why = changed.load_aggregation_state(saver.aggregation_state())
+    assert "cannot load" in why and "'beta': 0.8" in why
+    assert changed.aggregation_state() is None  # it starts over from zeros
+    assert changed.load_aggregation_state(None).startswith("the checkpoint holds no aggregation state")
