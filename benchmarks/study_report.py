@@ -15,7 +15,7 @@ with exact Lion's runs of the same worker count and seed, and summarises over th
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,12 +41,34 @@ EF_FORMS = {"_ef_residual": "residual", "_ef21": "ef21"}
 
 
 def load_runs(directory: Path) -> dict[tuple[float, int, str], dict[int, dict[str, Any]]]:
-    """(beta2, workers, mode) -> seed -> the run's JSON."""
+    """(beta2, workers, mode) -> seed -> the run's JSON, without the runs :func:`runs_on_other_data` names."""
     cells: dict[tuple[float, int, str], dict[int, dict[str, Any]]] = defaultdict(dict)
+    outliers = set(runs_on_other_data(directory))
     for path in sorted(directory.glob("N*_seed*.json")):
+        if path.name in outliers:
+            continue
         record = json.loads(path.read_text())
         cells[(record["beta2"], record["workers"], record["mode"])][record["seed"]] = record
     return cells
+
+
+def runs_on_other_data(directory: Path) -> list[str]:
+    """The runs whose first training loss differs from that of most runs of the same seed.
+
+    The first loss is measured before any update, on the seed's first global batch and initial model,
+    the same for every mode, worker count and beta2: a run where it differs trained another task (the
+    example's corpus is the running Python's standard library, so another Python version means other
+    data) and cannot be compared with the others.
+    """
+    first_losses: dict[int, dict[str, float]] = defaultdict(dict)
+    for path in sorted(directory.glob("N*_seed*.json")):
+        record = json.loads(path.read_text())
+        first_losses[record["seed"]][path.name] = record["train_losses"][0]
+    outliers = []
+    for runs in first_losses.values():
+        usual = Counter(runs.values()).most_common(1)[0][0]
+        outliers += [name for name, loss in runs.items() if loss != usual]
+    return sorted(outliers)
 
 
 def _mean(values: list[float]) -> float:
@@ -231,6 +253,12 @@ def write_report(directory: Path, workers: list[int], modes: list[str], beta2s: 
         f"step.\n\n"
         f"{report_table(cells, workers, modes, beta2s)}\n\n![gap vs workers](gap_vs_workers.png)\n"
     )
+    outliers = runs_on_other_data(directory)
+    if outliers:
+        text += (
+            f"\nLeft out: {len(outliers)} run(s) whose first training loss (before any update) differs from the other "
+            f"runs of their seed, i.e. trained on other data or from another initial model: {', '.join(outliers)}.\n"
+        )
     feedback = ef_table(cells, beta2s)
     if feedback:
         text += (
