@@ -343,14 +343,21 @@ def hybrid_candidate(
     costs: LocalCosts,
     bucket_size: int,
     zero_bucket_size: int,
+    zero_stage: int = 2,
 ) -> Candidate:
-    """A compressed mode under the ZeRO-2 hybrid: ZeRO inside each node, the vote over the nodes (section 12)."""
+    """A compressed mode under the ZeRO hybrid: ZeRO inside each node, the vote over the nodes (section 12).
+
+    ``zero_stage`` 2 (what ZeRO-1 sends too) or 3 (its parameter all-gathers and gradient reduce-scatter
+    inside the node, :func:`ds_lioncub.comm.wire.zero3_collectives`); the vote of each rank's 1/G slice is
+    the same for both.
+    """
     node_size, nodes = cluster.gpus_per_node, cluster.nodes
     hybrid_params = {**params, "hybrid": {"node_size": node_size}}
     options = parse_config(hybrid_params)
+    zero_collectives = wire.zero3_collectives if zero_stage == 3 else wire.zero2_collectives
     alone, votes = _Tally(), _Tally()
     for bucket in bucket_sizes(num_params, zero_bucket_size):
-        alone.add(wire.zero2_collectives(bucket, node_size, ELEMENT_SIZE["fp32"]), "within_node", node_size, network)
+        alone.add(zero_collectives(bucket, node_size, ELEMENT_SIZE["fp32"]), "within_node", node_size, network)
     shard = wire.zero_partition_numel(num_params, node_size)
     buckets = bucket_sizes(shard, bucket_size)
     for bucket in buckets:
@@ -358,7 +365,9 @@ def hybrid_candidate(
     if options.check_finite:  # agreed over the whole world (section 12)
         alone.add(wire.finite_check_collectives(cluster.world_size), "spanning", node_size, network)
     local = (costs.cost(LION_UPDATE) + aggregation_local_cost(costs, options)) * shard
-    return _candidate(f"{label}, ZeRO-2 hybrid", hybrid_params, 2, alone, local, votes, len(buckets))
+    return _candidate(
+        f"{label}, ZeRO-{zero_stage} hybrid", hybrid_params, zero_stage, alone, local, votes, len(buckets)
+    )
 
 
 def plan(

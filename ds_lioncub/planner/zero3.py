@@ -26,17 +26,16 @@ from __future__ import annotations
 from typing import Any
 
 from ds_lioncub.comm import wire
-from ds_lioncub.config import parse_config
 from ds_lioncub.planner.cluster import Cluster, Network
-from ds_lioncub.planner.local_costs import LION_UPDATE, LocalCosts, aggregation_key
+from ds_lioncub.planner.local_costs import LION_UPDATE, LocalCosts
 from ds_lioncub.planner.model import (
     ELEMENT_SIZE,
     Candidate,
     _candidate,
     _compressed_modes,
     _Tally,
-    aggregation_collectives,
     bucket_sizes,
+    hybrid_candidate,
 )
 
 
@@ -66,20 +65,9 @@ def hybrid_zero3_candidate(
     zero_bucket_size: int,
 ) -> Candidate:
     """A compressed mode under the ZeRO-3 hybrid: ZeRO-3 inside each node, the vote of the slices over the nodes."""
-    node_size, nodes = cluster.gpus_per_node, cluster.nodes
-    hybrid_params = {**params, "hybrid": {"node_size": node_size}}
-    options = parse_config(hybrid_params)
-    alone, votes = _Tally(), _Tally()
-    for bucket in bucket_sizes(num_params, zero_bucket_size):
-        alone.add(wire.zero3_collectives(bucket, node_size, ELEMENT_SIZE["fp32"]), "within_node", node_size, network)
-    shard = wire.zero_partition_numel(num_params, node_size)
-    buckets = bucket_sizes(shard, bucket_size)
-    for bucket in buckets:
-        votes.add(aggregation_collectives(options, bucket, nodes), "one_per_node", node_size, network)
-    if options.check_finite:  # agreed over the whole world, as under the ZeRO-1/2 hybrid
-        alone.add(wire.finite_check_collectives(cluster.world_size), "spanning", node_size, network)
-    local = (costs.cost(LION_UPDATE) + costs.cost(aggregation_key(options))) * shard
-    return _candidate(f"{label}, ZeRO-3 hybrid", hybrid_params, 3, alone, local, votes, len(buckets))
+    return hybrid_candidate(
+        label, params, num_params, cluster, network, costs, bucket_size, zero_bucket_size, zero_stage=3
+    )
 
 
 def zero3_candidates(
