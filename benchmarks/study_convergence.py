@@ -1,4 +1,4 @@
-"""Issue #22's convergence study: Lion Cub's modes against exact Lion at 4-64 virtual workers.
+"""The convergence study: Lion Cub's modes against exact Lion at 4-64 virtual workers.
 
     python -m benchmarks.study_convergence --jobs 2                  # run (or resume) the whole grid
     python -m benchmarks.study_convergence --report                  # table, plot: report.md, gap_vs_workers.png
@@ -18,7 +18,7 @@ for its first seeds. ``--jobs J`` runs J processes of one torch thread each; ``-
 the GPU (all J processes share it; the model and batches start on the CPU as always, so a CUDA run
 differs from a CPU run of the same cell and seed only by the devices' rounding).
 
-Error feedback (issue #24): :data:`EF_MODES`, the two forms on the 2- and 4-bit L1 all-to-all, are not in
+Error feedback: :data:`EF_MODES`, the two forms on the 2- and 4-bit L1 all-to-all, are not in
 the default grid; ``benchmarks/gpu/ef_study.sh`` runs them at 32 and 64 workers.
 
 The 4-bit sign vote is the 1-bit majority vote carried in wider fields: same sums, same sign, same
@@ -79,7 +79,7 @@ def mode_options(mode: str, workers: int) -> dict[str, Any]:
         return {"compression": "kbit", "bits": 2, "quantizer": "l1", "kbit_algorithm": "alltoall"}
     if mode == "4bit_l1_a2a":
         return {"compression": "kbit", "bits": 4, "quantizer": "l1", "kbit_algorithm": "alltoall"}
-    for base in ("2bit_l1_a2a", "4bit_l1_a2a"):  # issue #24: the two error-feedback forms on the k-bit L1 all-to-all
+    for base in ("2bit_l1_a2a", "4bit_l1_a2a"):  # the two error-feedback forms on the k-bit L1 all-to-all
         if mode == f"{base}_ef_residual":
             return {**mode_options(base, workers), "error_feedback": {"kind": "residual"}}
         if mode == f"{base}_ef21":
@@ -90,7 +90,7 @@ def mode_options(mode: str, workers: int) -> dict[str, Any]:
 
 
 MODES = ("exact", "1bit", "1bit_sync", "4bit_sign", "2bit_l1_a2a", "4bit_l1_a2a", "8bit_l1")
-#: Issue #24's error-feedback variants (not in the default grid: run them with ``--modes``).
+#: The error-feedback variants (not in the default grid: run them with ``--modes``).
 EF_MODES = ("2bit_l1_a2a_ef_residual", "2bit_l1_a2a_ef21", "4bit_l1_a2a_ef_residual", "4bit_l1_a2a_ef21")
 
 

@@ -36,7 +36,7 @@ MODE_LABELS = {
     "4bit_l1_a2a_ef21": "4-bit L1 a2a + EF21",
 }
 
-#: Issue #24's error-feedback forms, by the mode suffix the study gives them.
+#: The error-feedback forms, by the mode suffix the study gives them.
 EF_FORMS = {"_ef_residual": "residual", "_ef21": "ef21"}
 
 
@@ -184,7 +184,7 @@ def write_plot(
 
 
 def ef_target(no_ef_gap: float, ef_gap: float) -> bool:
-    """Issue #24's target for one cell: the EF form's mean gap at most half of the same mode's without EF,
+    """The error-feedback target for one cell: the EF form's mean gap at most half of the same mode's without EF,
     and never worse than without EF (where the mode without EF is no worse than exact Lion, the EF gap
     must simply not exceed it)."""
     if ef_gap > no_ef_gap:
@@ -195,7 +195,7 @@ def ef_target(no_ef_gap: float, ef_gap: float) -> bool:
 def ef_table(cells: dict[tuple[float, int, str], dict[int, dict[str, Any]]], beta2s: list[float]) -> str:
     """Every cell with error-feedback runs: the form's gap against exact Lion beside the same mode's gap
     without EF (both over the seeds that all three have), its sign agreement with exact Lion, the number
-    of seeds on which EF beat no-EF, and issue #24's target (:func:`ef_target`)."""
+    of seeds on which EF beat no-EF, and the error-feedback target (:func:`ef_target`)."""
     lines = [
         "| beta2 | workers | mode | EF form | seeds | no-EF gap % | EF gap % | EF better (seeds) | "
         "EF match | EF flip | EF tie | no-EF match | target (<= half, never worse) | EF run device |",
@@ -262,11 +262,11 @@ def write_report(directory: Path, workers: list[int], modes: list[str], beta2s: 
     feedback = ef_table(cells, beta2s)
     if feedback:
         text += (
-            "\n## Error feedback (issue #24)\n\n"
+            "\n## Error feedback\n\n"
             "Each error-feedback form against the same mode without it: both gaps to exact Lion over the seeds "
             "that EF, no-EF and exact Lion all have (mean ± spread, as above); EF better: the seeds on which the "
             "EF gap is below the no-EF gap; match / flip / tie: the EF run's applied sign against exact Lion's. "
-            "Target (issue #24): the EF gap at most half of the no-EF gap and never above it (by the means).\n\n"
+            "Target: the EF gap at most half of the no-EF gap and never above it (by the means).\n\n"
             f"{feedback}"
         )
     (directory / "report.md").write_text(text)

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue #24's error-feedback grid on a lent CUDA machine (16 cores, one GPU), as one script, in under 7
+# The error-feedback grid on a lent CUDA machine (16 cores, one GPU), as one script, in under 7
 # minutes. Run from the repository root:
 #
 #   OUT=/tmp/ef_study bash benchmarks/gpu/ef_study.sh
 #
-# What it runs (benchmarks/study_convergence.py, the #22 protocol: the example GPT, 300 steps, the same
+# What it runs (benchmarks/study_convergence.py, the convergence study's protocol: the example GPT, 300 steps, the same
 # batches and seeds as the CPU grid):
 #   grid      {2-bit, 4-bit L1 all-to-all} x {EF residual, EF21} x {32, 64 workers} x beta2 {0.95, 0.99}
 #             x seeds {0, 1, 2} = 48 runs, GPU_JOBS processes on the GPU and CPU_JOBS on the cores taking
@@ -15,7 +15,7 @@
 #             $OUT/cuda_control/: the same cells on the CPU and on the GPU differ only by the devices'
 #             rounding, so their per-seed gap is the noise that comparing GPU EF runs with CPU baselines adds.
 #   report    python -m benchmarks.study_convergence --report: report.md with the EF section (EF vs no-EF vs
-#             exact Lion, sign agreement, issue #24's target per cell), and the control's gaps.
+#             exact Lion, sign agreement, the error-feedback target per cell), and the control's gaps.
 #
 # What comes back: everything under $OUT. Copy the new run JSONs and the report into the repository with
 #   cp $OUT/convergence_study/gpt-small_300steps/* benchmarks/results/convergence_study/gpt-small_300steps/

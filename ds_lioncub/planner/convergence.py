@@ -92,7 +92,7 @@ def study_mode(params: Mapping[str, Any]) -> str | None:
     compression = params.get("compression", "1bit")
     if compression == "none":
         return None
-    if params.get("error_feedback"):  # the study measured error feedback apart (issue #24), not as planner evidence
+    if params.get("error_feedback"):  # the study measured error feedback apart, not as planner evidence
         return "unmeasured"
     sync = params.get("momentum_sync") or {}
     synced = bool(sync.get("interval")) and sync.get("layers", "auto") == "auto" and int(sync["interval"]) <= 10

@@ -173,7 +173,7 @@ def test_head_momentum_sync_by_module_names(launched: dict[str, Any], variant: s
 
 @pytest.mark.parametrize("config", ["lioncub_1bit", "lioncub_4bit_sign", "lioncub_ef_residual", "lioncub_ef21"])
 def test_checkpoint_resume_reproduces_the_uninterrupted_run(launched: dict[str, Any], config: str) -> None:
-    """Error feedback included (issue #24): its per-bucket state is in each rank's file, and the resumed run
+    """Error feedback included: its per-bucket state is in each rank's file, and the resumed run
     equals the uninterrupted one bit for bit only if that state came back exactly."""
     for rank, results in enumerate(launched["main"]):
         record = results[f"resume/{config}"]

@@ -1,4 +1,4 @@
-"""The example's torch threads per rank do not follow the machine's core count (issue #23, item 7): MKL splits a
+"""The example's torch threads per rank do not follow the machine's core count: MKL splits a
 weight gradient's sum over the batch by thread count, so a count derived from the cores made `make train`'s
 losses differ from machine to machine (benchmarks/RESULTS.md, "make train across thread counts")."""
 

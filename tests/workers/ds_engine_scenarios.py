@@ -215,7 +215,7 @@ def run_configs(args: argparse.Namespace, data: torch.Tensor) -> dict[str, Any]:
 
 
 def error_feedback_config(kind: str) -> dict[str, Any]:
-    """configs/lioncub_8bit_l1.json as a 4-bit L1 all-to-all vote with error feedback of ``kind`` (issue #24)."""
+    """configs/lioncub_8bit_l1.json as a 4-bit L1 all-to-all vote with error feedback of ``kind``."""
     config = json.loads((REPO / "configs" / "lioncub_8bit_l1.json").read_text())
     config["optimizer"]["params"].update(bits=4, kbit_algorithm="alltoall", error_feedback={"kind": kind})
     return config
