@@ -24,19 +24,7 @@ PY=${PY:-python3}
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(env report pytest gpt packing step planner)
 
-if [ -d .whl ] && ! $PY -c "import deepspeed" 2>/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl > "$OUT/install.log" 2>&1 \
-        || echo "install of .whl/ failed: see install.log" | tee -a "$OUT/summary.txt"
-fi
-
-run_step() {  # name, time limit in seconds, command...
-    local name=$1 limit=$2 start rc
-    shift 2
-    start=$(date +%s)
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    rc=$?
-    echo "$name rc=$rc $(($(date +%s) - start))s" | tee -a "$OUT/summary.txt"
-}
+. "$(dirname "$0")/steps.sh"  # the .whl/ install and run_step
 
 for step in "${STEPS[@]}"; do
     case $step in

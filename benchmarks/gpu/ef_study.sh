@@ -48,19 +48,7 @@ START=$(date +%s)
 STUDY=$ROOT/gpt-small_${STEPS}steps
 EF_MODES="2bit_l1_a2a_ef_residual 2bit_l1_a2a_ef21 4bit_l1_a2a_ef_residual 4bit_l1_a2a_ef21"
 
-if [ -d .whl ] && ! $PY -c "import deepspeed" 2>/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl > "$OUT/install.log" 2>&1 \
-        || echo "install of .whl/ failed: see install.log" | tee -a "$OUT/summary.txt"
-fi
-
-run_step() {  # name, time limit in seconds, command...
-    local name=$1 limit=$2 start rc
-    shift 2
-    start=$(date +%s)
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    rc=$?
-    echo "$name rc=$rc $(($(date +%s) - start))s" | tee -a "$OUT/summary.txt"
-}
+. "$(dirname "$0")/steps.sh"  # the .whl/ install and run_step
 left() { echo $((START + BUDGET_S - $(date +%s))); }
 
 run_step env 60 bash -c "nvidia-smi; $PY -c 'import torch, deepspeed; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), deepspeed.__version__)'; nproc"
