@@ -11,8 +11,7 @@ slice sizes, the node-major groups, and the loss on held-out sequences before an
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -42,7 +41,7 @@ from tests.support.hf_cases import (  # noqa: E402
     linear_lr,
     sequences,
 )
-from tests.support.launch import REPO, run_deepspeed  # noqa: E402
+from tests.support.launch import REPO, one_torch_thread, run_deepspeed  # noqa: E402
 from tests.support.reference import simulate_hybrid  # noqa: E402
 from tests.support.zero3_reference import simulate_hybrid_zero3  # noqa: E402
 
@@ -69,17 +68,6 @@ def _trained(launched: Records, name: str) -> Records:
     return records
 
 
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """As the ranks run (one thread each), so that a recomputed gradient sums in the same order."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _gradients(records: Records) -> Callable[[int, int, int, list[Tensor]], list[Tensor]]:
     """Rank ``rank``'s gradient at step ``step``: the model at ``params`` called with the keyword arguments the
     Trainer passed on that rank at that step (its batch, ``num_items_in_batch``), its loss backpropagated."""
@@ -92,7 +80,7 @@ def _gradients(records: Records) -> Callable[[int, int, int, list[Tensor]], list
             for target, value in zip(model.parameters(), params, strict=True):
                 target.copy_(value)
         model.zero_grad(set_to_none=True)
-        with _one_thread(), torch.enable_grad():
+        with one_torch_thread(), torch.enable_grad():
             model(**records[rank]["calls"][step - 1]).loss.backward()
         return [p.grad.detach().clone() for p in model.parameters()]
 

@@ -10,8 +10,7 @@ the uninterrupted run for the resume, DeepSpeed's own ZeRO-3 with exact Lion for
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from tests.support.hybrid_cases import (
     build_model,
     loss_of,
 )
-from tests.support.launch import REPO, run_deepspeed
+from tests.support.launch import REPO, ok_records, one_torch_thread, run_main_and_resume
 from tests.support.zero3_cases import (
     BF16,
     CHECKPOINTED,
@@ -64,44 +63,18 @@ MOMENTA_CLOSE = {"zero3_1bit_binding_clip", "zero3_1bit_node_size4", "zero3_exac
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory, packing_op_build: tuple[Any, Any]) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("zero3_hybrid")
-    main_files = [out / f"main-rank{rank}.pt" for rank in range(WORLD)]
-    run_deepspeed(WORKER, WORLD, ["--out", str(out), "--phase", "main"], main_files, timeout_s=900)
-    resume_files = [out / f"resume-rank{rank}.pt" for rank in range(WORLD)]
-    run_deepspeed(WORKER, WORLD, ["--out", str(out), "--phase", "resume"], resume_files, timeout_s=400)
-    return {
-        "main": [torch.load(path, weights_only=False) for path in main_files],
-        "resume": [torch.load(path, weights_only=False) for path in resume_files],
-        "checkpoint": out / "ckpt",
-    }
+    return run_main_and_resume(WORKER, WORLD, tmp_path_factory.mktemp("zero3_hybrid"), 900, 400)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def _ok(records: Records, what: str) -> Records:
-    for rank, record in enumerate(records):
-        if record.get("error") is not None:
-            pytest.fail(f"{what} raised on rank {rank}: {record['error']}\n{record.get('traceback', '')[-3000:]}")
-    return records
-
-
 def _trained(launched: dict[str, Any], name: str) -> Records:
-    return _ok([results[f"trained/{name}"] for results in launched["main"]], name)
+    return ok_records([results[f"trained/{name}"] for results in launched["main"]], name)
 
 
 def _node_size(case: HybridCase) -> int:
     return case.node_size if case.node_size is not None else WORLD
-
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _gradients(case: HybridCase) -> Callable[[int, int, int, list[Tensor]], list[Tensor]]:
@@ -110,7 +83,7 @@ def _gradients(case: HybridCase) -> Callable[[int, int, int, list[Tensor]], list
         with torch.no_grad():
             for target, value in zip(model.parameters(), params, strict=True):
                 target.copy_(value)
-        with _one_thread(), torch.enable_grad():
+        with one_torch_thread(), torch.enable_grad():
             loss_of(model, rank, step, micro, case.nan_at).backward()
         return [p.grad.detach().clone() for p in model.parameters()]
 
@@ -321,7 +294,7 @@ def test_each_rank_keeps_one_node_size_th_of_stage0s_optimizer_state(launched: d
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank_of_every_node(launched: dict[str, Any], name: str) -> None:
     """fp32 and bf16 (ZeRO-3 skips on an invalid gradient norm, agreed across nodes): every rank skips the NaN
     step together, nothing moves on it, and the ranks stay identical (no hang: the launch finished)."""
-    records = _ok([results[f"trained/{name}"] for results in launched["main"]], name)
+    records = ok_records([results[f"trained/{name}"] for results in launched["main"]], name)
     for rank, record in enumerate(records):
         assert record["skipped_steps"] == [0] * (NAN_STEP - 1) + [1] * (STEPS - NAN_STEP + 1), f"rank {rank}"
         assert record["lioncub_step"][NAN_STEP - 1] == NAN_STEP - 1, f"rank {rank}"
@@ -356,13 +329,13 @@ def test_binding_clip_scales_each_node_by_its_own_norm(launched: dict[str, Any])
 
 
 def _resumed(launched: dict[str, Any]) -> Records:
-    return _ok([results["resume"] for results in launched["resume"]], "resume")
+    return ok_records([results["resume"] for results in launched["resume"]], "resume")
 
 
 def test_resume_in_a_new_job_equals_the_uninterrupted_run_bitwise_on_every_rank(launched: dict[str, Any]) -> None:
     """Parameters after every resumed step, each rank's flat masters and its node's momenta, LionCub's step:
     as the simulation of the uninterrupted run says (several sub-groups, two nodes with their own momenta)."""
-    saved = _ok([results["save"] for results in launched["main"]], "save")
+    saved = ok_records([results["save"] for results in launched["main"]], "save")
     records = _resumed(launched)
     run = _simulate(records, CHECKPOINTED)
     _assert_flats_match(saved, _simulate(saved, CHECKPOINTED, CHECKPOINT_AT), NODE_SIZE, "saved", "momenta", False)
@@ -379,7 +352,7 @@ def test_resume_in_a_new_job_equals_the_uninterrupted_run_bitwise_on_every_rank(
 
 def test_checkpoint_holds_a_side_file_per_rank_and_deepspeeds_files_from_node0_only(launched: dict[str, Any]) -> None:
     """ZeRO-3 names model and optimizer files by rank in the node; node 0 alone writes them (no collision)."""
-    _ok([results["save"] for results in launched["main"]], "save")
+    ok_records([results["save"] for results in launched["main"]], "save")
     checkpoint: Path = launched["checkpoint"]
     tag = (checkpoint / "latest").read_text().strip()
     files = sorted(path.name for path in (checkpoint / tag).iterdir())

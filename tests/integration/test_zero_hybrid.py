@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,7 @@ from tests.support.hybrid_cases import (
     build_model,
     loss_of,
 )
-from tests.support.launch import REPO, run_deepspeed
+from tests.support.launch import REPO, ok_records, one_torch_thread, run_main_and_resume
 from tests.support.reference import HybridRun, simulate_hybrid, simulate_lioncub
 
 pytestmark = pytest.mark.deepspeed
@@ -81,31 +80,14 @@ MOMENTA_CLOSE = {"zero2_1bit_binding_clip", "zero2_1bit_node_size4"}
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory, packing_op_build: tuple[Any, Any]) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("zero_hybrid")
-    main_files = [out / f"main-rank{rank}.pt" for rank in range(WORLD)]
-    run_deepspeed(WORKER, WORLD, ["--out", str(out), "--phase", "main"], main_files, timeout_s=600)
-    resume_files = [out / f"resume-rank{rank}.pt" for rank in range(WORLD)]
-    run_deepspeed(WORKER, WORLD, ["--out", str(out), "--phase", "resume"], resume_files, timeout_s=300)
-    return {
-        "main": [torch.load(path, weights_only=False) for path in main_files],
-        "resume": [torch.load(path, weights_only=False) for path in resume_files],
-        "checkpoint": out / "ckpt",
-    }
+    return run_main_and_resume(WORKER, WORLD, tmp_path_factory.mktemp("zero_hybrid"), 600, 300)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def _ok(records: Records, what: str) -> Records:
-    """The per-rank records of a scenario that ran; fails with rank 0's error (and traceback) otherwise."""
-    for rank, record in enumerate(records):
-        if record.get("error") is not None:
-            pytest.fail(f"{what} raised on rank {rank}: {record['error']}\n{record.get('traceback', '')[-3000:]}")
-    return records
-
-
 def _trained(launched: dict[str, Any], name: str) -> Records:
-    return _ok([results[f"trained/{name}"] for results in launched["main"]], name)
+    return ok_records([results[f"trained/{name}"] for results in launched["main"]], name)
 
 
 def _node(rank: int, node_size: int) -> int:
@@ -120,17 +102,6 @@ def _node_size(case: HybridCase) -> int:
     return case.node_size if case.node_size is not None else WORLD
 
 
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """The ranks run with one thread; so do the simulation's forward and backward passes (same kernels)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _gradients(case: HybridCase) -> Callable[[int, int, int, list[Tensor]], list[Tensor]]:
     """Rank ``rank``'s gradient of one micro-batch's loss at ``params``, computed here from the same inputs."""
 
@@ -139,7 +110,7 @@ def _gradients(case: HybridCase) -> Callable[[int, int, int, list[Tensor]], list
         with torch.no_grad():
             for target, value in zip(model.parameters(), params, strict=True):
                 target.copy_(value)
-        with _one_thread(), torch.enable_grad():
+        with one_torch_thread(), torch.enable_grad():
             loss_of(model, rank, step, micro, case.nan_at).backward()
         return [p.grad.detach().clone() for p in model.parameters()]
 
@@ -453,7 +424,7 @@ def test_warmup_lr_is_applied_per_step_to_every_coordinate(launched: dict[str, A
 
 
 def _resumed(launched: dict[str, Any]) -> Records:
-    return _ok([results["resume"] for results in launched["resume"]], "resume")
+    return ok_records([results["resume"] for results in launched["resume"]], "resume")
 
 
 def _real(shards: list[Tensor], record: dict[str, Any]) -> list[Tensor]:
@@ -469,7 +440,7 @@ def _real(shards: list[Tensor], record: dict[str, Any]) -> list[Tensor]:
 def test_resume_after_save_equals_the_uninterrupted_run_bitwise_on_every_rank(launched: dict[str, Any]) -> None:
     """Parameters after every resumed step, each rank's shard of its node's momentum, the master shards and
     LionCub's step: all as if the run had not stopped."""
-    _ok([results["save"] for results in launched["main"]], "save")
+    ok_records([results["save"] for results in launched["main"]], "save")
     uninterrupted = _trained(launched, CHECKPOINTED.name)
     for rank, (record, reference) in enumerate(zip(_resumed(launched), uninterrupted, strict=True)):
         assert record["loaded_lioncub_step"] == CHECKPOINT_AT
@@ -486,7 +457,7 @@ def test_resume_after_save_equals_the_uninterrupted_run_bitwise_on_every_rank(la
 
 
 def test_resume_restores_each_ranks_own_shard_of_its_nodes_momentum(launched: dict[str, Any]) -> None:
-    saved = _ok([results["save"] for results in launched["main"]], "save")
+    saved = ok_records([results["save"] for results in launched["main"]], "save")
     records = _resumed(launched)
     run = _simulate(saved, CHECKPOINTED, steps=CHECKPOINT_AT)
     _assert_shards_match(saved, run, NODE_SIZE, "saved", "momenta")
@@ -499,7 +470,7 @@ def test_resume_restores_each_ranks_own_shard_of_its_nodes_momentum(launched: di
 
 
 def test_checkpoint_holds_one_lioncub_file_per_rank_and_deepspeed_files_from_node0(launched: dict[str, Any]) -> None:
-    _ok([results["save"] for results in launched["main"]], "save")
+    ok_records([results["save"] for results in launched["main"]], "save")
     checkpoint: Path = launched["checkpoint"]
     tag = (checkpoint / "latest").read_text().strip()
     files = sorted(path.name for path in (checkpoint / tag).iterdir())
@@ -615,7 +586,7 @@ def test_steps_are_counted(launched: dict[str, Any]) -> None:
 def test_bf16_hybrid_keeps_ranks_identical_and_skips_a_nan_step_everywhere(launched: dict[str, Any]) -> None:
     """bf16 (ZeRO's overflow check agreed across nodes): no simulation, but every rank identical every step."""
     case = BF16
-    records = _ok([results[f"trained/{case.name}"] for results in launched["main"]], case.name)
+    records = ok_records([results[f"trained/{case.name}"] for results in launched["main"]], case.name)
     for rank, record in enumerate(records):
         assert record["skipped_steps"] == [0] * (NAN_STEP - 1) + [1] * (case.steps - NAN_STEP + 1), f"rank {rank}"
         for got, expected in zip(record["params"], records[0]["params"], strict=True):
@@ -673,7 +644,7 @@ def test_a_rank_built_differently_stops_every_rank_before_deepspeeds_broadcast(
 def test_replica_checks_every_step_pass_on_shards_and_skip_partitions(
     launched: dict[str, Any], case: HybridCase
 ) -> None:
-    records = _ok([results[f"trained/{case.name}"] for results in launched["main"]], case.name)
+    records = ok_records([results[f"trained/{case.name}"] for results in launched["main"]], case.name)
     for record in records[1:]:
         for got, expected in zip(record["params"], records[0]["params"], strict=True):
             assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), case.name

@@ -6,7 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -89,3 +92,37 @@ def run_deepspeed(
     if done.returncode not in (0, 250) or missing:
         raise AssertionError(f"deepspeed launch exited with {done.returncode}, missing {missing}:\n{output[-6000:]}")
     return output
+
+
+def run_main_and_resume(
+    script: Path, num_ranks: int, out: Path, main_timeout_s: float, resume_timeout_s: float
+) -> dict[str, Any]:
+    """``script --phase main`` then ``--phase resume`` (a new job, from main's checkpoint) under the deepspeed
+    launcher; each rank's results of both, and the checkpoint directory (``out/ckpt``)."""
+    results: dict[str, Any] = {"checkpoint": out / "ckpt"}
+    for phase, timeout_s in (("main", main_timeout_s), ("resume", resume_timeout_s)):
+        files = [out / f"{phase}-rank{rank}.pt" for rank in range(num_ranks)]
+        run_deepspeed(script, num_ranks, ["--out", str(out), "--phase", phase], files, timeout_s=timeout_s)
+        results[phase] = [torch.load(path, weights_only=False) for path in files]
+    return results
+
+
+def ok_records(records: list[dict[str, Any]], what: str) -> list[dict[str, Any]]:
+    """The per-rank records of a scenario that ran; fails with the first rank's error (and traceback) otherwise."""
+    for rank, record in enumerate(records):
+        if record.get("error") is not None:
+            raise AssertionError(
+                f"{what} raised on rank {rank}: {record['error']}\n{record.get('traceback', '')[-3000:]}"
+            )
+    return records
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """As the ranks run (one torch thread each), so that a gradient recomputed here sums in the same order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
