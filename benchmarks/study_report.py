@@ -34,6 +34,8 @@ MODE_LABELS = {
     "2bit_l1_a2a_ef21": "2-bit L1 a2a + EF21",
     "4bit_l1_a2a_ef_residual": "4-bit L1 a2a + EF residual",
     "4bit_l1_a2a_ef21": "4-bit L1 a2a + EF21",
+    "2bit_l1_a2a_ef_residual_bf16": "2-bit L1 a2a + EF residual (bf16)",
+    "4bit_l1_a2a_ef_residual_bf16": "4-bit L1 a2a + EF residual (bf16)",
 }
 
 #: The error-feedback forms, by the mode suffix the study gives them.
@@ -238,6 +240,36 @@ def ef_table(cells: dict[tuple[float, int, str], dict[int, dict[str, Any]]], bet
     return "\n".join(lines) + f"\n\nTarget met in {passed} of {total} cells.\n"
 
 
+#: The mode suffix of the residual form with its residual stored in bf16, after the fp32 residual's mode name.
+BF16_STORAGE = "_bf16"
+
+
+def storage_table(cells: dict[tuple[float, int, str], dict[int, dict[str, Any]]], beta2s: list[float]) -> str:
+    """Every cell with bf16-residual runs beside the same cell's fp32 residual: both gaps to exact Lion, and
+    the per-seed difference of the bf16 gap from the fp32 gap in points (mean ± spread), over the seeds that
+    bf16, fp32 and exact Lion all have; "" when there are none."""
+    lines = [
+        "| beta2 | workers | mode | seeds | fp32 residual gap % | bf16 residual gap % | bf16 - fp32 (points) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for beta2, n, mode in sorted(key for key in cells if key[2].endswith("_ef_residual" + BF16_STORAGE)):
+        if beta2 not in beta2s:
+            continue
+        bf16_runs, fp32_runs = cells[(beta2, n, mode)], cells.get((beta2, n, mode.removesuffix(BF16_STORAGE)), {})
+        exact_runs = cells.get((beta2, n, "exact"), {})
+        seeds = sorted(set(bf16_runs) & set(fp32_runs) & set(exact_runs))
+        if not seeds:
+            continue
+        bf16_gaps = [gap_percent(bf16_runs[s]["val_loss"], exact_runs[s]["val_loss"]) for s in seeds]
+        fp32_gaps = [gap_percent(fp32_runs[s]["val_loss"], exact_runs[s]["val_loss"]) for s in seeds]
+        difference = seed_summary([b - f for b, f in zip(bf16_gaps, fp32_gaps, strict=True)])
+        lines.append(
+            f"| {beta2} | {n} | {MODE_LABELS.get(mode, mode)} | {len(seeds)} | {_cell_text(seed_summary(fp32_gaps))} | "
+            f"{_cell_text(seed_summary(bf16_gaps))} | {_cell_text(difference)} |"
+        )
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
+
+
 def write_report(directory: Path, workers: list[int], modes: list[str], beta2s: list[float]) -> str:
     """Write report.md and gap_vs_workers.png into ``directory``; returns the report's text."""
     cells = load_runs(directory)
@@ -268,6 +300,14 @@ def write_report(directory: Path, workers: list[int], modes: list[str], beta2s: 
             "EF gap is below the no-EF gap; match / flip / tie: the EF run's applied sign against exact Lion's. "
             "Target: the EF gap at most half of the no-EF gap and never above it (by the means).\n\n"
             f"{feedback}"
+        )
+    storage = storage_table(cells, beta2s)
+    if storage:
+        text += (
+            "\n### The residual stored in bf16\n\n"
+            "The residual form with `storage: bf16` against the same cell with the default fp32 residual: both "
+            "gaps to exact Lion, and bf16's gap minus fp32's per seed, in points (mean ± spread).\n\n"
+            f"{storage}"
         )
     (directory / "report.md").write_text(text)
     write_plot(cells, workers, modes, beta2s, directory / "gap_vs_workers.png")

@@ -95,8 +95,10 @@ def bucket_directions(
     out: torch.Tensor,
     whole_mean_abs: dict[int, torch.Tensor],
     aggregator: Aggregator,
+    first_key_tensor: int = 0,
 ) -> Bucket:
-    """The bucket's pre-sign updates ``c`` into ``out``, as a :class:`Bucket`; nothing else is written."""
+    """The bucket's pre-sign updates ``c`` into ``out``, as a :class:`Bucket`; nothing else is written.
+    ``first_key_tensor``: the number ``entries[0]`` has in the bucket's key."""
     sizes = [piece.length for piece in bucket]
     for piece, direction in zip(bucket, out.split(sizes), strict=True):
         entry = entries[piece.tensor_index]
@@ -106,7 +108,7 @@ def bucket_directions(
     mean_abs = (
         [whole_mean_abs.get(piece.tensor_index) for piece in bucket] if aggregator.needs_whole_tensor_mean_abs else []
     )
-    return Bucket(out, sizes, mean_abs, key=(bucket[0].tensor_index, bucket[0].start))
+    return Bucket(out, sizes, mean_abs, key=(first_key_tensor + bucket[0].tensor_index, bucket[0].start))
 
 
 def prepare_bucket(
@@ -115,9 +117,11 @@ def prepare_bucket(
     scratch: BucketBuffers,
     whole_mean_abs: dict[int, torch.Tensor],
     aggregator: Aggregator,
+    first_key_tensor: int = 0,
 ) -> Bucket:
     """The bucket's pre-sign updates ``c`` (in ``scratch``), its momenta updated: the local work before the vote."""
-    prepared = bucket_directions(entries, bucket, scratch.for_bucket(entries, bucket), whole_mean_abs, aggregator)
+    out = scratch.for_bucket(entries, bucket)
+    prepared = bucket_directions(entries, bucket, out, whole_mean_abs, aggregator, first_key_tensor)
     update_bucket_momenta(entries, bucket)
     return prepared
 

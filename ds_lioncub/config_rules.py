@@ -164,14 +164,6 @@ CROSS_OPTION_RULES: tuple[CrossOptionRule, ...] = (
     ),
     CrossOptionRule(
         "error_feedback",
-        lambda config, given: config.error_feedback is not None and config.hybrid is not None,
-        lambda config: (
-            "error_feedback does not support the ZeRO-1/2 hybrid yet; drop hybrid (and run ZeRO stage 0) or "
-            "drop error_feedback"
-        ),
-    ),
-    CrossOptionRule(
-        "error_feedback",
         lambda config, given: (
             config.error_feedback is not None
             and config.error_feedback.kind == "ef21"

@@ -97,6 +97,8 @@ class LionCub(torch.optim.Optimizer):
         self._states_only = False
         # Inside optimizer_step_in_parts(): the step every step() call is a part of (None outside).
         self._parts: StepInParts | None = None
+        # Inside bucket_keys_from(): the number the first tensor of a step() call has in bucket keys.
+        self._first_key_tensor = 0
         # The bucket schedule of compressed steps (step_paths.compressed_step); False runs buckets one by one.
         self._pipelined_buckets = True
         # Per-step records (docs/design.md, section 15).
@@ -263,6 +265,21 @@ class LionCub(torch.optim.Optimizer):
             for group in self.param_groups:
                 group["step"] = parts.step
 
+    @contextmanager
+    def bucket_keys_from(self, first_tensor: int) -> Iterator[None]:
+        """Within this block the tensors of a ``step()`` call are numbered from ``first_tensor`` in the bucket
+        keys under which error feedback keeps its state (:attr:`~ds_lioncub.aggregation.Bucket.key`).
+
+        For callers that step the parameters in several calls per optimizer step (DeepSpeed's ZeRO-1/2
+        steps each param group in its own call, every call's tensors then numbered from 0): numbering each
+        call's tensors after the earlier calls' keeps each tensor's state its own.
+        """
+        before, self._first_key_tensor = self._first_key_tensor, first_tensor
+        try:
+            yield
+        finally:
+            self._first_key_tensor = before
+
     # ------------------------------------------------------------------ public helpers
 
     def comm_stats(self) -> CommStats:
@@ -388,6 +405,7 @@ class LionCub(torch.optim.Optimizer):
             self.options.check_finite,
             self._flat_params(),
             self.param_names,
+            self._first_key_tensor,
         )
         run_step_path(entries, step, positive_ties, self._aggregator, self.transport, self._overlap, context)
         if parts is None:

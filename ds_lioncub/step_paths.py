@@ -61,6 +61,8 @@ class StepContext:
         check_finite: option ``check_finite``.
         params: every parameter of the optimizer by flat position (group order, then parameter order).
         names: their names by flat position (None: some has none); both name parameters in errors.
+        first_key_tensor: the number of this call's first tensor in bucket keys
+            (:meth:`~ds_lioncub.optimizer.LionCub.bucket_keys_from`).
     """
 
     bucket_size: int
@@ -70,6 +72,7 @@ class StepContext:
     check_finite: bool
     params: list[torch.Tensor]
     names: list[str] | None
+    first_key_tensor: int = 0
 
     def label(self, param: torch.Tensor) -> str:
         """``param`` as an error message names it: its name, else its flat position and shape."""
@@ -184,7 +187,7 @@ def compressed_step(entries: list[Entry], aggregator: Aggregator, positive_ties:
             if watch.wants_signs:
                 watch.local_signs(k, sign_bits_of_message(message, bits, numel))
             return watch.timed(k, aggregator.issue, message, numel, positive_ties)
-        prepared = prepare_bucket(entries, plan[k], scratch, whole_mean_abs, aggregator)
+        prepared = prepare_bucket(entries, plan[k], scratch, whole_mean_abs, aggregator, context.first_key_tensor)
         if watch.wants_signs:  # taken before the buffer is reused
             watch.local_signs(k, pack_local_signs(prepared.values, positive_ties))
         return watch.timed(k, aggregator.start, prepared, positive_ties)

@@ -308,7 +308,8 @@ def restore(optimizer: LionCub, found: RankRestore) -> None:
     if optimizer.options.error_feedback is None:
         return
     why = found.aggregation_dropped or optimizer.load_aggregation_state(found.aggregation)
-    if why and optimizer.transport.rank == 0:
+    first = dist.get_rank() == 0 if dist.is_initialized() else optimizer.transport.rank == 0  # the world's, hybrid too
+    if why and first:
         get_logger().warning(f"LionCub: error feedback starts over from zeros after this resume: {why}")
 
 

@@ -15,7 +15,8 @@ broadcast and checkpoint metadata are unchanged):
 - :class:`HybridZeroOptimizer` makes ZeRO's skip decisions world-wide: its overflow flag and the
   validity of its gradient norm are reduced over the node (by ZeRO) and then over the vote group,
   so a NaN on any rank skips the step on every rank. Without that, one node would vote while the
-  other skips, and the votes of different steps would pair up silently, then hang;
+  other skips, and the votes of different steps would pair up silently, then hang. It also numbers
+  the param groups' shards in LionCub's bucket keys (ZeRO steps one group per call);
 - LionCub communicates over the vote group; its own finite check agrees over the whole world.
 
 Clipping stays DeepSpeed's: each node clips its averaged gradient by that node's norm.
@@ -75,6 +76,15 @@ class HybridZeroOptimizer(DeepSpeedZeroOptimizer):
     def has_overflow(self, partition_gradients: bool = True) -> bool:
         overflow = bool(super().has_overflow(partition_gradients))
         return any_rank(overflow, self._lioncub_vote_group, self._flag_device())
+
+    def _optimizer_step(self, group_no: int) -> None:
+        # ZeRO steps each param group's flat shard in its own LionCub.step() call: shard i is tensor i of
+        # the bucket keys, so that error feedback keeps each shard's state apart.
+        if isinstance(self.optimizer, LionCub):
+            with self.optimizer.bucket_keys_from(group_no):
+                super()._optimizer_step(group_no)
+        else:
+            super()._optimizer_step(group_no)
 
     def scaled_global_norm(self, norm_type: int = 2) -> Any:
         norm = super().scaled_global_norm(norm_type)

@@ -1,7 +1,8 @@
-"""Error feedback under ZeRO stage 1: refused before LionCub is built, with the fix named (a real
+"""Error feedback under ZeRO stage 3: refused before LionCub is built, with the fix named (a real
 ``deepspeed.initialize`` on one rank, in a fresh interpreter: it initialises torch.distributed, which the
-in-process tests must not see). The hybrid would have to shard the feedback state with ZeRO's partitions,
-which it does not do yet (docs/design.md, section 4.8)."""
+in-process tests must not see). ZeRO-3 steps its sub-groups in separate calls, and the feedback state is
+kept per bucket of one call (docs/design.md, section 4.8); stages 1 and 2 run it
+(tests/integration/test_zero_hybrid.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.deepspeed
 
 REPO = Path(__file__).resolve().parents[2]
 
-ZERO1_WITH_EF = textwrap.dedent(
+ZERO3_WITH_EF = textwrap.dedent(
     """
     import os, socket
     import torch
@@ -28,7 +29,7 @@ ZERO1_WITH_EF = textwrap.dedent(
     import ds_lioncub
     params = {"lr": 1e-3, "compression": "kbit", "quantizer": "l1", "kbit_algorithm": "alltoall",
               "error_feedback": {"kind": "residual"}}
-    config = {"train_batch_size": 1, "zero_optimization": {"stage": 1},
+    config = {"train_batch_size": 1, "zero_optimization": {"stage": 3},
               "optimizer": {"type": "LionCub", "params": params}}
     net = torch.nn.Linear(8, 4)
     try:
@@ -40,7 +41,7 @@ ZERO1_WITH_EF = textwrap.dedent(
 )
 
 
-def test_error_feedback_under_zero_stage_1_is_refused_before_training() -> None:
+def test_error_feedback_under_zero_stage_3_is_refused_before_training() -> None:
     env = {
         **os.environ,
         "DS_ACCELERATOR": "cpu",
@@ -48,13 +49,13 @@ def test_error_feedback_under_zero_stage_1_is_refused_before_training() -> None:
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     done = subprocess.run(
-        [sys.executable, "-c", ZERO1_WITH_EF], env=env, capture_output=True, text=True, timeout=300, cwd=REPO
+        [sys.executable, "-c", ZERO3_WITH_EF], env=env, capture_output=True, text=True, timeout=300, cwd=REPO
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("REFUSED-WITH ")]
     assert lines, done.stdout[-2000:] + done.stderr[-2000:]
     assert lines[-1] == (
-        "REFUSED-WITH LionCubConfigError LionCub: compression='kbit' under ZeRO stage 1 (the hybrid: ZeRO inside "
-        "each node, Lion Cub's vote across nodes) does not support error_feedback yet (its state would have to "
-        "follow ZeRO's shards). To use it, drop error_feedback, or run at zero_optimization.stage 0; or use "
-        "compression='none' (exact Lion under ZeRO)."
+        "REFUSED-WITH LionCubConfigError LionCub: compression='kbit' under ZeRO stage 3 (the hybrid: ZeRO inside "
+        "each node, Lion Cub's vote across nodes) does not support error_feedback yet (ZeRO-3 steps its sub-groups "
+        "in separate calls, and the feedback state is kept per bucket of one call). To use it, drop error_feedback, "
+        "or run at zero_optimization.stage 0, 1 or 2; or use compression='none' (exact Lion under ZeRO)."
     )

@@ -29,7 +29,9 @@ from tests.support.hybrid_cases import (
     BINDING_CLIP,
     CHECKPOINT_AT,
     CHECKPOINTED,
+    CHECKPOINTED_EF,
     CONSISTENCY_CHECKED,
+    EF_CASES,
     FINITE_CHECK_ONLY,
     LR,
     NAN_RANK,
@@ -72,6 +74,7 @@ BITWISE = [
     "zero2_1bit_momentum_sync_all",
     "zero2_1bit_node_size1",
     "zero2_1bit_node_size4",
+    *(case.name for case in EF_CASES),
 ]
 # Momenta also bitwise, except where the reduction order is not the simulation's: a clip coefficient from
 # a norm summed in another order, or a node of 4 ranks whose sum order the collective library chooses.
@@ -673,3 +676,96 @@ def test_a_shard_changed_on_one_rank_stops_every_rank_of_every_node(launched: di
         message
     )
     assert "after step 4" in message and "ZeRO shard" in message, message
+
+
+# ---------------------------------------------------------------------------------------------- error feedback
+
+
+def _feedback_buckets(record: dict[str, Any], what: str) -> dict[Any, dict[str, Tensor]]:
+    state = record["aggregation"]
+    assert state is not None, f"{what}: no error-feedback state"
+    return state["buckets"]
+
+
+@pytest.mark.parametrize("name", [case.name for case in EF_CASES])
+def test_error_feedback_state_of_rank_k_j_is_node_ks_in_the_vote_on_shard_j(
+    launched: dict[str, Any], name: str
+) -> None:
+    """Bit for bit against the simulation: rank (k, j)'s residuals (or EF21 estimates G_i) are worker k's of
+    the vote on shard j, and its chunk of EF21's shared G is chunk k (the all-to-all over the M nodes)."""
+    case = TRAINED_BY_NAME[name]
+    records = _trained(launched, name)
+    run = _simulate(records, case)
+    node_size = _node_size(case)
+    nodes = WORLD // node_size
+    kind = case.options["error_feedback"]["kind"]
+    for rank, record in enumerate(records):
+        node, local = _node(rank, node_size), _local(rank, node_size)
+        expected = run.feedback[local]
+        buckets = _feedback_buckets(record, f"{name}: rank {rank}")
+        per_worker = expected.residual if kind == "residual" else expected.estimate
+        assert sorted(buckets) == sorted(per_worker), f"{name}: rank {rank}"
+        for key, tensors in buckets.items():
+            got, want = tensors["residual" if kind == "residual" else "estimate"], per_worker[key][node]
+            if not torch.equal(got, want):
+                pytest.fail(f"{name}: rank {rank}, bucket {key}: {_first_difference(got.float(), want.float())}")
+            assert bool(got.any()), f"{name}: rank {rank}: the state is all zeros, the comparison proves nothing"
+            if kind == "ef21":
+                chunk = tensors["shared"]
+                whole = expected.shared[key]
+                whole = torch.cat([whole, torch.zeros(chunk.numel() * nodes - whole.numel())])
+                assert torch.equal(chunk, whole[node * chunk.numel() : (node + 1) * chunk.numel()]), rank
+
+
+def test_each_rank_keeps_error_feedback_state_for_its_shard_only(launched: dict[str, Any]) -> None:
+    """The residual or estimate of rank (k, j) covers its shards, 1/G of the model (stage 0 keeps all of it)."""
+    numel = sum(p.numel() for p in build_model().parameters())
+    for case in EF_CASES:
+        node_size = _node_size(case)
+        kind = "residual" if case.options["error_feedback"]["kind"] == "residual" else "estimate"
+        for rank, record in enumerate(_trained(launched, case.name)):
+            kept = sum(t[kind].numel() for t in _feedback_buckets(record, case.name).values())
+            shard = sum(record["geometry"]["partition_size"])
+            assert kept == shard, f"{case.name}: rank {rank}"
+            groups = len(record["geometry"]["partition_size"])
+            assert numel / node_size <= kept < numel / node_size + 2 * groups, f"{case.name}: rank {rank}"
+
+
+def test_error_feedback_telemetry_reports_its_ratio_every_step_that_was_not_skipped(launched: dict[str, Any]) -> None:
+    for case in EF_CASES:
+        kind = case.options["error_feedback"]["kind"]
+        for rank, record in enumerate(_trained(launched, case.name)):
+            for t in record["telemetry"]:
+                if t.skipped:
+                    assert t.feedback_ratio is None, f"{case.name}: rank {rank}, step {t.step}"
+                else:
+                    assert t.feedback_kind == kind and t.feedback_ratio is not None, f"{case.name}: rank {rank}"
+                    assert 0 < t.feedback_ratio < math.inf, f"{case.name}: rank {rank}, step {t.step}"
+
+
+@pytest.mark.parametrize("case", CHECKPOINTED_EF, ids=lambda case: case.name)
+def test_error_feedback_resume_equals_the_uninterrupted_run_bitwise(launched: dict[str, Any], case: HybridCase) -> None:
+    """The state saved in each rank's side file comes back whole (the residual's reset clock too), and every
+    resumed step's parameters, the final momenta and the final state are the uninterrupted run's."""
+    saved = ok_records([results[f"save/{case.name}"] for results in launched["main"]], f"save/{case.name}")
+    resumed = ok_records([results[f"resume/{case.name}"] for results in launched["resume"]], f"resume/{case.name}")
+    uninterrupted = _trained(launched, case.name)
+    for rank, (record, at_save, reference) in enumerate(zip(resumed, saved, uninterrupted, strict=True)):
+        loaded, stored = record["loaded_aggregation"], at_save["aggregation"]
+        assert loaded is not None and stored is not None, f"rank {rank}"
+        assert loaded.get("uses") == stored.get("uses"), f"rank {rank}: the reset clock"
+        assert sorted(loaded["buckets"]) == sorted(stored["buckets"]), f"rank {rank}"
+        for key, tensors in stored["buckets"].items():
+            for name, tensor in tensors.items():
+                assert torch.equal(loaded["buckets"][key][name], tensor), f"rank {rank}: {name} of bucket {key}"
+        for step, (got, expected) in enumerate(
+            zip(record["params"], reference["params"][CHECKPOINT_AT:], strict=True), CHECKPOINT_AT + 1
+        ):
+            for a, b in zip(got, expected, strict=True):
+                assert torch.equal(a, b), f"rank {rank}, step {step}"
+        for a, b in zip(record["momenta"], reference["momenta"], strict=True):
+            assert torch.equal(a, b), f"rank {rank}: momentum"
+        final, expected_final = record["aggregation"]["buckets"], reference["aggregation"]["buckets"]
+        for key, tensors in expected_final.items():
+            for name, tensor in tensors.items():
+                assert torch.equal(final[key][name], tensor), f"rank {rank}: final {name} of bucket {key}"

@@ -39,16 +39,22 @@ def plan_pieces(numels: list[int], capacity: int) -> list[list[tuple[int, int, i
 
 
 @dataclass
-class EfWorld:
-    """Everything the simulation keeps: the shared parameters, each worker's momenta and EF state."""
+class EfState:
+    """The error feedback's state of one group of voting workers, per bucket key (tensor index, offset of its
+    first piece): each worker's residual, the reset clock, each worker's EF21 estimate, the shared EF21 estimate."""
 
-    params: list[Tensor]
-    momenta: list[list[Tensor]]
-    # per bucket key (tensor index, offset of its first piece): per worker tensors
     residual: dict[tuple[int, int], list[Tensor]] = field(default_factory=dict)
     uses: dict[tuple[int, int], int] = field(default_factory=dict)
     estimate: dict[tuple[int, int], list[Tensor]] = field(default_factory=dict)
     shared: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class EfWorld(EfState):
+    """Everything the simulation keeps: the shared parameters, each worker's momenta and EF state."""
+
+    params: list[Tensor] = field(default_factory=list)
+    momenta: list[list[Tensor]] = field(default_factory=list)
 
 
 def l1_levels(bits: int, algorithm: str, workers: int) -> int:
@@ -63,17 +69,9 @@ def simulate_ef(init: list[Tensor], grads_fn: GradsFn, workers: int, steps: int,
     ``options``: lr, betas, weight_decay, bucket_size, bits, kbit_algorithm, aggregation ("vote"/"mean"),
     l1_clip (default 2.0), error_feedback; the tie rule is "alternate" (+1 on odd steps)."""
     lr, (beta1, beta2), wd = options["lr"], options["betas"], options["weight_decay"]
-    capacity, bits = options["bucket_size"], options["bits"]
-    algorithm, aggregation = options.get("kbit_algorithm", "allreduce"), options.get("aggregation", "vote")
-    clip = options.get("l1_clip", 2.0)
-    feedback = options["error_feedback"]
-    levels = l1_levels(bits, algorithm, workers)
     momenta = [[torch.zeros_like(t).float() for t in init] for _ in range(workers)]
-    world = EfWorld([t.clone().float() for t in init], momenta)
-    numels = [t.numel() for t in init]
-    buckets = plan_pieces(numels, capacity)
+    world = EfWorld(params=[t.clone().float() for t in init], momenta=momenta)
     for step in range(1, steps + 1):
-        positive_ties = step % 2 == 1
         grads = [[g.reshape(-1).float() for g in grads_fn(i, step, world.params)] for i in range(workers)]
         flat_m = [[m.view(-1) for m in world.momenta[i]] for i in range(workers)]
         # c from the momenta before this step (every bucket), then the momenta move
@@ -81,33 +79,55 @@ def simulate_ef(init: list[Tensor], grads_fn: GradsFn, workers: int, steps: int,
             [m.clone().mul_(beta1).add_(g, alpha=1 - beta1) for m, g in zip(flat_m[i], grads[i], strict=True)]
             for i in range(workers)
         ]
-        # the L1 scale's mu of a tensor cut across buckets: |c| summed over capacity-sized chunks (design 4.7)
-        whole_mu = [{} for _ in range(workers)]
-        for i in range(workers):
-            for index, numel in enumerate(numels):
-                if numel > capacity:
-                    total = torch.zeros((), dtype=torch.float32)
-                    for start in range(0, numel, capacity):
-                        total += directions[i][index][start : start + capacity].abs().sum()
-                    whole_mu[i][index] = total / numel
         for i in range(workers):
             for m, g in zip(flat_m[i], grads[i], strict=True):
                 m.mul_(beta2).add_(g, alpha=1 - beta2)
-        for bucket in buckets:
-            key = (bucket[0][0], bucket[0][1])
-            sizes = [length for _, _, length in bucket]
-            c = [torch.cat([directions[i][t][s : s + n] for t, s, n in bucket]) for i in range(workers)]
-            if feedback["kind"] == "residual":
-                delta = _residual_bucket(world, key, c, bucket, sizes, whole_mu, feedback, levels, clip)
-                delta = _aggregate(delta, aggregation, positive_ties, workers, levels)
-            else:
-                delta = _ef21_bucket(world, key, c, sizes, levels, clip, positive_ties)
-            for (t, s, n), piece in zip(bucket, delta.split(sizes), strict=True):
-                target = world.params[t].view(-1)[s : s + n]
-                if wd != 0:
-                    target.mul_(1 - lr * wd)
-                target.add_(piece, alpha=-lr)
+        deltas = feedback_deltas(world, directions, step, options)
+        for param, delta in zip(world.params, deltas, strict=True):
+            target = param.view(-1)
+            if wd != 0:
+                target.mul_(1 - lr * wd)
+            target.add_(delta, alpha=-lr)
     return world
+
+
+def feedback_deltas(
+    state: EfState, directions: list[list[Tensor]], step: int, options: dict[str, Any], first_key_tensor: int = 0
+) -> list[Tensor]:
+    """One step's update direction per tensor (flat) that every worker applies, from ``directions[i][t]``
+    (worker i's pre-sign update c of tensor t, flat), the EF state moved. Tensor t is number
+    ``first_key_tensor + t`` in the bucket keys.
+
+    ``options``: bucket_size, bits, kbit_algorithm, aggregation, l1_clip (default 2.0), error_feedback; the
+    tie rule is "alternate" (+1 on odd steps)."""
+    workers, numels = len(directions), [c.numel() for c in directions[0]]
+    capacity, bits = options["bucket_size"], options["bits"]
+    algorithm, aggregation = options.get("kbit_algorithm", "allreduce"), options.get("aggregation", "vote")
+    clip, feedback = options.get("l1_clip", 2.0), options["error_feedback"]
+    levels = l1_levels(bits, algorithm, workers)
+    positive_ties = step % 2 == 1
+    # the L1 scale's mu of a tensor cut across buckets: |c| summed over capacity-sized chunks (design 4.7)
+    whole_mu: list[dict[int, Tensor]] = [{} for _ in range(workers)]
+    for i in range(workers):
+        for index, numel in enumerate(numels):
+            if numel > capacity:
+                total = torch.zeros((), dtype=torch.float32)
+                for start in range(0, numel, capacity):
+                    total += directions[i][index][start : start + capacity].abs().sum()
+                whole_mu[i][index] = total / numel
+    deltas = [torch.empty(numel) for numel in numels]
+    for bucket in plan_pieces(numels, capacity):
+        key = (first_key_tensor + bucket[0][0], bucket[0][1])
+        sizes = [length for _, _, length in bucket]
+        c = [torch.cat([directions[i][t][s : s + n] for t, s, n in bucket]) for i in range(workers)]
+        if feedback["kind"] == "residual":
+            sent = _residual_bucket(state, key, c, bucket, sizes, whole_mu, feedback, levels, clip)
+            delta = _aggregate(sent, aggregation, positive_ties, workers, levels)
+        else:
+            delta = _ef21_bucket(state, key, c, sizes, levels, clip, positive_ties)
+        for (t, s, n), piece in zip(bucket, delta.split(sizes), strict=True):
+            deltas[t][s : s + n] = piece
+    return deltas
 
 
 def _per_element(values: Tensor, sizes: list[int]) -> Tensor:
@@ -115,7 +135,7 @@ def _per_element(values: Tensor, sizes: list[int]) -> Tensor:
 
 
 def _residual_bucket(
-    world: EfWorld,
+    world: EfState,
     key: tuple[int, int],
     c: list[Tensor],
     bucket: list[tuple[int, int, int]],
@@ -162,7 +182,7 @@ def _aggregate(levels_sent: list[Tensor], aggregation: str, positive_ties: bool,
 
 
 def _ef21_bucket(
-    world: EfWorld,
+    world: EfState,
     key: tuple[int, int],
     c: list[Tensor],
     sizes: list[int],

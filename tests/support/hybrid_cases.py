@@ -114,7 +114,17 @@ class HybridCase:
 
     def simulation_options(self) -> dict[str, Any]:
         """The LionCub options as keyword arguments of ``simulate_hybrid``."""
-        names = ("compression", "bits", "quantizer", "aggregation", "kbit_algorithm", "tie_break", "l1_clip")
+        names = (
+            "compression",
+            "bits",
+            "quantizer",
+            "aggregation",
+            "kbit_algorithm",
+            "tie_break",
+            "l1_clip",
+            "bucket_size",
+            "error_feedback",
+        )
         options = {name: self.options[name] for name in names if name in self.options}
         sync = self.options.get("momentum_sync")
         if sync:
@@ -125,6 +135,36 @@ class HybridCase:
 def _sync_all(interval: int) -> dict[str, Any]:
     return {"compression": "1bit", "momentum_sync": {"interval": interval, "layers": "all"}}
 
+
+def _kbit_l1(bits: int, algorithm: str, feedback: dict[str, Any], **more: Any) -> dict[str, Any]:
+    """k-bit L1 options with error feedback ``feedback``."""
+    options = {"compression": "kbit", "bits": bits, "quantizer": "l1", "kbit_algorithm": algorithm}
+    return {**options, "error_feedback": feedback, **more}
+
+
+# Error feedback under the hybrid: the residual with a reset inside the run (steps 5 and 6 restart the
+# clock), and EF21 on two param groups (two flat shards in one bucket: two pieces, two spreads).
+EF_RESIDUAL = HybridCase(
+    "zero2_ef_residual_2bit_alltoall",
+    options=_kbit_l1(2, "alltoall", {"kind": "residual", "beta": 0.8, "reset_interval": 4}),
+)
+EF21 = HybridCase(
+    "zero1_ef21_4bit_alltoall_two_param_groups",
+    stage=1,
+    bias_groups=True,
+    options=_kbit_l1(4, "alltoall", {"kind": "ef21"}),
+)
+EF_CASES = [
+    EF_RESIDUAL,
+    EF21,
+    HybridCase(
+        "zero2_ef_residual_bf16_storage_4bit_allreduce_mean_nan_on_one_rank",
+        nan_at=(NAN_RANK, NAN_STEP),
+        accumulation=2,
+        options=_kbit_l1(4, "allreduce", {"kind": "residual", "storage": "bf16"}, aggregation="mean"),
+    ),
+    HybridCase("zero2_ef21_2bit_node_size1", node_size=1, options=_kbit_l1(2, "alltoall", {"kind": "ef21"})),
+]
 
 # Telemetry's vote statistics, on in two trained scenarios: they must not change a bit of the result.
 VOTE_STATS: dict[str, Any] = {"telemetry": {"vote_stats": True}}
@@ -165,6 +205,7 @@ TRAINED = [
     HybridCase(
         "zero2_exact_control_accumulation2", stage=2, node_size=None, options={"compression": "none"}, accumulation=2
     ),
+    *EF_CASES,
 ]
 TRAINED_BY_NAME = {case.name: case for case in TRAINED}
 
@@ -190,6 +231,9 @@ UNSIMULATED = [BF16, FINITE_CHECK_ONLY, *CONSISTENCY_CHECKED]
 
 # Saved after CHECKPOINT_AT steps in the main launch, resumed for STEPS - CHECKPOINT_AT more in the second.
 CHECKPOINTED = HybridCase("zero2_1bit", stage=2)
+# Error feedback's checkpoints: the same, each in its own directory (``ckpt-<name>``); the residual's reset
+# clock crosses the resume.
+CHECKPOINTED_EF = [EF_RESIDUAL, EF21]
 # Loading CHECKPOINTED's files at these node sizes must be refused (the topology changed).
 OTHER_TOPOLOGIES = (1, 4)
 
@@ -221,17 +265,5 @@ REFUSED: dict[str, tuple[HybridCase, tuple[str, ...]]] = {
     "mpi_backend": (
         HybridCase("mpi_backend", options={"compression": "1bit", "comm_backend_name": "mpi"}),
         ("mpi", "hybrid"),
-    ),
-    "error_feedback": (
-        HybridCase(
-            "error_feedback",
-            options={
-                "compression": "kbit",
-                "quantizer": "l1",
-                "kbit_algorithm": "alltoall",
-                "error_feedback": {"kind": "residual"},
-            },
-        ),
-        ("error_feedback", "stage 0"),
     ),
 }

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from tests.support.error_feedback_reference import EfState, feedback_deltas
 
 TIE_BREAKS = ("alternate", "positive")
 KBIT_BITS = (2, 4, 8)
@@ -485,6 +488,8 @@ class HybridRun:
         partition_sizes: P_i, the shard length of group i.
         node_grad_norms: per engine step, each node's gradient norm before clipping (NaN when skipped
             or when clipping is off).
+        feedback: with error feedback, ``feedback[j]``: the EF state of the vote on shard j, its worker k
+            being node k (so rank (k, j) holds worker k's residuals or estimates of ``feedback[j]``).
     """
 
     params_per_step: list[list[Tensor]]
@@ -494,6 +499,7 @@ class HybridRun:
     skipped: list[bool]
     partition_sizes: list[int]
     node_grad_norms: list[list[float]]
+    feedback: list[EfState] = field(default_factory=list)
 
     def shard(self, vector: Tensor, group: int, local_index: int) -> Tensor:
         """Shard ``local_index`` of a padded flat vector of ``group``."""
@@ -565,6 +571,8 @@ def simulate_hybrid(
     tie_break: str = "alternate",
     l1_clip: float = 2.0,
     momentum_sync_interval: int = 0,
+    bucket_size: int = 1 << 23,
+    error_feedback: dict[str, Any] | None = None,
 ) -> HybridRun:
     """Simulate compressed LionCub under ZeRO-1/2 on ``nodes`` x ``node_size`` ranks for ``steps`` engine steps.
 
@@ -592,6 +600,11 @@ def simulate_hybrid(
     9. every ``momentum_sync_interval`` LionCub steps the nodes' momenta are replaced by their mean
        (fp32, summed in node order).
 
+    With ``error_feedback`` (k-bit L1), step 7 is error feedback's: the nodes' shards j of group i go
+    through the EF simulation of tests.support.error_feedback_reference (``bucket_size`` cutting them into
+    buckets) as tensor i of the bucket keys, one group at a time (ZeRO steps each group in its own call),
+    with one EF state per shard index j.
+
     ``lr`` may be a callable of the engine step (a schedule's value at that step); ``weight_decay`` a
     sequence, one per param group.
     """
@@ -617,6 +630,18 @@ def simulate_hybrid(
     momenta = [[torch.zeros_like(m) for m in masters] for _ in range(nodes)]
     world = nodes * node_size
     run = HybridRun([], masters, momenta, [], [], partition_sizes, [])
+    if error_feedback is not None:
+        if compression != "kbit" or quantizer != "l1":
+            raise ValueError("error feedback needs compression 'kbit' with quantizer 'l1'")
+        run.feedback = [EfState() for _ in range(node_size)]
+    feedback_options = {
+        "bucket_size": bucket_size,
+        "bits": bits,
+        "kbit_algorithm": kbit_algorithm,
+        "aggregation": aggregation,
+        "l1_clip": l1_clip,
+        "error_feedback": error_feedback,
+    }
     lioncub_step = 0
 
     for step in range(1, steps + 1):
@@ -648,19 +673,20 @@ def simulate_hybrid(
                     g.mul_(1.0 / coefficient)
         lioncub_step += 1
         step_lr = lr(step) if callable(lr) else lr
+        group_c: list[list[Tensor]] = []  # per group, each node's flat c
         for i, (group, pad) in enumerate(zip(groups, groups_padding, strict=True)):
             flat_grads = [_flatten_padded([grads[p] for p in group], pad) for grads in node_grads]
-            flat_c = [_pre_sign_update(momenta[k][i], flat_grads[k], beta1) for k in range(nodes)]
+            group_c.append([_pre_sign_update(momenta[k][i], flat_grads[k], beta1) for k in range(nodes)])
             for k in range(nodes):
                 _update_momentum(momenta[k][i], flat_grads[k], beta2)
-            if compression == "none":
-                delta = torch.sign(flat_c[0])
-            elif compression == "1bit":
-                delta = brute_force_vote_1bit(flat_c, lioncub_step, tie_break)
-            else:
-                delta = brute_force_vote_kbit(
+        if error_feedback is not None:
+            deltas = _feedback_deltas_by_shard(run, group_c, node_size, lioncub_step, feedback_options)
+        else:
+            deltas = [
+                _vote(
                     flat_c,
                     lioncub_step,
+                    compression,
                     bits,
                     quantizer,
                     aggregation,
@@ -669,7 +695,10 @@ def simulate_hybrid(
                     l1_clip,
                     [partition_sizes[i]] * node_size,
                 )
-            _apply_update(masters[i], delta, step_lr, decays[i])
+                for i, flat_c in enumerate(group_c)
+            ]
+        for i, group in enumerate(groups):
+            _apply_update(masters[i], deltas[i], step_lr, decays[i])
             start = 0
             for p in group:
                 size = params[p].numel()
@@ -687,3 +716,41 @@ def simulate_hybrid(
         run.lioncub_steps.append(lioncub_step)
         run.params_per_step.append([t.clone() for t in params])
     return run
+
+
+def _vote(
+    flat_c: list[Tensor],
+    step: int,
+    compression: str,
+    bits: int,
+    quantizer: str,
+    aggregation: str,
+    kbit_algorithm: str,
+    tie_break: str,
+    l1_clip: float,
+    segment_sizes: list[int],
+) -> Tensor:
+    """The nodes' aggregated direction of one padded flat group without error feedback (simulate_hybrid, step 7)."""
+    if compression == "none":
+        return torch.sign(flat_c[0])
+    if compression == "1bit":
+        return brute_force_vote_1bit(flat_c, step, tie_break)
+    return brute_force_vote_kbit(
+        flat_c, step, bits, quantizer, aggregation, kbit_algorithm, tie_break, l1_clip, segment_sizes
+    )
+
+
+def _feedback_deltas_by_shard(
+    run: HybridRun, group_c: list[list[Tensor]], node_size: int, step: int, options: dict[str, Any]
+) -> list[Tensor]:
+    """Per group, the padded flat direction with error feedback: shard j of group i comes from the vote of every
+    node's shard j of group i (what LionCub steps on rank (k, j) in the group's call, tensor i of its bucket
+    keys), through the EF state ``run.feedback[j]``."""
+    nodes = len(group_c[0])
+    deltas = [torch.empty_like(flat_c[0]) for flat_c in group_c]
+    for i, flat_c in enumerate(group_c):
+        for j in range(node_size):
+            shards = [[run.shard(flat_c[k], i, j)] for k in range(nodes)]
+            (delta,) = feedback_deltas(run.feedback[j], shards, step, options, first_key_tensor=i)
+            run.shard(deltas[i], i, j).copy_(delta)
+    return deltas

@@ -136,6 +136,18 @@ REFUSED: dict[str, tuple[HybridCase, tuple[str, ...]]] = {
         ("universal",),
     ),
     "mpi_backend": (zero3("mpi_backend", options={"compression": "1bit", "comm_backend_name": "mpi"}), ("mpi",)),
+    "error_feedback": (
+        zero3(
+            "error_feedback",
+            options={
+                "compression": "kbit",
+                "quantizer": "l1",
+                "kbit_algorithm": "alltoall",
+                "error_feedback": {"kind": "residual"},
+            },
+        ),
+        ("error_feedback", "stage 0, 1 or 2"),
+    ),
 }
 
 

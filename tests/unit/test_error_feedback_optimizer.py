@@ -113,3 +113,45 @@ def test_a_state_saved_under_other_knobs_is_not_taken() -> None:
     assert "cannot load" in why and "'beta': 0.8" in why
     assert changed.aggregation_state() is None  # it starts over from zeros
     assert changed.load_aggregation_state(None).startswith("the checkpoint holds no aggregation state")
+
+
+def two_groups_trained(kind: str, per_group_calls: bool, numbered: bool = True) -> tuple[list[torch.Tensor], LionCub]:
+    """Two param groups (3000 and 1000 elements) for 4 steps: in one step() call each, or ZeRO-1/2's way, one
+    call per group with only that group in ``param_groups`` (numbered by ``bucket_keys_from`` when asked)."""
+    params = [torch.zeros(3000, requires_grad=True), torch.zeros(1000, requires_grad=True)]
+    optimizer = LionCub(
+        [{"params": [params[0]]}, {"params": [params[1]]}], **HYPER, **L1_A2A, error_feedback={"kind": kind}
+    )
+    groups = optimizer.param_groups
+    for step in range(1, 5):
+        params[0].grad, params[1].grad = gradient(step), gradient(100 + step, 1000)
+        if not per_group_calls:
+            optimizer.step()
+            continue
+        for index, group in enumerate(groups):
+            optimizer.param_groups = [group]
+            try:
+                if numbered:
+                    with optimizer.bucket_keys_from(index):
+                        optimizer.step()
+                else:
+                    optimizer.step()
+            finally:
+                optimizer.param_groups = groups
+    return [p.detach().clone() for p in params], optimizer
+
+
+@pytest.mark.parametrize("kind", ["residual", "ef21"])
+def test_one_call_per_param_group_numbered_by_bucket_keys_from_keeps_each_groups_state(kind: str) -> None:
+    """Stepped one group per call (as ZeRO-1/2 does), the bits are those of one call for both groups (every
+    scale is per tensor), and each group's state has its own key; without the numbering the two groups'
+    states would share key (0, 0) and overwrite each other, which changes the result."""
+    together, _ = two_groups_trained(kind, per_group_calls=False)
+    apart, optimizer = two_groups_trained(kind, per_group_calls=True)
+    assert all(torch.equal(a, b) for a, b in zip(apart, together, strict=True))
+    state = optimizer.aggregation_state()
+    assert state is not None
+    name = "residual" if kind == "residual" else "estimate"
+    assert {key: tensors[name].numel() for key, tensors in state["buckets"].items()} == {(0, 0): 3000, (1, 0): 1000}
+    colliding, _ = two_groups_trained(kind, per_group_calls=True, numbered=False)
+    assert not all(torch.equal(a, b) for a, b in zip(colliding, together, strict=True))

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from tests.support.error_feedback_reference import simulate_ef
 from tests.support.reference import reference_lion_step, simulate_hybrid, simulate_lioncub
 
 T = torch.tensor
@@ -166,3 +167,70 @@ def test_param_groups_are_flattened_and_stepped_separately() -> None:
         simulate_hybrid(INIT, _random_grads, 2, 2, 1, groups_padding=[0], param_groups=groups)
     with pytest.raises(ValueError):
         simulate_hybrid(INIT, _random_grads, 2, 2, 1, groups_padding=[0])  # 23 elements do not split in 2
+
+
+EF_MODES = [
+    dict(bits=2, kbit_algorithm="alltoall", error_feedback={"kind": "residual", "beta": 0.8, "reset_interval": 3}),
+    dict(bits=4, kbit_algorithm="allreduce", aggregation="mean", error_feedback={"kind": "residual"}),
+    dict(bits=4, kbit_algorithm="alltoall", error_feedback={"kind": "ef21"}),
+]
+
+
+def _fixed_grads(rank: int, step: int, micro: int, params: list[Tensor]) -> list[Tensor]:
+    """Gradients that do not depend on the parameters: a shard's vote then sees only its own elements."""
+    gen = torch.Generator().manual_seed(7919 * rank + 104729 * step + micro)
+    return [torch.randn(p.shape, generator=gen) for p in params]
+
+
+@pytest.mark.parametrize("mode", EF_MODES)
+def test_node_size_one_with_error_feedback_is_the_stage0_error_feedback_simulation(mode: dict) -> None:
+    """G = 1, one unpadded tensor (the L1 scale and EF21's spread are per shard under ZeRO, per tensor at
+    stage 0: the same thing here): parameters and every node's EF state are the stage-0 EF world's."""
+    init = [torch.randn(40, generator=torch.Generator().manual_seed(2))]
+    options = dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.1, bucket_size=1 << 23, **mode)
+    run = simulate_hybrid(
+        init, _random_grads, 3, 1, 5, groups_padding=[0], compression="kbit", quantizer="l1", **options
+    )
+    world = simulate_ef(init, lambda r, t, ps: _random_grads(r, t, 0, ps), 3, 5, options)
+    assert torch.equal(run.params_per_step[-1][0], world.params[0])
+    assert len(run.feedback) == 1
+    kept = 0
+    for name in ("residual", "estimate", "shared"):
+        got, expected = getattr(run.feedback[0], name), getattr(world, name)
+        assert got.keys() == expected.keys(), name
+        for key in expected:
+            pairs = zip(got[key], expected[key], strict=True) if name != "shared" else [(got[key], expected[key])]
+            assert all(torch.equal(a, b) for a, b in pairs), (name, key)
+            kept += 1
+    assert kept > 0, "no EF state kept"
+
+
+@pytest.mark.parametrize("mode", EF_MODES)
+def test_each_shard_votes_with_its_own_error_feedback_state(mode: dict) -> None:
+    """2 nodes x 2 ranks, one tensor of 9 (+1 padding): shard j's masters and EF state are those of a stage-0 EF
+    world of 2 workers on shard j's elements, each worker's gradient its node's (the mean of its 2 ranks)."""
+    init = [torch.randn(9, generator=torch.Generator().manual_seed(3))]
+    options = dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.0, bucket_size=1 << 23, **mode)
+    run = simulate_hybrid(
+        init, _fixed_grads, 2, 2, 4, groups_padding=[1], compression="kbit", quantizer="l1", **options
+    )
+    padded = torch.cat([init[0], torch.zeros(1)])
+
+    def shard_grads(j: int) -> object:
+        def grads(node: int, step: int, params: list[Tensor]) -> list[Tensor]:
+            ranks = [_fixed_grads(2 * node + r, step, 0, [torch.zeros(9)])[0] for r in range(2)]
+            total = torch.zeros(9)
+            for g in ranks:
+                total += g / 2
+            return [torch.cat([total, torch.zeros(1)])[5 * j : 5 * (j + 1)]]
+
+        return grads
+
+    for j in range(2):
+        world = simulate_ef([padded[5 * j : 5 * (j + 1)]], shard_grads(j), 2, 4, options)
+        assert torch.equal(run.shard(run.masters[0], 0, j), world.params[0]), j
+        state = run.feedback[j]
+        for name in ("residual", "estimate"):
+            for got, expected in zip(getattr(state, name).values(), getattr(world, name).values(), strict=True):
+                assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), (j, name)
+        assert bool(run.feedback[j].residual or run.feedback[j].estimate), "no EF state kept"

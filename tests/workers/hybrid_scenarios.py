@@ -4,12 +4,12 @@ Usage, from the repository root with it on PYTHONPATH (tests.support.launch.run_
   deepspeed --num_gpus 4 tests/workers/hybrid_scenarios.py --out DIR --phase main|resume
 
 ``main`` trains every scenario of tests.support.hybrid_cases.TRAINED with a fresh engine, saves a
-checkpoint of CHECKPOINTED after CHECKPOINT_AT steps, and builds every REFUSED configuration;
-``resume`` (a new job) loads that checkpoint, trains the remaining steps, and tries to load it at other
-node sizes. A scenario that raises records its error and the job goes on with the next one. Each rank
-saves what it saw (parameters after every step, its shards of the master weights and of the momentum,
-the partition geometry ZeRO chose, step counts, learning rates, LionCub's traffic and per-step telemetry,
-error messages) to
+checkpoint of CHECKPOINTED and of each of CHECKPOINTED_EF after CHECKPOINT_AT steps, and builds every
+REFUSED configuration; ``resume`` (a new job) loads those checkpoints, trains the remaining steps, and
+tries to load CHECKPOINTED's at other node sizes. A scenario that raises records its error and the job
+goes on with the next one. Each rank saves what it saw (parameters after every step, its shards of the
+master weights and of the momentum, its error-feedback state, the partition geometry ZeRO chose, step
+counts, learning rates, LionCub's traffic and per-step telemetry, error messages) to
 DIR/<phase>-rank<R>.pt; tests/integration/test_zero_hybrid.py compares them with the simulation.
 """
 
@@ -30,6 +30,7 @@ from ds_lioncub.deepspeed_integration import find_lioncub
 from tests.support.hybrid_cases import (
     CHECKPOINT_AT,
     CHECKPOINTED,
+    CHECKPOINTED_EF,
     OTHER_TOPOLOGIES,
     REFUSED,
     TRAINED,
@@ -129,6 +130,9 @@ def final_state(engine: Any, record: dict[str, Any]) -> None:
     record["masters"] = [shard.detach().float().clone() for shard in zero_shards(engine)]
     record["momenta"] = momenta(engine)
     record["exp_avg_numel"] = sum(m.numel() for m in record["momenta"] if m is not None)
+    lioncub = find_lioncub(engine.optimizer)
+    assert lioncub is not None
+    record["aggregation"] = lioncub.aggregation_state()  # error feedback's per-bucket state (None without)
 
 
 def run_trained() -> dict[str, Any]:
@@ -147,17 +151,24 @@ def run_trained() -> dict[str, Any]:
     return results
 
 
-def run_save(out: Path) -> dict[str, Any]:
+def save_one(case: HybridCase, directory: Path) -> dict[str, Any]:
     record: dict[str, Any] = {"error": None}
     try:
-        engine = build(CHECKPOINTED)
-        train(engine, CHECKPOINTED, 1, CHECKPOINT_AT, record)
-        engine.save_checkpoint(str(out / "ckpt"))
+        engine = build(case)
+        train(engine, case, 1, CHECKPOINT_AT, record)
+        engine.save_checkpoint(str(directory))
         final_state(engine, record)
     except Exception as error:  # noqa: BLE001
         record["error"] = error_text(error)
         record["traceback"] = traceback.format_exc()
-    return {"save": record}
+    return record
+
+
+def run_save(out: Path) -> dict[str, Any]:
+    results = {"save": save_one(CHECKPOINTED, out / "ckpt")}
+    for case in CHECKPOINTED_EF:
+        results[f"save/{case.name}"] = save_one(case, out / f"ckpt-{case.name}")
+    return results
 
 
 def run_refused() -> dict[str, Any]:
@@ -233,22 +244,30 @@ def run_damaged(out: Path) -> dict[str, Any]:
     return results
 
 
-def run_resume(out: Path) -> dict[str, Any]:
-    results: dict[str, Any] = {}
+def resume_one(case: HybridCase, directory: Path) -> dict[str, Any]:
     record: dict[str, Any] = {"error": None}
     try:
-        engine = build(CHECKPOINTED)
-        engine.load_checkpoint(str(out / "ckpt"))
+        engine = build(case)
+        engine.load_checkpoint(str(directory))
         record["loaded_momenta"] = momenta(engine)
         record["loaded_masters"] = [shard.detach().float().clone() for shard in zero_shards(engine)]
         record["loaded_lioncub_step"] = lioncub_step(engine)
         record["loaded_params"] = [p.detach().float().clone() for p in engine.module.parameters()]
-        train(engine, CHECKPOINTED, CHECKPOINT_AT + 1, CHECKPOINTED.steps - CHECKPOINT_AT, record)
+        lioncub = find_lioncub(engine.optimizer)
+        assert lioncub is not None
+        record["loaded_aggregation"] = lioncub.aggregation_state()
+        train(engine, case, CHECKPOINT_AT + 1, case.steps - CHECKPOINT_AT, record)
         final_state(engine, record)
     except Exception as error:  # noqa: BLE001
         record["error"] = error_text(error)
         record["traceback"] = traceback.format_exc()
-    results["resume"] = record
+    return record
+
+
+def run_resume(out: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {"resume": resume_one(CHECKPOINTED, out / "ckpt")}
+    for case in CHECKPOINTED_EF:
+        results[f"resume/{case.name}"] = resume_one(case, out / f"ckpt-{case.name}")
     results.update(run_damaged(out))
     for node_size in OTHER_TOPOLOGIES:
         case = dataclasses.replace(CHECKPOINTED, name=f"resume_node_size{node_size}", node_size=node_size)
