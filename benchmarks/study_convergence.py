@@ -84,6 +84,8 @@ def mode_options(mode: str, workers: int) -> dict[str, Any]:
             return {**mode_options(base, workers), "error_feedback": {"kind": "residual"}}
         if mode == f"{base}_ef_residual_bf16":  # what storing the residual in bf16 costs
             return {**mode_options(base, workers), "error_feedback": {"kind": "residual", "storage": "bf16"}}
+        if mode == f"{base}_ef_residual_rounding":  # only the rounding error fed back, not what is clipped
+            return {**mode_options(base, workers), "error_feedback": {"kind": "residual", "feed_back": "rounding"}}
         if mode == f"{base}_ef21":
             return {**mode_options(base, workers), "error_feedback": {"kind": "ef21"}}
     if mode == "8bit_l1":
@@ -96,6 +98,8 @@ MODES = ("exact", "1bit", "1bit_sync", "4bit_sign", "2bit_l1_a2a", "4bit_l1_a2a"
 EF_MODES = ("2bit_l1_a2a_ef_residual", "2bit_l1_a2a_ef21", "4bit_l1_a2a_ef_residual", "4bit_l1_a2a_ef21")
 #: The residual form with its residual stored in bf16 (against the fp32 default above).
 EF_STORAGE_MODES = ("2bit_l1_a2a_ef_residual_bf16", "4bit_l1_a2a_ef_residual_bf16")
+#: The residual form feeding back only the rounding error (``feed_back: "rounding"``).
+EF_ROUNDING_MODES = ("2bit_l1_a2a_ef_residual_rounding", "4bit_l1_a2a_ef_residual_rounding")
 
 
 @dataclass(frozen=True)
@@ -273,7 +277,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--task", choices=("small", "large"), default="small", help="examples.simulate_gpt configuration")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     p.add_argument("--workers", type=int, nargs="+", default=list(WORKERS))
-    p.add_argument("--modes", nargs="+", choices=MODES + EF_MODES + EF_STORAGE_MODES, default=list(MODES))
+    p.add_argument(
+        "--modes", nargs="+", choices=MODES + EF_MODES + EF_STORAGE_MODES + EF_ROUNDING_MODES, default=list(MODES)
+    )
     p.add_argument("--beta2", type=float, nargs="+", default=list(BETA2))
     p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     p.add_argument("--only", nargs="+", default=[], help="run names to keep (globs, e.g. 'N32_*_seed0')")

@@ -34,12 +34,14 @@ MODE_LABELS = {
     "2bit_l1_a2a_ef21": "2-bit L1 a2a + EF21",
     "4bit_l1_a2a_ef_residual": "4-bit L1 a2a + EF residual",
     "4bit_l1_a2a_ef21": "4-bit L1 a2a + EF21",
+    "2bit_l1_a2a_ef_residual_rounding": "2-bit L1 a2a + EF residual (rounding only)",
+    "4bit_l1_a2a_ef_residual_rounding": "4-bit L1 a2a + EF residual (rounding only)",
     "2bit_l1_a2a_ef_residual_bf16": "2-bit L1 a2a + EF residual (bf16)",
     "4bit_l1_a2a_ef_residual_bf16": "4-bit L1 a2a + EF residual (bf16)",
 }
 
 #: The error-feedback forms, by the mode suffix the study gives them.
-EF_FORMS = {"_ef_residual": "residual", "_ef21": "ef21"}
+EF_FORMS = {"_ef_residual": "residual", "_ef21": "ef21", "_ef_residual_rounding": "residual, rounding only"}
 
 
 def load_runs(directory: Path) -> dict[tuple[float, int, str], dict[int, dict[str, Any]]]:

@@ -7,8 +7,9 @@ rank applies the same bits.
 
 - :class:`KbitVoteResidual` (``kind="residual"``): rank i quantizes ``h = c + e`` with the L1 scale the
   plain path uses (mean |c| of the whole tensor), sends the levels ``q``, and keeps
-  ``e <- beta * e + (1 - beta) * (h - q / s)``. Only the message changes, so any k-bit L1 aggregation
-  (all-reduce or all-to-all, vote or mean) serves it.
+  ``e <- beta * e + (1 - beta) * (h - q / s)`` (``feed_back="rounding"``: ``h`` clipped to ``[-L/s, L/s]``
+  first). Only the message changes, so any k-bit L1 aggregation (all-reduce or all-to-all, vote or mean)
+  serves it.
 - :class:`KbitVoteEf21` (``kind="ef21"``): rank i keeps ``G_i``, its estimate of its own ``c``; each
   chunk's owner keeps its chunk of the shared estimate ``G`` (the only copy, so "the same on every
   rank" holds trivially). Per bucket: an all-gather of every rank's mean ``|c - G_i|`` per piece gives
@@ -85,6 +86,7 @@ class _FeedbackState(KbitVoteState):
                 "beta": self.feedback.beta,
                 "reset_interval": self.feedback.reset_interval,
                 "storage": self.feedback.storage,
+                "feed_back": self.feedback.feed_back,
             }
         return {**super().knobs(), "world_size": self.codec.world_size, "error_feedback": feedback}
 
@@ -163,11 +165,16 @@ class KbitVoteResidual(KbitVote):
         for h, q, scale in zip(compensated.split(sizes), quantized.split(sizes), on_device, strict=True):
             torch.mul(h, scale, out=q)
         quantized.round_().clamp_(-levels, levels)
-        # h - dequant(q), in place of h (dequant(q) = q / s; 0 where s is 0, as q is)
+        # h - dequant(q), in place of h (dequant(q) = q / s; 0 where s is 0, as q is); with feed_back "rounding"
+        # h is first clipped to the levels' range [-L / s, L / s] (nothing to clip where s is 0).
+        rounding_only = feedback.feed_back == "rounding"
         for h, q, scale, scaled in zip(
             compensated.split(sizes), quantized.split(sizes), on_device, positive, strict=True
         ):
             if scaled:
+                if rounding_only:
+                    top = levels / scale
+                    h.clamp_(-top, top)
                 h.sub_(q / scale)
         # e <- beta * e + (1 - beta) * (h - dequant(q)), evaluated in fp32 and stored in the storage dtype.
         error = compensated.mul_(1 - feedback.beta)

@@ -186,6 +186,11 @@ def error_feedback_modes(world_size: int) -> dict[str, dict[str, object]]:
             "aggregation": "mean",
             "error_feedback": {"kind": "residual", "beta": 0.95},
         },
+        "ef-residual-2bit-a2a-rounding": {
+            **l1_alltoall,
+            "bits": 2,
+            "error_feedback": {"kind": "residual", "feed_back": "rounding"},
+        },
         "ef21-2bit": {**l1_alltoall, "bits": 2, "error_feedback": {"kind": "ef21"}},
         "ef21-4bit": {**l1_alltoall, "bits": 4, "error_feedback": {"kind": "ef21"}},
     }

@@ -29,6 +29,16 @@ CASES: dict[str, dict[str, Any]] = {
         "kbit_algorithm": "alltoall",
         "error_feedback": {"kind": "residual", "beta": 0.8, "reset_interval": 2, "storage": "bf16"},
     },
+    "residual-2bit-a2a-rounding": {
+        "bits": 2,
+        "kbit_algorithm": "alltoall",
+        "error_feedback": {"kind": "residual", "feed_back": "rounding"},
+    },
+    "residual-4bit-a2a-rounding-bf16": {
+        "bits": 4,
+        "kbit_algorithm": "alltoall",
+        "error_feedback": {"kind": "residual", "feed_back": "rounding", "storage": "bf16", "beta": 0.5},
+    },
     "residual-2bit-a2a-mean": {
         "bits": 2,
         "kbit_algorithm": "alltoall",
@@ -114,6 +124,23 @@ def test_feedback_changes_the_trajectory() -> None:
     assert any(not torch.equal(a, b) for a, b in zip(got, params, strict=True))
 
 
+def test_feeding_back_only_the_rounding_changes_the_trajectory_and_bounds_the_residual() -> None:
+    """The reference's "rounding" is not its "all": the clipped part of h changes the parameters, and without
+    it the residual stays small (within half a level step), below the largest residual that keeps it."""
+    rounding = simulate_ef(
+        list(sc.init_params().values()), worker_grads, 16, STEPS, {**HYPER, **CASES["residual-2bit-a2a-rounding"]}
+    )
+    everything = simulate_ef(
+        list(sc.init_params().values()), worker_grads, 16, STEPS, {**HYPER, **CASES["residual-2bit-a2a"]}
+    )
+    assert any(not torch.equal(a, b) for a, b in zip(rounding.params, everything.params, strict=True))
+    largest = {
+        name: max(float(e.abs().max()) for es in world.residual.values() for e in es)
+        for name, world in (("rounding", rounding), ("all", everything))
+    }
+    assert largest["rounding"] < largest["all"], largest
+
+
 BASE = {"compression": "kbit", "quantizer": "l1", "kbit_algorithm": "alltoall"}
 
 
@@ -134,6 +161,8 @@ def test_residual_knobs_with_ef21_are_refused() -> None:
         ({"kind": "residual", "beta": 1.0}, "error_feedback.beta=1.0"),
         ({"kind": "residual", "storage": "fp16"}, "error_feedback.storage='fp16'"),
         ({"kind": "residual", "reset_interval": -1}, "error_feedback.reset_interval=-1"),
+        ({"kind": "residual", "feed_back": "clipping"}, "error_feedback.feed_back='clipping'"),
+        ({"kind": "ef21", "feed_back": "rounding"}, "feed_back only apply to kind 'residual'"),
     ],
 )
 def test_bad_error_feedback_blocks_are_refused_naming_the_field(block: dict[str, Any], fragment: str) -> None:
