@@ -147,8 +147,8 @@ class LionCubConfig(DeepSpeedConfigModel):
 
     error_feedback: ErrorFeedbackConfig | None = None
     """Error feedback on the k-bit L1 path (default: none): ``{"kind": "residual"}`` or ``{"kind": "ef21"}``,
-    see its block. Only ``compression="kbit"`` with ``quantizer="l1"``; at ZeRO stage 0, 1 or 2 (under the
-    ZeRO-1/2 hybrid each rank keeps the state of its shard); not yet with ``overlap`` or ZeRO stage 3."""
+    see its block. Only ``compression="kbit"`` with ``quantizer="l1"``; at every ZeRO stage (under the ZeRO
+    hybrid each rank keeps the state of its shard); not yet with ``overlap``."""
 
     hybrid: HybridConfig | None = None
     """Options of compressed LionCub under ZeRO stage 1, 2 or 3, the hybrid (used there even when not given):

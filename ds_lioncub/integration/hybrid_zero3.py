@@ -15,10 +15,11 @@ How it is wired into DeepSpeed's engine, while ``DeepSpeedEngine._configure_zero
 - the ZeRO-3 class is :class:`HybridZeroStage3`. Stage 3 calls the optimizer's ``step()`` once per
   sub-group, with that sub-group's flat fp32 tensor as the only parameter; the class brackets the
   sub-group loop with :meth:`LionCub.optimizer_step_in_parts`, so LionCub counts optimizer steps (the
-  tie rule, momentum sync and telemetry are per step, not per call). Under the hybrid its skip
-  decisions (the fp16 overflow flag, and the validity of the gradient norm that skips fp32 and bf16
-  steps) are reduced over the node by ZeRO and then over the vote group: a NaN on any rank skips the
-  step on every rank of every node.
+  tie rule, momentum sync and telemetry are per step, not per call), and numbers each call's tensor by
+  its sub-group in the bucket keys (:meth:`LionCub.bucket_keys_from`: error feedback's state per
+  sub-group). Under the hybrid its skip decisions (the fp16 overflow flag, and the validity of the
+  gradient norm that skips fp32 and bf16 steps) are reduced over the node by ZeRO and then over the vote
+  group: a NaN on any rank skips the step on every rank of every node.
 
 Outside the hybrid (exact Lion, ``compression="none"``) only the bracketing applies.
 """
@@ -94,7 +95,9 @@ class HybridZeroStage3(DeepSpeedZeroOptimizer_Stage3):
         # LionCub sees one flat tensor now: name it for error messages (a replica check, a non-finite gradient).
         lioncub.param_names = [sub_group_name(sub_group_id, len(self.fp16_groups[sub_group_id]))]
         try:
-            super()._optimizer_step(sub_group_id)
+            # Sub-group s is tensor s of the bucket keys, so that error feedback keeps each one's state apart.
+            with lioncub.bucket_keys_from(sub_group_id):
+                super()._optimizer_step(sub_group_id)
         finally:
             lioncub.param_names = names
 

@@ -55,14 +55,6 @@ def refuse_before_construction(engine: Any, options: LionCubConfig) -> None:
             "comm_backend_name='mpi' (the MPI world would have to be the vote group)",
             "use comm_backend_name='torch'",
         )
-    if options.error_feedback is not None and stage == 3:
-        raise _hybrid_refusal(
-            options,
-            stage,
-            "error_feedback yet (ZeRO-3 steps its sub-groups in separate calls, and the feedback state is kept "
-            "per bucket of one call)",
-            "drop error_feedback, or run at zero_optimization.stage 0, 1 or 2",
-        )
 
 
 def resolve_auto_for_engine(engine: Any, options: LionCubConfig, model_parameters: Iterable[Any]) -> LionCubConfig:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from tests.support.checks import same_message_on_every_rank
+from tests.support.feedback_checks import assert_feedback_resume_bitwise, assert_rank_feedback_matches
 from tests.support.hybrid_cases import (
     BETAS,
     BIAS_WEIGHT_DECAY,
@@ -40,6 +41,8 @@ from tests.support.launch import REPO, ok_records, one_torch_thread, run_main_an
 from tests.support.zero3_cases import (
     BF16,
     CHECKPOINTED,
+    CHECKPOINTED_EF,
+    EF_CASES,
     REFUSED,
     SMALL_SUB_GROUP,
     TRAINED_BY_NAME,
@@ -399,3 +402,36 @@ def test_steps_are_counted(launched: dict[str, Any]) -> None:
     for name, case in TRAINED_BY_NAME.items():
         for record in _trained(launched, name):
             assert len(record["params"]) == case.steps == STEPS and len(record["lr"]) == case.steps, name
+
+
+# ---------------------------------------------------------------------------------------------- error feedback
+
+
+@pytest.mark.parametrize("name", [case.name for case in EF_CASES])
+def test_error_feedback_state_of_each_sub_group_is_its_own_and_the_simulations(
+    launched: dict[str, Any], name: str
+) -> None:
+    """Rank (k, j) keeps one state per sub-group (bucket key (s, 0): ZeRO-3 steps each in its own call), bit for
+    bit worker k's of the simulated vote on slice j; together they cover its slices, 1/G of the model."""
+    case = TRAINED_BY_NAME[name]
+    records = _trained(launched, name)
+    run = _simulate(records, case)
+    node_size = _node_size(case)
+    kind = case.options["error_feedback"]["kind"]
+    groups, _ = _expected_sub_groups(case)
+    for rank, record in enumerate(records):
+        node, local = rank // node_size, rank % node_size
+        what = f"{name}: rank {rank}"
+        assert_rank_feedback_matches(record["aggregation"], run.feedback[local], node, WORLD // node_size, kind, what)
+        buckets = record["aggregation"]["buckets"]
+        assert sorted(buckets) == [(s, 0) for s in range(len(groups))], what
+        kept = sum(t["residual" if kind == "residual" else "estimate"].numel() for t in buckets.values())
+        assert kept == sum(slice_sizes(node_size)), what
+
+
+def test_error_feedback_resume_in_a_new_job_equals_the_uninterrupted_run_bitwise(launched: dict[str, Any]) -> None:
+    """The residuals of every sub-group come back from each rank's side file with their reset clock, and the
+    resumed steps, the final momenta and the final residuals are the uninterrupted run's."""
+    saved = ok_records([results["save/ef"] for results in launched["main"]], "save/ef")
+    resumed = ok_records([results["resume/ef"] for results in launched["resume"]], "resume/ef")
+    assert_feedback_resume_bitwise(resumed, saved, _trained(launched, CHECKPOINTED_EF.name), CHECKPOINT_AT + 1)

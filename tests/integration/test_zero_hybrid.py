@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from tests.support.checks import same_message_on_every_rank
+from tests.support.feedback_checks import assert_feedback_resume_bitwise, assert_rank_feedback_matches
 from tests.support.hybrid_cases import (
     BETAS,
     BF16,
@@ -697,24 +698,11 @@ def test_error_feedback_state_of_rank_k_j_is_node_ks_in_the_vote_on_shard_j(
     records = _trained(launched, name)
     run = _simulate(records, case)
     node_size = _node_size(case)
-    nodes = WORLD // node_size
     kind = case.options["error_feedback"]["kind"]
     for rank, record in enumerate(records):
         node, local = _node(rank, node_size), _local(rank, node_size)
-        expected = run.feedback[local]
-        buckets = _feedback_buckets(record, f"{name}: rank {rank}")
-        per_worker = expected.residual if kind == "residual" else expected.estimate
-        assert sorted(buckets) == sorted(per_worker), f"{name}: rank {rank}"
-        for key, tensors in buckets.items():
-            got, want = tensors["residual" if kind == "residual" else "estimate"], per_worker[key][node]
-            if not torch.equal(got, want):
-                pytest.fail(f"{name}: rank {rank}, bucket {key}: {_first_difference(got.float(), want.float())}")
-            assert bool(got.any()), f"{name}: rank {rank}: the state is all zeros, the comparison proves nothing"
-            if kind == "ef21":
-                chunk = tensors["shared"]
-                whole = expected.shared[key]
-                whole = torch.cat([whole, torch.zeros(chunk.numel() * nodes - whole.numel())])
-                assert torch.equal(chunk, whole[node * chunk.numel() : (node + 1) * chunk.numel()]), rank
+        what = f"{name}: rank {rank}"
+        assert_rank_feedback_matches(record["aggregation"], run.feedback[local], node, WORLD // node_size, kind, what)
 
 
 def test_each_rank_keeps_error_feedback_state_for_its_shard_only(launched: dict[str, Any]) -> None:
@@ -749,23 +737,4 @@ def test_error_feedback_resume_equals_the_uninterrupted_run_bitwise(launched: di
     resumed step's parameters, the final momenta and the final state are the uninterrupted run's."""
     saved = ok_records([results[f"save/{case.name}"] for results in launched["main"]], f"save/{case.name}")
     resumed = ok_records([results[f"resume/{case.name}"] for results in launched["resume"]], f"resume/{case.name}")
-    uninterrupted = _trained(launched, case.name)
-    for rank, (record, at_save, reference) in enumerate(zip(resumed, saved, uninterrupted, strict=True)):
-        loaded, stored = record["loaded_aggregation"], at_save["aggregation"]
-        assert loaded is not None and stored is not None, f"rank {rank}"
-        assert loaded.get("uses") == stored.get("uses"), f"rank {rank}: the reset clock"
-        assert sorted(loaded["buckets"]) == sorted(stored["buckets"]), f"rank {rank}"
-        for key, tensors in stored["buckets"].items():
-            for name, tensor in tensors.items():
-                assert torch.equal(loaded["buckets"][key][name], tensor), f"rank {rank}: {name} of bucket {key}"
-        for step, (got, expected) in enumerate(
-            zip(record["params"], reference["params"][CHECKPOINT_AT:], strict=True), CHECKPOINT_AT + 1
-        ):
-            for a, b in zip(got, expected, strict=True):
-                assert torch.equal(a, b), f"rank {rank}, step {step}"
-        for a, b in zip(record["momenta"], reference["momenta"], strict=True):
-            assert torch.equal(a, b), f"rank {rank}: momentum"
-        final, expected_final = record["aggregation"]["buckets"], reference["aggregation"]["buckets"]
-        for key, tensors in expected_final.items():
-            for name, tensor in tensors.items():
-                assert torch.equal(final[key][name], tensor), f"rank {rank}: final {name} of bucket {key}"
+    assert_feedback_resume_bitwise(resumed, saved, _trained(launched, case.name), CHECKPOINT_AT + 1)

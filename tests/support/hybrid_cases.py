@@ -136,7 +136,7 @@ def _sync_all(interval: int) -> dict[str, Any]:
     return {"compression": "1bit", "momentum_sync": {"interval": interval, "layers": "all"}}
 
 
-def _kbit_l1(bits: int, algorithm: str, feedback: dict[str, Any], **more: Any) -> dict[str, Any]:
+def kbit_l1_with_feedback(bits: int, algorithm: str, feedback: dict[str, Any], **more: Any) -> dict[str, Any]:
     """k-bit L1 options with error feedback ``feedback``."""
     options = {"compression": "kbit", "bits": bits, "quantizer": "l1", "kbit_algorithm": algorithm}
     return {**options, "error_feedback": feedback, **more}
@@ -146,13 +146,13 @@ def _kbit_l1(bits: int, algorithm: str, feedback: dict[str, Any], **more: Any) -
 # clock), and EF21 on two param groups (two flat shards in one bucket: two pieces, two spreads).
 EF_RESIDUAL = HybridCase(
     "zero2_ef_residual_2bit_alltoall",
-    options=_kbit_l1(2, "alltoall", {"kind": "residual", "beta": 0.8, "reset_interval": 4}),
+    options=kbit_l1_with_feedback(2, "alltoall", {"kind": "residual", "beta": 0.8, "reset_interval": 4}),
 )
 EF21 = HybridCase(
     "zero1_ef21_4bit_alltoall_two_param_groups",
     stage=1,
     bias_groups=True,
-    options=_kbit_l1(4, "alltoall", {"kind": "ef21"}),
+    options=kbit_l1_with_feedback(4, "alltoall", {"kind": "ef21"}),
 )
 EF_CASES = [
     EF_RESIDUAL,
@@ -161,9 +161,11 @@ EF_CASES = [
         "zero2_ef_residual_bf16_storage_4bit_allreduce_mean_nan_on_one_rank",
         nan_at=(NAN_RANK, NAN_STEP),
         accumulation=2,
-        options=_kbit_l1(4, "allreduce", {"kind": "residual", "storage": "bf16"}, aggregation="mean"),
+        options=kbit_l1_with_feedback(4, "allreduce", {"kind": "residual", "storage": "bf16"}, aggregation="mean"),
     ),
-    HybridCase("zero2_ef21_2bit_node_size1", node_size=1, options=_kbit_l1(2, "alltoall", {"kind": "ef21"})),
+    HybridCase(
+        "zero2_ef21_2bit_node_size1", node_size=1, options=kbit_l1_with_feedback(2, "alltoall", {"kind": "ef21"})
+    ),
 ]
 
 # Telemetry's vote statistics, on in two trained scenarios: they must not change a bit of the result.

@@ -24,6 +24,7 @@ from tests.support.hybrid_cases import (
     WARMUP,
     HybridCase,
     build_model,
+    kbit_l1_with_feedback,
 )
 
 # Parameters gathered per layer, and ZeRO-3's own default sub-group size (one sub-group per param group).
@@ -66,6 +67,19 @@ def sub_group_size_of(case: HybridCase) -> int | None:
     return case.extra.get("zero_optimization", {}).get("sub_group_size")
 
 
+EF_CASES = [
+    zero3(
+        "zero3_ef_residual_2bit_alltoall_sub_groups",
+        sub_group_size=SMALL_SUB_GROUP,
+        options=kbit_l1_with_feedback(2, "alltoall", {"kind": "residual", "beta": 0.8, "reset_interval": 4}),
+    ),
+    zero3(
+        "zero3_ef21_4bit_alltoall_two_param_groups",
+        bias_groups=True,
+        options=kbit_l1_with_feedback(4, "alltoall", {"kind": "ef21"}),
+    ),
+]
+
 # Trained in the main launch and compared with the simulation, each with a fresh engine.
 TRAINED = [
     zero3("zero3_1bit"),
@@ -95,6 +109,8 @@ TRAINED = [
     # Every rank a node (ZeRO-3 over one rank: whole parameters), and one node of all ranks.
     zero3("zero3_1bit_node_size1", node_size=1),
     zero3("zero3_1bit_node_size4", node_size=4, sub_group_size=SMALL_SUB_GROUP),
+    # Error feedback: each sub-group's flat tensor keeps its own state (three sub-groups, three step() calls).
+    *EF_CASES,
     # Control without the hybrid: DeepSpeed's own ZeRO-3 over the 4 ranks with exact Lion.
     zero3("zero3_exact_control", node_size=None, options={"compression": "none"}, sub_group_size=SMALL_SUB_GROUP),
 ]
@@ -107,6 +123,9 @@ UNSIMULATED = [BF16]
 # Saved after CHECKPOINT_AT steps in the main launch, resumed in the second (several sub-groups, so the side
 # files hold several flat tensors).
 CHECKPOINTED = zero3("zero3_1bit_checkpointed", sub_group_size=SMALL_SUB_GROUP)
+# Error feedback's checkpoint (in ``ckpt-ef``): the residual's state of three sub-groups, its reset clock
+# crossing the resume; the uninterrupted run is the trained case of the same name.
+CHECKPOINTED_EF = EF_CASES[0]
 
 # Configurations refused before training, with words the message must contain. "world_partitioned" builds
 # its model under a plain deepspeed.zero.Init() (the worker knows it by name).
@@ -136,18 +155,6 @@ REFUSED: dict[str, tuple[HybridCase, tuple[str, ...]]] = {
         ("universal",),
     ),
     "mpi_backend": (zero3("mpi_backend", options={"compression": "1bit", "comm_backend_name": "mpi"}), ("mpi",)),
-    "error_feedback": (
-        zero3(
-            "error_feedback",
-            options={
-                "compression": "kbit",
-                "quantizer": "l1",
-                "kbit_algorithm": "alltoall",
-                "error_feedback": {"kind": "residual"},
-            },
-        ),
-        ("error_feedback", "stage 0, 1 or 2"),
-    ),
 }
 
 

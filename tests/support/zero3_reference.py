@@ -18,17 +18,22 @@ Per engine step:
    c = b1*m + (1-b1)*g, m = b2*m + (1-b2)*g, aggregated across the nodes as at stage 0 (one vote per flat
    tensor: the L1 scale is its mean |c|), x = x*(1 - lr*wd) - lr*Delta, padding included;
 6. every ``momentum_sync_interval`` steps the nodes' momenta are replaced by their mean.
+
+With ``error_feedback`` (k-bit L1), step 5's aggregation of sub-group s, slice j is error feedback's
+(tests.support.error_feedback_reference, tensor s of the bucket keys), with one EF state per slice j.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from tests.support.error_feedback_reference import EfState, feedback_deltas
 from tests.support.reference import (
     HybridGradsFn,
     _apply_update,
@@ -50,6 +55,8 @@ class Zero3Run:
         momenta: ``momenta[k][s][j]``: node k's momentum of that flat tensor.
         lioncub_steps: LionCub's step count after each engine step.
         skipped: per engine step, whether every rank skipped it.
+        feedback: with error feedback, ``feedback[j]``: the EF state of slice j's votes, its worker k being
+            node k (rank (k, j) holds worker k's residuals or estimates).
     """
 
     params_per_step: list[list[Tensor]]
@@ -57,6 +64,7 @@ class Zero3Run:
     momenta: list[list[list[Tensor]]]
     lioncub_steps: list[int]
     skipped: list[bool]
+    feedback: list[EfState] = field(default_factory=list)
 
 
 def _slice(param: Tensor, local: int, node_size: int) -> Tensor:
@@ -93,6 +101,8 @@ def simulate_hybrid_zero3(
     tie_break: str = "alternate",
     l1_clip: float = 2.0,
     momentum_sync_interval: int = 0,
+    bucket_size: int = 1 << 23,
+    error_feedback: dict[str, Any] | None = None,
 ) -> Zero3Run:
     """Simulate ``steps`` engine steps (module docstring); ``sub_groups[s]`` holds parameter indices in order and
     ``weight_decays[s]`` is its param group's decay; ``compression="none"`` is exact Lion on one node."""
@@ -106,6 +116,16 @@ def simulate_hybrid_zero3(
     masters = [[_flat(list(init_params), g, j, node_size) for j in range(node_size)] for g in groups]
     momenta = [[[torch.zeros_like(m) for m in per_slice] for per_slice in masters] for _ in range(nodes)]
     run = Zero3Run([], masters, momenta, [], [])
+    if error_feedback is not None:
+        run.feedback = [EfState() for _ in range(node_size)]
+    feedback_options = {
+        "bucket_size": bucket_size,
+        "bits": bits,
+        "kbit_algorithm": kbit_algorithm,
+        "aggregation": aggregation,
+        "l1_clip": l1_clip,
+        "error_feedback": error_feedback,
+    }
     params = [p.detach().float().clone() for p in init_params]
     lioncub_step = 0
     world = nodes * node_size
@@ -137,7 +157,10 @@ def simulate_hybrid_zero3(
                 c = [_pre_sign_update(momenta[k][s][j], flat_grads[k], beta1) for k in range(nodes)]
                 for k in range(nodes):
                     _update_momentum(momenta[k][s][j], flat_grads[k], beta2)
-                if compression == "none":
+                if error_feedback is not None:
+                    shards = [[c_k] for c_k in c]
+                    (delta,) = feedback_deltas(run.feedback[j], shards, lioncub_step, feedback_options, s)
+                elif compression == "none":
                     delta = torch.sign(c[0])
                 elif compression == "1bit":
                     delta = brute_force_vote_1bit(c, lioncub_step, tie_break)

@@ -4,11 +4,12 @@ Usage, from the repository root with it on PYTHONPATH (tests.support.launch.run_
   deepspeed --num_gpus 4 tests/workers/zero3_hybrid_scenarios.py --out DIR --phase main|resume [--only NAME,...]
 
 ``main`` trains every scenario of tests.support.zero3_cases.TRAINED and UNSIMULATED with a fresh engine,
-saves a checkpoint of CHECKPOINTED after CHECKPOINT_AT steps and builds every REFUSED configuration;
-``resume`` (a new job) loads that checkpoint, trains the remaining steps, and tries to load it at other node
-sizes and damaged. A scenario that raises records its error and the job goes on. Each rank saves what it saw
-(the gathered parameters after every step, its flat master and momentum tensors, the sub-groups and partition
-ZeRO-3 chose, step counts, learning rates, traffic and telemetry, error messages) to DIR/<phase>-rank<R>.pt.
+saves a checkpoint of CHECKPOINTED and of CHECKPOINTED_EF after CHECKPOINT_AT steps and builds every REFUSED
+configuration; ``resume`` (a new job) loads those checkpoints, trains the remaining steps, and tries to load
+CHECKPOINTED's at other node sizes and damaged. A scenario that raises records its error and the job goes on.
+Each rank saves what it saw (the gathered parameters after every step, its flat master and momentum tensors,
+its error-feedback state, the sub-groups and partition ZeRO-3 chose, step counts, learning rates, traffic and
+telemetry, error messages) to DIR/<phase>-rank<R>.pt.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.distributed as dist
 import ds_lioncub  # noqa: F401 - registers LionCub with DeepSpeed
 from ds_lioncub.deepspeed_integration import find_lioncub
 from tests.support.hybrid_cases import CHECKPOINT_AT, OTHER_TOPOLOGIES, HybridCase, build_model, loss_of
-from tests.support.zero3_cases import CHECKPOINTED, REFUSED, TRAINED, UNSIMULATED
+from tests.support.zero3_cases import CHECKPOINTED, CHECKPOINTED_EF, REFUSED, TRAINED, UNSIMULATED
 
 
 def build(case: HybridCase, model: torch.nn.Module | None = None) -> Any:
@@ -117,6 +118,7 @@ def final_state(engine: Any, record: dict[str, Any]) -> None:
     assert lioncub is not None
     # Every exp_avg LionCub holds on this rank, whatever it is keyed by.
     record["exp_avg_numel"] = sum(state["exp_avg"].numel() for state in lioncub.state.values() if "exp_avg" in state)
+    record["aggregation"] = lioncub.aggregation_state()  # error feedback's per-bucket state (None without)
 
 
 def guarded(record: dict[str, Any], work: Any) -> None:
@@ -145,17 +147,21 @@ def run_trained(only: set[str] | None) -> dict[str, Any]:
     return results
 
 
-def run_save(out: Path) -> dict[str, Any]:
+def save_one(case: HybridCase, directory: Path) -> dict[str, Any]:
     record: dict[str, Any] = {"error": None}
 
     def work() -> None:
-        engine = build(CHECKPOINTED)
-        train(engine, CHECKPOINTED, 1, CHECKPOINT_AT, record)
-        engine.save_checkpoint(str(out / "ckpt"))
+        engine = build(case)
+        train(engine, case, 1, CHECKPOINT_AT, record)
+        engine.save_checkpoint(str(directory))
         final_state(engine, record)
 
     guarded(record, work)
-    return {"save": record}
+    return record
+
+
+def run_save(out: Path) -> dict[str, Any]:
+    return {"save": save_one(CHECKPOINTED, out / "ckpt"), "save/ef": save_one(CHECKPOINTED_EF, out / "ckpt-ef")}
 
 
 def run_refused() -> dict[str, Any]:
@@ -190,21 +196,28 @@ def run_damaged(out: Path) -> dict[str, Any]:
     return results
 
 
-def run_resume(out: Path) -> dict[str, Any]:
-    results: dict[str, Any] = {}
+def resume_one(case: HybridCase, directory: Path) -> dict[str, Any]:
     record: dict[str, Any] = {"error": None}
 
     def work() -> None:
-        engine = build(CHECKPOINTED)
-        engine.load_checkpoint(str(out / "ckpt"))
+        engine = build(case)
+        engine.load_checkpoint(str(directory))
         record["loaded_momenta"] = momenta(engine)
         record["loaded_masters"] = [flat.detach().float().clone() for flat in flats(engine)]
         record["loaded_lioncub_step"] = lioncub_step(engine)
-        train(engine, CHECKPOINTED, CHECKPOINT_AT + 1, CHECKPOINTED.steps - CHECKPOINT_AT, record)
+        lioncub = find_lioncub(engine.optimizer)
+        assert lioncub is not None
+        record["loaded_aggregation"] = lioncub.aggregation_state()
+        train(engine, case, CHECKPOINT_AT + 1, case.steps - CHECKPOINT_AT, record)
         final_state(engine, record)
 
     guarded(record, work)
-    results["resume"] = record
+    return record
+
+
+def run_resume(out: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {"resume": resume_one(CHECKPOINTED, out / "ckpt")}
+    results["resume/ef"] = resume_one(CHECKPOINTED_EF, out / "ckpt-ef")
     results.update(run_damaged(out))
     others = [(f"node_size{size}", dataclasses.replace(CHECKPOINTED, node_size=size)) for size in OTHER_TOPOLOGIES]
     others.append(("zero2", dataclasses.replace(CHECKPOINTED, stage=2, extra={})))
