@@ -143,7 +143,7 @@ def kbit_l1_with_feedback(bits: int, algorithm: str, feedback: dict[str, Any], *
 
 
 # Error feedback under the hybrid: the residual with a reset inside the run (steps 5 and 6 restart the
-# clock), and EF21 on two param groups (two flat shards in one bucket: two pieces, two spreads).
+# clock), and EF21 on two param groups (two flat shards, which ZeRO steps in two calls: two bucket keys).
 EF_RESIDUAL = HybridCase(
     "zero2_ef_residual_2bit_alltoall",
     options=kbit_l1_with_feedback(2, "alltoall", {"kind": "residual", "beta": 0.8, "reset_interval": 4}),
