@@ -18,8 +18,10 @@ for its first seeds. ``--jobs J`` runs J processes of one torch thread each; ``-
 the GPU (all J processes share it; the model and batches start on the CPU as always, so a CUDA run
 differs from a CPU run of the same cell and seed only by the devices' rounding).
 
-Error feedback: :data:`EF_MODES`, the two forms on the 2- and 4-bit L1 all-to-all, are not in
-the default grid; ``benchmarks/gpu/ef_study.sh`` runs them at 32 and 64 workers.
+Error feedback: :data:`EF_MODES`, the two forms on the 2- and 4-bit L1 all-to-all (the residual form with
+``feed_back: "all"``, as the grid measured it), :data:`EF_ROUNDING_MODES` (the residual form feeding back only
+the rounding, the default) and :data:`EF_STORAGE_MODES` (``"all"`` with a bf16 residual) are not in the
+default grid; ``benchmarks/gpu/ef_study.sh`` runs EF_MODES at 32 and 64 workers.
 
 The 4-bit sign vote is the 1-bit majority vote carried in wider fields: same sums, same sign, same
 tie rule, so it trains bit for bit like ``1bit`` (checked: identical losses at 4, 8 and 16 workers,
@@ -81,9 +83,12 @@ def mode_options(mode: str, workers: int) -> dict[str, Any]:
         return {"compression": "kbit", "bits": 4, "quantizer": "l1", "kbit_algorithm": "alltoall"}
     for base in ("2bit_l1_a2a", "4bit_l1_a2a"):  # the two error-feedback forms on the k-bit L1 all-to-all
         if mode == f"{base}_ef_residual":
-            return {**mode_options(base, workers), "error_feedback": {"kind": "residual"}}
+            return {**mode_options(base, workers), "error_feedback": {"kind": "residual", "feed_back": "all"}}
         if mode == f"{base}_ef_residual_bf16":  # what storing the residual in bf16 costs
-            return {**mode_options(base, workers), "error_feedback": {"kind": "residual", "storage": "bf16"}}
+            return {
+                **mode_options(base, workers),
+                "error_feedback": {"kind": "residual", "storage": "bf16", "feed_back": "all"},
+            }
         if mode == f"{base}_ef_residual_rounding":  # only the rounding error fed back, not what is clipped
             return {**mode_options(base, workers), "error_feedback": {"kind": "residual", "feed_back": "rounding"}}
         if mode == f"{base}_ef21":

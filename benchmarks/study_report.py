@@ -41,7 +41,7 @@ MODE_LABELS = {
 }
 
 #: The error-feedback forms, by the mode suffix the study gives them.
-EF_FORMS = {"_ef_residual": "residual", "_ef21": "ef21", "_ef_residual_rounding": "residual, rounding only"}
+EF_FORMS = {"_ef_residual": "residual (all)", "_ef21": "ef21", "_ef_residual_rounding": "residual (rounding)"}
 
 
 def load_runs(directory: Path) -> dict[tuple[float, int, str], dict[int, dict[str, Any]]]:

@@ -146,12 +146,12 @@ class ErrorFeedbackConfig(DeepSpeedConfigModel):
     """``"residual"`` only: the residual's precision in memory, fp32 (4 B per parameter) or bf16 (2 B, rounds
     each stored residual to 8 significant bits)."""
 
-    feed_back: Literal["all", "rounding"] = "all"
-    """``"residual"`` only: what of ``h - dequantized`` is kept. ``"all"``: all of it, including what the
-    quantizer clips (values beyond its top level, ``l1_clip`` x the mean |c|), which then keeps voting in
-    later steps after ``c`` has moved; ``"rounding"``: only the rounding error inside the quantizer's range
-    (``h`` clipped to it first), so the residual stays within half a level. Their losses against Lion:
-    benchmarks/RESULTS.md, "Convergence with error feedback"."""
+    feed_back: Literal["rounding", "all"] = "rounding"
+    """``"residual"`` only: what of ``h - dequantized`` is kept. ``"rounding"``: only the rounding error
+    inside the quantizer's range (``h`` clipped to it first), so the residual stays within half a level;
+    ``"all"``: all of it, including what the quantizer clips (values beyond its top level, ``l1_clip`` x
+    the mean |c|), which then keeps voting in later steps after ``c`` has moved, and widens the gap to Lion
+    (benchmarks/RESULTS.md, "Convergence with error feedback")."""
 
     @model_validator(mode="after")
     def _residual_knobs_only_for_residual(self) -> ErrorFeedbackConfig:

@@ -167,7 +167,7 @@ def _residual_bucket(
         h = c[i] + e.float()
         q = torch.round(h * s).clamp(-levels, levels)
         dequantized = torch.where(s > 0, q / s, torch.zeros_like(q))
-        if feedback.get("feed_back", "all") == "rounding":  # only the rounding inside [-L/s, L/s] (s > 0)
+        if feedback.get("feed_back", "rounding") == "rounding":  # only the rounding inside [-L/s, L/s] (s > 0)
             top = levels / s  # inf where s is 0: nothing clipped
             h = torch.where(s > 0, torch.minimum(torch.maximum(h, -top), top), h)
         e.copy_(e.float() * beta + (h - dequantized) * (1 - beta))

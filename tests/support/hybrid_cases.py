@@ -146,7 +146,9 @@ def kbit_l1_with_feedback(bits: int, algorithm: str, feedback: dict[str, Any], *
 # clock), and EF21 on two param groups (two flat shards, which ZeRO steps in two calls: two bucket keys).
 EF_RESIDUAL = HybridCase(
     "zero2_ef_residual_2bit_alltoall",
-    options=kbit_l1_with_feedback(2, "alltoall", {"kind": "residual", "beta": 0.8, "reset_interval": 4}),
+    options=kbit_l1_with_feedback(
+        2, "alltoall", {"kind": "residual", "beta": 0.8, "reset_interval": 4, "feed_back": "all"}
+    ),
 )
 EF21 = HybridCase(
     "zero1_ef21_4bit_alltoall_two_param_groups",

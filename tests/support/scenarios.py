@@ -178,7 +178,13 @@ def error_feedback_modes(world_size: int) -> dict[str, dict[str, object]]:
         "ef-residual-4bit-a2a-bf16-reset": {
             **l1_alltoall,
             "bits": 4,
-            "error_feedback": {"kind": "residual", "beta": 0.8, "reset_interval": 2, "storage": "bf16"},
+            "error_feedback": {
+                "kind": "residual",
+                "beta": 0.8,
+                "reset_interval": 2,
+                "storage": "bf16",
+                "feed_back": "all",
+            },
         },
         "ef-residual-2bit-a2a-mean": {
             **l1_alltoall,
@@ -186,10 +192,10 @@ def error_feedback_modes(world_size: int) -> dict[str, dict[str, object]]:
             "aggregation": "mean",
             "error_feedback": {"kind": "residual", "beta": 0.95},
         },
-        "ef-residual-2bit-a2a-rounding": {
+        "ef-residual-2bit-a2a-all": {
             **l1_alltoall,
             "bits": 2,
-            "error_feedback": {"kind": "residual", "feed_back": "rounding"},
+            "error_feedback": {"kind": "residual", "feed_back": "all"},
         },
         "ef21-2bit": {**l1_alltoall, "bits": 2, "error_feedback": {"kind": "ef21"}},
         "ef21-4bit": {**l1_alltoall, "bits": 4, "error_feedback": {"kind": "ef21"}},

@@ -27,12 +27,12 @@ CASES: dict[str, dict[str, Any]] = {
     "residual-4bit-a2a-bf16-reset": {
         "bits": 4,
         "kbit_algorithm": "alltoall",
-        "error_feedback": {"kind": "residual", "beta": 0.8, "reset_interval": 2, "storage": "bf16"},
+        "error_feedback": {"kind": "residual", "beta": 0.8, "reset_interval": 2, "storage": "bf16", "feed_back": "all"},
     },
-    "residual-2bit-a2a-rounding": {
+    "residual-2bit-a2a-all": {
         "bits": 2,
         "kbit_algorithm": "alltoall",
-        "error_feedback": {"kind": "residual", "feed_back": "rounding"},
+        "error_feedback": {"kind": "residual", "feed_back": "all"},
     },
     "residual-4bit-a2a-rounding-bf16": {
         "bits": 4,
@@ -45,7 +45,11 @@ CASES: dict[str, dict[str, Any]] = {
         "aggregation": "mean",
         "error_feedback": {"kind": "residual", "beta": 0.95},
     },
-    "residual-8bit-allreduce": {"bits": 8, "kbit_algorithm": "allreduce", "error_feedback": {"kind": "residual"}},
+    "residual-8bit-allreduce": {
+        "bits": 8,
+        "kbit_algorithm": "allreduce",
+        "error_feedback": {"kind": "residual", "feed_back": "all"},
+    },
     "ef21-2bit": {"bits": 2, "kbit_algorithm": "alltoall", "error_feedback": {"kind": "ef21"}},
     "ef21-4bit-clip3": {"bits": 4, "kbit_algorithm": "alltoall", "l1_clip": 3.0, "error_feedback": {"kind": "ef21"}},
 }
@@ -128,10 +132,10 @@ def test_feeding_back_only_the_rounding_changes_the_trajectory_and_bounds_the_re
     """The reference's "rounding" is not its "all": the clipped part of h changes the parameters, and without
     it the residual stays small (within half a level step), below the largest residual that keeps it."""
     rounding = simulate_ef(
-        list(sc.init_params().values()), worker_grads, 16, STEPS, {**HYPER, **CASES["residual-2bit-a2a-rounding"]}
+        list(sc.init_params().values()), worker_grads, 16, STEPS, {**HYPER, **CASES["residual-2bit-a2a"]}
     )
     everything = simulate_ef(
-        list(sc.init_params().values()), worker_grads, 16, STEPS, {**HYPER, **CASES["residual-2bit-a2a"]}
+        list(sc.init_params().values()), worker_grads, 16, STEPS, {**HYPER, **CASES["residual-2bit-a2a-all"]}
     )
     assert any(not torch.equal(a, b) for a, b in zip(rounding.params, everything.params, strict=True))
     largest = {

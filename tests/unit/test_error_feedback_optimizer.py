@@ -33,7 +33,9 @@ def test_the_residual_ratio_is_the_residual_over_c() -> None:
     optimizer, c = one_step("residual")
     scale = 1 / (2.0 * c.abs().mean())  # L / (tau * mu), L = 1 at 2 bits
     q = torch.round(c * scale).clamp(-1, 1)
-    residual = (c - q / scale) * (1 - 0.9)  # e starts at 0: beta * 0 + (1 - beta) * (h - dequant(q))
+    # e starts at 0: beta * 0 + (1 - beta) * (h - dequant(q)), h clipped to the levels' range [-1/s, 1/s] first
+    # (feed_back "rounding", the default)
+    residual = (c.clamp(-1 / scale, 1 / scale) - q / scale) * (1 - 0.9)
     record = optimizer.last_step_telemetry
     assert record is not None and record.feedback_kind == "residual"
     expected = float(residual.double().norm() / c.double().norm())
