@@ -13,12 +13,10 @@ step).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
+from benchmarks.timing import median_seconds
 from ds_lioncub import LionCub
 from ds_lioncub.replica_check import parameter_checksums
 from examples.gpt import GPT, GPTConfig
@@ -28,16 +26,6 @@ MODELS = {
     "12.9M GPT": (GPTConfig(max_seq_len=32, n_layer=4, n_head=8, d_model=512), 4, 32),
 }
 INTERVALS = (1, 10, 100)
-
-
-def median_seconds(run: Callable[[], object], repeats: int) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure(config: GPTConfig, batch: int, seq_len: int, repeats: int) -> tuple[int, float, float]:

@@ -13,26 +13,15 @@ without feedback, in those units, is what the planner adds (``ERROR_FEEDBACK_LOC
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
+from benchmarks.timing import median_seconds
 from ds_lioncub.aggregation import Aggregator, Bucket, build_aggregation
 from ds_lioncub.config import parse_config
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
 from ds_lioncub.planner.calibrate import LoopbackTransport
-
-
-def median_seconds(run: Callable[[], object], repeats: int) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def aggregate(aggregator: Aggregator, bucket: Bucket, out: torch.Tensor) -> Callable[[], object]:

@@ -196,6 +196,19 @@ def ef_target(no_ef_gap: float, ef_gap: float) -> bool:
     return no_ef_gap <= 0 or ef_gap <= 0.5 * no_ef_gap
 
 
+def paired_gaps(
+    cells: dict[tuple[float, int, str], dict[int, dict[str, Any]]], beta2: float, n: int, mode: str, other: str
+) -> tuple[list[int], list[float], list[float]]:
+    """The seeds that ``mode``, ``other`` and exact Lion all have in the cell (beta2, n), and per seed the gap
+    to exact Lion in % of ``mode`` and of ``other``."""
+    runs, other_runs = cells[(beta2, n, mode)], cells.get((beta2, n, other), {})
+    exact_runs = cells.get((beta2, n, "exact"), {})
+    seeds = sorted(set(runs) & set(other_runs) & set(exact_runs))
+    gaps = [gap_percent(runs[s]["val_loss"], exact_runs[s]["val_loss"]) for s in seeds]
+    other_gaps = [gap_percent(other_runs[s]["val_loss"], exact_runs[s]["val_loss"]) for s in seeds]
+    return seeds, gaps, other_gaps
+
+
 def ef_table(cells: dict[tuple[float, int, str], dict[int, dict[str, Any]]], beta2s: list[float]) -> str:
     """Every cell with error-feedback runs: the form's gap against exact Lion beside the same mode's gap
     without EF (both over the seeds that all three have), its sign agreement with exact Lion, the number
@@ -213,12 +226,9 @@ def ef_table(cells: dict[tuple[float, int, str], dict[int, dict[str, Any]]], bet
         suffix = next(suffix for suffix in EF_FORMS if mode.endswith(suffix))
         base = mode.removesuffix(suffix)
         ef_runs, no_ef_runs = cells[(beta2, n, mode)], cells.get((beta2, n, base), {})
-        exact_runs = cells.get((beta2, n, "exact"), {})
-        seeds = sorted(set(ef_runs) & set(no_ef_runs) & set(exact_runs))
+        seeds, ef_gaps, no_ef_gaps = paired_gaps(cells, beta2, n, mode, base)
         if not seeds:
             continue
-        ef_gaps = [gap_percent(ef_runs[s]["val_loss"], exact_runs[s]["val_loss"]) for s in seeds]
-        no_ef_gaps = [gap_percent(no_ef_runs[s]["val_loss"], exact_runs[s]["val_loss"]) for s in seeds]
         ef_gap, no_ef_gap = seed_summary(ef_gaps), seed_summary(no_ef_gaps)
         better = sum(e < b for e, b in zip(ef_gaps, no_ef_gaps, strict=True))
         met = ef_target(no_ef_gap.mean, ef_gap.mean)
@@ -257,13 +267,9 @@ def storage_table(cells: dict[tuple[float, int, str], dict[int, dict[str, Any]]]
     for beta2, n, mode in sorted(key for key in cells if key[2].endswith("_ef_residual" + BF16_STORAGE)):
         if beta2 not in beta2s:
             continue
-        bf16_runs, fp32_runs = cells[(beta2, n, mode)], cells.get((beta2, n, mode.removesuffix(BF16_STORAGE)), {})
-        exact_runs = cells.get((beta2, n, "exact"), {})
-        seeds = sorted(set(bf16_runs) & set(fp32_runs) & set(exact_runs))
+        seeds, bf16_gaps, fp32_gaps = paired_gaps(cells, beta2, n, mode, mode.removesuffix(BF16_STORAGE))
         if not seeds:
             continue
-        bf16_gaps = [gap_percent(bf16_runs[s]["val_loss"], exact_runs[s]["val_loss"]) for s in seeds]
-        fp32_gaps = [gap_percent(fp32_runs[s]["val_loss"], exact_runs[s]["val_loss"]) for s in seeds]
         difference = seed_summary([b - f for b, f in zip(bf16_gaps, fp32_gaps, strict=True)])
         lines.append(
             f"| {beta2} | {n} | {MODE_LABELS.get(mode, mode)} | {len(seeds)} | {_cell_text(seed_summary(fp32_gaps))} | "

@@ -57,6 +57,23 @@ class EfWorld(EfState):
     momenta: list[list[Tensor]] = field(default_factory=list)
 
 
+def shard_feedback(
+    error_feedback: dict[str, Any] | None,
+    shards: int,
+    compression: str,
+    quantizer: str,
+    **aggregation: Any,
+) -> tuple[list[EfState], dict[str, Any]]:
+    """What a hybrid simulation with ``error_feedback`` keeps: one EF state per shard index (none without
+    feedback), and the options :func:`feedback_deltas` takes (``aggregation``: bucket_size, bits,
+    kbit_algorithm, aggregation, l1_clip)."""
+    if error_feedback is None:
+        return [], {}
+    if compression != "kbit" or quantizer != "l1":
+        raise ValueError("error feedback needs compression 'kbit' with quantizer 'l1'")
+    return [EfState() for _ in range(shards)], {**aggregation, "error_feedback": error_feedback}
+
+
 def l1_levels(bits: int, algorithm: str, workers: int) -> int:
     top = (1 << bits) - 1
     return top // 2 if algorithm == "alltoall" else top // (2 * workers)

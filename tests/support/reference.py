@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tests.support.error_feedback_reference import EfState, feedback_deltas
+from tests.support.error_feedback_reference import EfState, feedback_deltas, shard_feedback
 
 TIE_BREAKS = ("alternate", "positive")
 KBIT_BITS = (2, 4, 8)
@@ -630,18 +630,17 @@ def simulate_hybrid(
     momenta = [[torch.zeros_like(m) for m in masters] for _ in range(nodes)]
     world = nodes * node_size
     run = HybridRun([], masters, momenta, [], [], partition_sizes, [])
-    if error_feedback is not None:
-        if compression != "kbit" or quantizer != "l1":
-            raise ValueError("error feedback needs compression 'kbit' with quantizer 'l1'")
-        run.feedback = [EfState() for _ in range(node_size)]
-    feedback_options = {
-        "bucket_size": bucket_size,
-        "bits": bits,
-        "kbit_algorithm": kbit_algorithm,
-        "aggregation": aggregation,
-        "l1_clip": l1_clip,
-        "error_feedback": error_feedback,
-    }
+    run.feedback, feedback_options = shard_feedback(
+        error_feedback,
+        node_size,
+        compression,
+        quantizer,
+        bucket_size=bucket_size,
+        bits=bits,
+        kbit_algorithm=kbit_algorithm,
+        aggregation=aggregation,
+        l1_clip=l1_clip,
+    )
     lioncub_step = 0
 
     for step in range(1, steps + 1):

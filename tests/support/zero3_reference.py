@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tests.support.error_feedback_reference import EfState, feedback_deltas
+from tests.support.error_feedback_reference import EfState, feedback_deltas, shard_feedback
 from tests.support.reference import (
     HybridGradsFn,
     _apply_update,
@@ -116,16 +116,17 @@ def simulate_hybrid_zero3(
     masters = [[_flat(list(init_params), g, j, node_size) for j in range(node_size)] for g in groups]
     momenta = [[[torch.zeros_like(m) for m in per_slice] for per_slice in masters] for _ in range(nodes)]
     run = Zero3Run([], masters, momenta, [], [])
-    if error_feedback is not None:
-        run.feedback = [EfState() for _ in range(node_size)]
-    feedback_options = {
-        "bucket_size": bucket_size,
-        "bits": bits,
-        "kbit_algorithm": kbit_algorithm,
-        "aggregation": aggregation,
-        "l1_clip": l1_clip,
-        "error_feedback": error_feedback,
-    }
+    run.feedback, feedback_options = shard_feedback(
+        error_feedback,
+        node_size,
+        compression,
+        quantizer,
+        bucket_size=bucket_size,
+        bits=bits,
+        kbit_algorithm=kbit_algorithm,
+        aggregation=aggregation,
+        l1_clip=l1_clip,
+    )
     params = [p.detach().float().clone() for p in init_params]
     lioncub_step = 0
     world = nodes * node_size
