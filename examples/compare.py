@@ -1,6 +1,6 @@
 """Lion (fp32 all-reduce) vs Lion Cub 1-bit, 4-bit sign and 8-bit L1, as real DeepSpeed jobs.
 
-    python -m examples.compare                 # defaults: 2 CPU ranks, 2-4 minutes on 2 busy cores
+    python -m examples.compare                 # defaults: 2 ranks (CPU under make train), 4-5 minutes on 2 busy cores
     python -m examples.compare --steps 600 --d-model 256 --out-dir runs/
     python -m examples.compare --as-is         # each ds_config exactly as written in configs/
 
@@ -17,8 +17,10 @@ config in which everything but the optimizer's communication is common (see COMM
 
 After the measured table it prints the planner's predictions for the same configurations on real
 networks (clearly labelled: on one machine communication is a loopback copy, so the measured step
-times cannot show what compression saves) and writes the loss curves to a PNG; both come from
-examples/compare_report.py.
+times cannot show what compression saves): for this model on machines of one CPU rank each, priced
+with the planner's CPU table, and for a 1.3B-parameter model on 4 nodes x 8 H100s, priced with its
+measured H100 table, with the planner's recommendation there. It then writes the loss curves to a
+PNG: the predictions come from examples/compare_report.py, the plot from examples/compare_plot.py.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from examples.compare_report import RunConfig, communication_params, prediction_report, write_loss_plot
+from examples.compare_plot import write_loss_plot
+from examples.compare_report import RunConfig, communication_params, prediction_report
 from examples.corpus import DEFAULT_MAX_BYTES, build_corpus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -295,8 +298,12 @@ def main() -> None:
         results = [(m, run_method(m, configs[m.config][0], common, args, out_dir)) for m in METHODS]
 
     first = results[0][1]
+    # What DeepSpeed's accelerator ran the ranks on (DS_ACCELERATOR, else CUDA where torch sees it), as "auto" plans.
+    from ds_lioncub.planner.devices import this_machines_device  # here: the jobs above need none of ds_lioncub
+
+    device = this_machines_device()
     print(
-        f"\n{args.nproc} ranks x {first['threads_per_rank']} thread(s), {args.steps} optimizer steps, "
+        f"\n{args.nproc} {device.upper()} ranks x {first['threads_per_rank']} thread(s), {args.steps} optimizer steps, "
         f"seq len {args.seq_len}, {first['n_params']:,} params, seed {args.seed}, same corpus for every run"
     )
     if args.as_is:
@@ -318,7 +325,7 @@ def main() -> None:
             "--as-is runs them unchanged)"
         )
     print("train loss: mean of the last 10 steps, averaged over ranks; val loss: held-out corpus blocks;")
-    print("step ms: mean wall time per optimizer step after 3 warmup steps (a shared 2-core machine: noisy);")
+    print("step ms: mean wall time per optimizer step after 3 warmup steps (noisy on a shared machine);")
     print("bytes/step/rank: sent per optimizer step per rank = LionCub's comm_stats() + the engine's own")
     print("  deepspeed.comm.all_reduce traffic (its gradient all-reduce for compression none; a few-byte")
     print("  norm/overflow check otherwise), all-reduce counted as 2*(p-1)/p * bytes;")
@@ -336,13 +343,13 @@ def main() -> None:
         )
 
     runs = [RunConfig(m.config, m.label, communication_params(r)) for m, r in results]
-    print("\n" + prediction_report(runs, first["n_params"], args.nproc))
+    print("\n" + prediction_report(runs, first["n_params"], args.nproc, device))
 
     plot = args.plot or (args.out_dir / "loss_curves.png" if args.out_dir is not None else PLOT_DEFAULT)
     write_loss_plot(
         [(f"{m.config}: {m.label}", r["train_loss_rank0"]) for m, r in results],
         plot,
-        f"{first['n_params']:,}-param GPT, {args.nproc} CPU ranks, seed {args.seed}",
+        f"{first['n_params']:,}-param GPT, {args.nproc} {device.upper()} ranks, seed {args.seed}",
     )
     print(f"\nloss curves (train loss per step, rank 0): {plot}")
 

@@ -1,24 +1,32 @@
-"""What examples/compare.py adds after its measured table: the planner's predictions and a loss plot.
+"""What examples/compare.py prints after its measured table: the planner's predictions.
 
 On one machine the ranks' "network" is a loopback copy, so compare.py's step times say nothing
 about what each configuration costs where communication crosses a real link. The planner
 (:mod:`ds_lioncub.planner`, an alpha-beta model of each mode's step) can say what it *would* cost;
-:func:`prediction_rows` asks it for every configuration compare.py ran, for this model on a cluster
-of one-GPU nodes and for a 1.3B-parameter model on 4 nodes x 8 GPUs, at 1, 10 and 100 Gbit/s
-between nodes. These are predictions, not measurements, and are printed as such.
+:func:`prediction_rows` asks it for every configuration compare.py ran, at 1, 10 and 100 Gbit/s
+between nodes: for this model on machines of one CPU rank each (the planner's built-in CPU table and
+gloo's link efficiency), and for a 1.3B-parameter model on 4 nodes x 8 H100s (the planner's measured
+H100 table and NCCL's link efficiency, as ``--device cuda --gpu H100`` prices them), with the
+planner's recommendation for that cluster (:func:`recommendations`). These are predictions, not
+measurements, and are printed as such.
 
-:func:`write_loss_plot` draws each run's per-step training loss (rank 0's, as train_gpt.py records it
-in ``train_loss_rank0``) into one PNG.
+The loss plot is :mod:`examples.compare_plot`.
 """
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the planner is imported where it is used: compare.py imports this module before its jobs start
+    from ds_lioncub.planner import Candidate, Cluster, LocalCosts, Network
+    from ds_lioncub.planner.convergence import Choice
+    from ds_lioncub.planner.devices import Device
 
 LINK_RATES = ("1gbit", "10gbit", "100gbit")
+REPORT_WIDTH = 100  # columns of the report's prose (the tables are as wide as they are)
 LARGE_MODEL_PARAMS = 1_300_000_000
 LARGE_MODEL_NODES = 4
 LARGE_MODEL_GPUS_PER_NODE = 8
@@ -47,59 +55,92 @@ def communication_params(summary: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def trailing_mean(values: Sequence[float], window: int) -> list[float]:
-    """Mean of each value and the ``window - 1`` before it (fewer at the start)."""
-    out = []
-    for index in range(len(values)):
-        chunk = values[max(0, index - window + 1) : index + 1]
-        out.append(sum(chunk) / len(chunk))
-    return out
-
-
-def write_loss_plot(runs: Sequence[tuple[str, list[float]]], path: Path, title: str, smoothing: int = 10) -> Path:
-    """One curve per (label, per-step losses) into a PNG at ``path``; returns ``path``.
-
-    Top: the losses as recorded. The runs share seed, data and model, so their curves lie on top of
-    each other; the bottom panel shows each later run's loss minus the first run's (the baseline),
-    as a trailing mean over ``smoothing`` steps, where the differences can be seen.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    figure, (losses_axes, difference_axes) = plt.subplots(
-        2, 1, figsize=(8, 7), dpi=110, sharex=True, gridspec_kw={"height_ratios": [2, 1]}
-    )
-    # Runs can train identically (with 2 ranks the 1-bit and 4-bit sign votes are the same vote):
-    # distinct dash patterns keep a curve drawn under another visible.
-    styles = ["-", "--", "-.", ":"]
-    baseline_label, baseline = runs[0]
-    for index, (label, losses) in enumerate(runs):
-        style, colour = styles[index % len(styles)], f"C{index}"
-        steps = range(1, len(losses) + 1)
-        losses_axes.plot(steps, losses, style, color=colour, label=label, linewidth=1.2)
-        if index > 0:
-            difference = [mine - base for mine, base in zip(losses, baseline, strict=False)]
-            difference_axes.plot(
-                steps[: len(difference)], trailing_mean(difference, smoothing), style, color=colour, linewidth=1.2
-            )
-    losses_axes.set_ylabel("train loss (rank 0, one batch)")
-    losses_axes.set_title(title, fontsize=10)
-    losses_axes.legend(fontsize=8)
-    difference_axes.axhline(0.0, color="0.5", linewidth=0.8)
-    difference_axes.set_ylabel(f"minus {baseline_label.split(':')[0]}\n(trailing mean, {smoothing} steps)", fontsize=8)
-    difference_axes.set_xlabel("optimizer step")
-    for axes in (losses_axes, difference_axes):
-        axes.grid(alpha=0.3)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
-    plt.close(figure)
-    return path
-
-
 # ---------------------------------------------------------------------------------------------- predictions
+
+#: The GPU whose local cost table prices the large model's ranks: the planner's default ``--gpu``, which has a
+#: table measured on it (:mod:`ds_lioncub.planner.gpu_local_costs`).
+LARGE_MODEL_GPU = "H100"
+LARGE_MODEL_INTRA_NODE_RATE = "100GB/s"  # NVLink-class links between the GPUs of one node
+#: Lion's beta2 in every config in configs/ (and the planner's default ``--beta2``): the convergence study's
+#: verdicts depend on it.
+BETA2 = 0.99
+
+
+@dataclass(frozen=True)
+class PlannedCluster:
+    """A cluster the report asks the planner about, as ``python -m ds_lioncub.planner`` takes it.
+
+    ``device`` and ``gpu`` pick the local cost table and the link efficiencies as the command line's
+    ``--device`` and ``--gpu`` do (:func:`ds_lioncub.planner.devices.local_costs_for`,
+    :func:`~ds_lioncub.planner.devices.link_efficiency_for`).
+    """
+
+    num_params: int
+    nodes: int
+    gpus_per_node: int
+    device: Device = "cpu"
+    gpu: str | None = None
+    intra_node_rate: str | None = None
+
+    @property
+    def shape(self) -> Cluster:
+        from ds_lioncub import planner
+
+        return planner.Cluster(nodes=self.nodes, gpus_per_node=self.gpus_per_node)
+
+    def local_costs(self) -> LocalCosts:
+        from ds_lioncub.planner.devices import local_costs_for
+
+        return local_costs_for(self.device, gpu=self.gpu)
+
+    def network(self, link_rate: str) -> Network:
+        from ds_lioncub import planner
+        from ds_lioncub.planner.devices import link_efficiency_for
+
+        intra = None if self.intra_node_rate is None else planner.parse_rate(self.intra_node_rate)
+        efficiency = link_efficiency_for(self.device)
+        return planner.Network(planner.parse_rate(link_rate), intra, efficiency=efficiency)
+
+    def plan(self, link_rate: str, zero_stage: int | None = None) -> list[Candidate]:
+        """The planner's candidates at ``link_rate``: those of ``zero_stage`` alone, or (None) of its default stages."""
+        from ds_lioncub import planner
+
+        network, costs = self.network(link_rate), self.local_costs()
+        if zero_stage is None:  # the planner's default stages, as its command line without --zero-stage
+            return planner.plan(self.num_params, self.shape, network, costs)
+        return planner.plan(self.num_params, self.shape, network, costs, zero_stages=(zero_stage,))
+
+    def planner_command(self, link_rate: str = "RATE", zero_stage: int | None = None) -> str:
+        """The ``python -m ds_lioncub.planner`` command that prints the same candidates."""
+        words = [
+            f"python -m ds_lioncub.planner --params {self.num_params} --nodes {self.nodes}",
+            f"--gpus-per-node {self.gpus_per_node} --inter-node-bandwidth {link_rate}",
+        ]
+        if self.intra_node_rate is not None:
+            words.append(f"--intra-node-bandwidth {self.intra_node_rate}")
+        words.append(f"--device {self.device}" + ("" if self.gpu is None else f" --gpu {self.gpu}"))
+        if zero_stage is not None:
+            words.append(f"--zero-stage {zero_stage}")
+        return " ".join(words)
+
+    def describe_prices(self) -> str:
+        """Which link efficiencies and which local cost table price this cluster's steps, in words."""
+        from ds_lioncub.planner import DEFAULT_LOCAL_COSTS
+        from ds_lioncub.planner.devices import link_efficiency_for
+
+        efficiency = link_efficiency_for(self.device)
+        transport = "NCCL" if self.device == "cuda" else "gloo"
+        links = (
+            f"{transport}'s link efficiency ({efficiency.ring:g} in rings, {efficiency.all_to_all:g} in all-to-alls)"
+        )
+        costs = self.local_costs()
+        if costs is DEFAULT_LOCAL_COSTS:
+            table = f"the planner's built-in CPU table ({costs.measured_on}), one rank per core"
+        elif costs.measured_on.startswith("measured: "):
+            table = f"the planner's measured {self.gpu} table ({costs.measured_on.removeprefix('measured: ')})"
+        else:
+            table = f"the planner's {self.gpu} table ({costs.measured_on})"
+        return f"{links}; local work: {table}"
 
 
 @dataclass(frozen=True)
@@ -112,20 +153,8 @@ class PredictionRow:
     bytes_per_step_per_rank: int | None
     comm_s: float | None
     local_s: float | None
-    step_s: float | None  # comm_s + local_s; comm_s alone where local work is not predicted
+    step_s: float | None  # the planner's step: comm_s + local_s, less what the bucket schedule overlaps
     note: str = ""
-
-
-def cluster_network(link_rate: str, intra_node_rate: str | None, efficiency: Any = None) -> Any:
-    """The planner's Network: ``link_rate`` between nodes, ``intra_node_rate`` inside one, default latency.
-
-    ``efficiency``: a :class:`ds_lioncub.planner.LinkEfficiency` (default: the planner's, gloo's).
-    """
-    from ds_lioncub import planner
-
-    intra = None if intra_node_rate is None else planner.parse_rate(intra_node_rate)
-    network = planner.Network(inter_node_bandwidth=planner.parse_rate(link_rate), intra_node_bandwidth=intra)
-    return network if efficiency is None else replace(network, efficiency=efficiency)
 
 
 def why_infeasible(params: dict[str, Any], world_size: int) -> str:
@@ -140,41 +169,33 @@ def why_infeasible(params: dict[str, Any], world_size: int) -> str:
     return f"no such candidate at {world_size} ranks"
 
 
-def prediction_rows(
-    runs: Sequence[RunConfig],
-    num_params: int,
-    nodes: int,
-    gpus_per_node: int,
-    link_rates: Sequence[str] = LINK_RATES,
-    intra_node_rate: str | None = None,
-    local_work: bool = True,
-    efficiency: Any = None,
-) -> list[PredictionRow]:
-    """The planner's stage-0 step for each of ``runs`` on ``nodes`` x ``gpus_per_node``, at each link rate.
-
-    Each run's options are matched to the planner's candidate with the same aggregation
-    (:func:`ds_lioncub.planner.aggregation_key`: compression, precision or bits, quantizer, algorithm).
-    ``local_work=False``: the collectives alone (a local cost table of zeros; ``local_s`` is ``None``),
-    for hardware the planner's default table, measured on a CPU, does not describe. ``efficiency``:
-    the links' :class:`ds_lioncub.planner.LinkEfficiency` (default: gloo's).
-    """
+def _key(params: dict[str, Any]) -> str:
+    """The planner's aggregation key of LionCub ``params`` (compression, precision or bits, quantizer, algorithm)."""
     from ds_lioncub import planner
     from ds_lioncub.config import parse_config
 
-    cluster = planner.Cluster(nodes=nodes, gpus_per_node=gpus_per_node)
-    costs = (
-        None if local_work else planner.LocalCosts(dict.fromkeys(planner.DEFAULT_LOCAL_COSTS.seconds_per_element, 0.0))
-    )
+    return planner.aggregation_key(parse_config(params))
+
+
+def prediction_rows(
+    runs: Sequence[RunConfig], cluster: PlannedCluster, link_rates: Sequence[str] = LINK_RATES
+) -> list[PredictionRow]:
+    """The planner's stage-0 candidate for each of ``runs`` on ``cluster``, at each link rate.
+
+    Each run's options are matched to the candidate with the same aggregation
+    (:func:`ds_lioncub.planner.aggregation_key`); its figures are the planner's own, as
+    ``python -m ds_lioncub.planner ... --zero-stage 0`` prints them (:meth:`PlannedCluster.planner_command`).
+    """
+    from ds_lioncub import planner
+
     rows = []
     for rate in link_rates:
-        network = cluster_network(rate, intra_node_rate, efficiency)
-        candidates = planner.plan(num_params, cluster, network, costs, zero_stages=(0,))
-        by_key = {planner.aggregation_key(parse_config(c.params)): c for c in candidates if c.zero_stage == 0}
+        by_key = {_key(c.params): c for c in cluster.plan(rate, zero_stage=0)}
         link = planner.format_rate(planner.parse_rate(rate))
         for run in runs:
-            found = by_key.get(planner.aggregation_key(parse_config(run.params)))
+            found = by_key.get(_key(run.params))
             if found is None:
-                note = why_infeasible(run.params, cluster.world_size)
+                note = why_infeasible(run.params, cluster.shape.world_size)
                 rows.append(PredictionRow(run.name, run.label, link, None, None, None, None, note))
                 continue
             rows.append(
@@ -184,11 +205,60 @@ def prediction_rows(
                     link,
                     found.bytes_per_step_per_rank,
                     found.comm_seconds,
-                    found.local_seconds if local_work else None,
+                    found.local_seconds,
                     found.seconds_per_step,
                 )
             )
     return rows
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The planner's recommendation at one link rate: among the stage-0 candidates, and among all of its default
+    stages (0 and 2)."""
+
+    link: str
+    stage0: Choice
+    default_stages: Choice
+
+
+def recommendations(cluster: PlannedCluster, link_rates: Sequence[str] = LINK_RATES) -> list[Recommendation]:
+    """What ``python -m ds_lioncub.planner`` recommends for ``cluster`` at each link rate, with and without
+    ``--zero-stage 0``: the fastest candidate the convergence study does not show losing Lion's loss (at
+    :data:`BETA2`)."""
+    from ds_lioncub import planner
+    from ds_lioncub.planner.convergence import choose, load_evidence
+
+    evidence = load_evidence()
+    return [
+        Recommendation(
+            planner.format_rate(planner.parse_rate(rate)),
+            choose(cluster.plan(rate, zero_stage=0), cluster.shape, BETA2, evidence),
+            choose(cluster.plan(rate), cluster.shape, BETA2, evidence),
+        )
+        for rate in link_rates
+    ]
+
+
+def format_recommendations(found: Sequence[Recommendation], runs: Sequence[RunConfig]) -> list[str]:
+    """One line per link rate, then the configurations of ``runs`` the study passed over at stage 0, and why."""
+    from ds_lioncub import planner
+
+    def pick(choice: Choice) -> str:
+        return f"{choice.best.label} ({planner.format_seconds(choice.best.seconds_per_step)})"
+
+    lines = [f"  {r.link:<11} stage 0: {pick(r.stage0)}; stages 0 and 2: {pick(r.default_stages)}" for r in found]
+    names = {_key(run.params): run.name for run in runs}
+    passed_over: dict[str, str] = {}
+    for r in found:
+        for candidate, verdict in r.stage0.skipped:
+            name = names.get(_key(candidate.params))
+            if name is not None:
+                passed_over.setdefault(name, verdict.note)
+    if passed_over:
+        reasons = "; ".join(f"{name}, {why}" for name, why in passed_over.items())
+        lines.append(_paragraph(f"Passed over at stage 0, though faster: {reasons}", "  "))
+    return lines
 
 
 def _ms(seconds: float | None) -> str:
@@ -218,40 +288,107 @@ def format_prediction_table(rows: Sequence[PredictionRow], baseline: str) -> str
     return "\n".join(lines)
 
 
-def prediction_report(runs: Sequence[RunConfig], num_params: int, ranks: int) -> str:
-    """What compare.py prints after its measured table: the planner's predictions, labelled as such."""
+def large_model_cluster() -> PlannedCluster:
+    """The large-model block's cluster: a 1.3B-parameter model on 4 nodes x 8 H100s, NVLink-class links inside."""
+    return PlannedCluster(
+        LARGE_MODEL_PARAMS,
+        LARGE_MODEL_NODES,
+        LARGE_MODEL_GPUS_PER_NODE,
+        device="cuda",
+        gpu=LARGE_MODEL_GPU,
+        intra_node_rate=LARGE_MODEL_INTRA_NODE_RATE,
+    )
+
+
+def _paragraph(text: str, indent: str = "") -> str:
+    """``text`` wrapped to :data:`REPORT_WIDTH` columns, commands and flags kept whole."""
+    return textwrap.fill(text, REPORT_WIDTH, subsequent_indent=indent, break_on_hyphens=False, break_long_words=False)
+
+
+def _definition(column: str, meaning: str) -> str:
+    """``column: meaning``, wrapped under the meaning."""
+    label = f"{column}:".ljust(10)
+    return _paragraph(label + meaning, " " * len(label))
+
+
+def prediction_report(runs: Sequence[RunConfig], num_params: int, ranks: int, ranks_device: Device = "cpu") -> str:
+    """What compare.py prints after its measured table: the planner's predictions, labelled as such.
+
+    ``ranks_device``: the device the measured runs' ranks used; the small-model block prices CPU ranks either way
+    and says so where they were not.
+    """
     from ds_lioncub import planner
+    from ds_lioncub.planner.convergence import LOSS_THRESHOLD_PERCENT
+    from ds_lioncub.planner.model import LIONCUB_BUCKET_SIZE
 
     baseline = runs[0].name
-    large_intra = "100GB/s"  # NVLink-class links between the GPUs of one node
     latency_us = planner.Network(inter_node_bandwidth=1.0).latency * 1e6  # the default Network latency
-    large = (LARGE_MODEL_PARAMS, LARGE_MODEL_NODES, LARGE_MODEL_GPUS_PER_NODE)
-    # GPUs talk through NCCL, whose rings and all-to-alls come near the link rate: no gloo losses.
-    large_rows = prediction_rows(
-        runs, *large, intra_node_rate=large_intra, local_work=False, efficiency=planner.IDEAL_LINK_EFFICIENCY
+    small = PlannedCluster(num_params, ranks, 1)
+    large = large_model_cluster()
+    like_above = (
+        "like the ranks above but each on its own machine"
+        if ranks_device == "cpu"
+        else f"not the {ranks_device.upper()} ranks above"
     )
     return "\n".join(
         [
             "PLANNER PREDICTIONS (ds_lioncub.planner, an alpha-beta model): NOT measurements.",
-            "The step times above were measured on one machine, where the ranks' 'network' is a loopback",
-            "copy: they show compute and load, not what the bytes would cost on a link. Below, what the",
-            "planner predicts each configuration above costs per optimizer step where the ranks talk over a",
-            f"network. comm ms: the collectives (bytes / (link rate x gloo's link efficiency) + {latency_us:.0f} us",
-            "per round); local ms: Lion's arithmetic and the aggregation's packing and counting at the",
-            "planner's default per-element costs, measured on a CPU with one rank per core; step ms: comm +",
-            "local. Forward and backward passes are left out (the same in every mode). vs Lion: Lion's step",
-            "ms / the row's (above 1: faster).",
+            _paragraph(
+                "The step times above were measured on one machine, where the ranks' 'network' is a loopback copy: "
+                "they show compute and load, not what the bytes would cost on a link. Below, what the planner "
+                "predicts each configuration above costs per optimizer step where the ranks talk over a network. "
+                "Forward and backward passes are left out (the same in every mode)."
+            ),
+            _definition(
+                "comm ms", f"the collectives: bytes / (link rate x link efficiency) + {latency_us:.0f} us per round"
+            ),
+            _definition(
+                "local ms",
+                "Lion's arithmetic and the aggregation's packing and counting, at the per-element costs of the "
+                "local cost table each block names",
+            ),
+            _definition(
+                "step ms",
+                "the planner's step: comm + local, except that a compressed mode's votes run beside its local "
+                f"work over its buckets of {LIONCUB_BUCKET_SIZE:,} elements, so the slower of the two sets the pace",
+            ),
+            _definition("vs Lion", "Lion's step ms / the row's (above 1: faster)"),
             "",
-            f"This model ({num_params:,} params) on {ranks} machines of one CPU rank each, like the ranks above",
-            "but each on its own machine:",
-            format_prediction_table(prediction_rows(runs, num_params, ranks, 1), baseline),
+            _paragraph(
+                f"This model ({num_params:,} params: one bucket, step = comm + local) on {ranks} machines of one "
+                f"CPU rank each, {like_above}; {small.describe_prices()}:"
+            ),
+            format_prediction_table(prediction_rows(runs, small), baseline),
             "",
-            f"A {large[0] / 1e9:.1f}B-parameter model on {large[1]} nodes x {large[2]} GPUs ({large_intra} between "
-            f"the GPUs of a node), ZeRO stage 0,",
-            "communication only (the planner's local costs are CPU figures, which do not describe GPUs),",
-            "at the full link rate (link efficiency 1, as NCCL comes near):",
-            format_prediction_table(large_rows, baseline),
-            "(python -m ds_lioncub.planner --params N --nodes M --gpus-per-node G --inter-node-bandwidth RATE",
-            " ranks every mode, the ZeRO-2 hybrid included, for any cluster.)",
+            _paragraph(
+                f"A {large.num_params / 1e9:.1f}B-parameter model on {large.nodes} nodes x {large.gpus_per_node} "
+                f"GPUs ({large.intra_node_rate} between the GPUs of a node), ZeRO stage 0; {large.describe_prices()}:"
+            ),
+            format_prediction_table(prediction_rows(runs, large), baseline),
+            _paragraph(f"(the rows of: {large.planner_command(zero_stage=0)})", " "),
+            _paragraph(
+                "The planner's recommendation for that cluster: the fastest mode the convergence study does not show "
+                f"losing more than {LOSS_THRESHOLD_PERCENT:g}% of Lion's loss at its voter count and beta2 {BETA2:g}, "
+                "among the stage-0 modes and among those of stages 0 and 2 (the command without --zero-stage):"
+            ),
+            *format_recommendations(recommendations(large), runs),
         ]
     )
+
+
+__all__ = [
+    "BETA2",
+    "LARGE_MODEL_GPU",
+    "LINK_RATES",
+    "PlannedCluster",
+    "PredictionRow",
+    "Recommendation",
+    "RunConfig",
+    "communication_params",
+    "format_prediction_table",
+    "format_recommendations",
+    "large_model_cluster",
+    "prediction_report",
+    "prediction_rows",
+    "recommendations",
+]
