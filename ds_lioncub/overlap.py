@@ -31,6 +31,7 @@ from ds_lioncub.aggregation import Aggregator, Bucket, build_aggregation
 from ds_lioncub.bucket_work import Entry, bucket_directions, mean_abs_direction
 from ds_lioncub.buckets import Piece, plan_buckets
 from ds_lioncub.comm.transport import CommStats, Transport
+from ds_lioncub.comm.transport.torch_dist import process_group_timeout
 from ds_lioncub.comm.votes import PendingAggregate
 from ds_lioncub.config import LionCubConfig
 from ds_lioncub.errors import LionCubSetupError
@@ -245,9 +246,10 @@ def overlap_transport(
     """A transport over a new process group of the voters (global ``ranks``): launches from gradient
     hooks may come before or after other collectives of the voters' group (DeepSpeed's, the finite
     check), in an order that differs between ranks, so they get a group of their own. Only the
-    voters call this."""
+    voters call this. The group waits for a silent peer as long as the default group does."""
     # The same kind of transport as the votes' (the config admits overlap with comm_backend_name "torch" only).
-    transport = make_transport(dist.new_group(ranks=ranks, use_local_synchronization=True))
+    group = dist.new_group(ranks=ranks, timeout=process_group_timeout(), use_local_synchronization=True)
+    transport = make_transport(group)
     # One tiny collective now, while every voter is here: NCCL creates a group's communicator at its
     # first collective and blocks the host until all ranks join, which inside a gradient hook could
     # wait on a rank that is itself waiting in another group's collective.

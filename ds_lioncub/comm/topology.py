@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ds_lioncub.comm.transport.torch_dist import process_group_timeout
 from ds_lioncub.errors import LionCubConfigError
 
 # Where launchers put the number of ranks on this host, in the order they are consulted.
@@ -101,15 +102,17 @@ def create_groups(layout: HybridLayout, rank: int) -> HybridGroups:
     """Create every node group, then every vote group, on every rank; return this rank's two.
 
     ``new_group`` is collective over the default group and must be called for every group in the
-    same order on every rank, including groups this rank is not in.
+    same order on every rank, including groups this rank is not in. They wait for a silent peer as long
+    as the default group does (see :func:`process_group_timeout`).
     """
     node_group = vote_group = None
+    timeout = process_group_timeout()
     for members in layout.node_groups:
-        group = dist.new_group(list(members))
+        group = dist.new_group(list(members), timeout=timeout)
         if rank in members:
             node_group = group
     for members in layout.vote_groups:
-        group = dist.new_group(list(members))
+        group = dist.new_group(list(members), timeout=timeout)
         if rank in members:
             vote_group = group
     return HybridGroups(layout, node_group, vote_group)

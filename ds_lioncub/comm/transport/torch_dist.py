@@ -6,6 +6,7 @@ deepspeed.comm initialises the same default group, so this transport also serves
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,28 @@ from ds_lioncub.comm.transport.base import TransportBase, Waitable, torch_distri
 # "The 1-bit vote in pipeline chunks"), so on gloo the all-to-alls and all-gathers above this go out in
 # segments.
 GLOO_SEGMENT_BYTES = 1 << 20
+
+
+def process_group_timeout(process_group: dist.ProcessGroup | None = None) -> timedelta | None:
+    """How long a collective of ``process_group`` (``None``: the default group) waits for a silent peer
+    before it fails: the ``timeout`` the group was created with. ``None`` where torch.distributed is
+    not initialised or the backend does not say.
+
+    Groups LionCub creates pass the default group's timeout on: ``new_group`` without one gets the
+    backend's own default (30 min on gloo, 10 min on NCCL), not what ``init_process_group(timeout=...)``
+    or ``deepspeed.init_distributed(timeout=...)`` set.
+    """
+    if not torch_distributed_initialised(process_group):
+        return None
+    group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+    for device in group._device_types:
+        try:
+            timeout = group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):  # a backend without readable options (torch builds differ)
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
 
 
 class _Segmented:
