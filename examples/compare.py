@@ -1,6 +1,6 @@
 """Lion (fp32 all-reduce) vs Lion Cub 1-bit, 4-bit sign and 8-bit L1, as real DeepSpeed jobs.
 
-    python -m examples.compare                 # defaults: 2 ranks (CPU under make train), 4-5 minutes on 2 busy cores
+    python -m examples.compare                 # defaults: 2 ranks (CPU under make train), 4-7 minutes on 2 busy cores
     python -m examples.compare --steps 600 --d-model 256 --out-dir runs/
     python -m examples.compare --as-is         # each ds_config exactly as written in configs/
 
