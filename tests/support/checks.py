@@ -354,7 +354,7 @@ def telemetry_vote_rates_equal_brute_force(ranks: Ranks) -> None:
             if not vote_stats:
                 assert all(r.tie_rate is None and r.agreement_rate is None for r in records), mode
                 continue
-            expected = brute_force_vote_stats_for_options(updates[step - 1], step, options, numels)
+            expected = brute_force_vote_stats_for_options(updates[step - 1], step, options, numels, sc.BUCKET_SIZE)
             for rank, record in enumerate(records):
                 where = f"{mode} rank {rank} step {step}"
                 assert record.tie_rate == expected.tie_rate, where

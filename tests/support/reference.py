@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from tests.support.error_feedback_reference import EfState, feedback_deltas, shard_feedback
+from tests.support.l1_reference import l1_quantize, l1_quantize_segments  # noqa: F401 - l1_quantize: tests import it from here
 
 TIE_BREAKS = ("alternate", "positive")
 KBIT_BITS = (2, 4, 8)
@@ -26,6 +27,7 @@ QUANTIZERS = ("sign", "l1")
 AGGREGATIONS = ("vote", "mean")
 ALGORITHMS = ("allreduce", "alltoall")
 COMPRESSIONS = ("none", "1bit", "kbit")
+LIONCUB_BUCKET_SIZE = 1 << 23  # LionCub's default bucket_size (docs/options.md)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -100,19 +102,6 @@ def max_world_size_allreduce(bits: int, quantizer: str) -> int:
     return p
 
 
-def l1_quantize(c: Tensor, levels: int, clip: float, mean_abs: float | Tensor | None = None) -> Tensor:
-    """int32 q = clamp(round(c / mu * L / clip), -L, L), mu = mean|c| unless given; mu == 0 -> 0.
-
-    Evaluated literally in c's floating dtype (fp32 at least), left to right as the formula is written,
-    because exact half-integer boundaries are decided by that rounding; float64 would not match.
-    """
-    work = c if c.dtype in (torch.float32, torch.float64) else c.float()
-    mu = work.abs().mean() if mean_abs is None else torch.as_tensor(mean_abs, dtype=work.dtype)
-    if work.numel() == 0 or float(mu) == 0.0:
-        return torch.zeros(c.shape, dtype=torch.int32)
-    return torch.round(work / mu * levels / clip).clamp(-levels, levels).to(torch.int32)
-
-
 def maxnorm_quantize(c: Tensor, levels: int) -> Tensor:
     """Max-norm quantizer baseline: int32 q = round(c / max|c| * L) (all zeros if c == 0)."""
     work = c if c.dtype in (torch.float32, torch.float64) else c.float()
@@ -122,19 +111,6 @@ def maxnorm_quantize(c: Tensor, levels: int) -> Tensor:
     if float(peak) == 0.0:
         return torch.zeros(c.shape, dtype=torch.int32)
     return torch.round(work / peak * levels).to(torch.int32)
-
-
-def _l1_quantize_segments(flat: Tensor, levels: int, clip: float, segment_sizes: list[int] | None) -> Tensor:
-    """l1_quantize applied per segment (per parameter tensor): each segment has its own mu."""
-    sizes = [flat.numel()] if segment_sizes is None else list(segment_sizes)
-    if sum(sizes) != flat.numel() or any(s < 0 for s in sizes):
-        raise ValueError(f"segment_sizes {sizes} do not split {flat.numel()} elements")
-    parts = []
-    start = 0
-    for size in sizes:
-        parts.append(l1_quantize(flat[start : start + size], levels, clip))
-        start += size
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
 
 
 def brute_force_vote_kbit(
@@ -147,8 +123,12 @@ def brute_force_vote_kbit(
     tie_break: str = "alternate",
     l1_clip: float = 2.0,
     segment_sizes: list[int] | None = None,
+    bucket_size: int | None = None,
 ) -> Tensor:
-    """What vote_kbit must return on every rank, from the updates of all ranks."""
+    """What vote_kbit must return on every rank, from the updates of all ranks.
+
+    L1 fields: each segment's mu is its mean |c|, summed chunk-wise past ``bucket_size`` as the optimizer
+    sums a tensor cut across buckets (tests.support.l1_reference); None: never (``vote_kbit`` itself)."""
     _check_ranks(updates)
     p = len(updates)
     if bits not in KBIT_BITS:
@@ -177,7 +157,7 @@ def brute_force_vote_kbit(
     else:
         levels = l1_levels(p, bits, algorithm)
         for u in updates:
-            total += _l1_quantize_segments(u.flatten(), levels, l1_clip, segment_sizes).to(torch.int64)
+            total += l1_quantize_segments(u.flatten(), levels, l1_clip, segment_sizes, bucket_size).to(torch.int64)
         denominator = p * levels
 
     if aggregation == "vote":
@@ -206,10 +186,12 @@ def brute_force_vote_stats(
     tie_break: str = "alternate",
     l1_clip: float = 2.0,
     segment_sizes: list[int] | None = None,
+    bucket_size: int | None = None,
 ) -> VoteStats:
     """From every rank's update c: the fraction of elements whose summed vote (the ranks' ±1, or
     their L1 levels q) is 0, and per rank the fraction whose own sign (zeros by the tie rule) equals
-    the sign of that sum (0 by the tie rule): the applied sign of a vote, and of a mean."""
+    the sign of that sum (0 by the tie rule): the applied sign of a vote, and of a mean. ``bucket_size``: as
+    :func:`brute_force_vote_kbit`'s."""
     _check_ranks(updates)
     tie = tie_value(step, tie_break)
     flat = [u.flatten() for u in updates]
@@ -219,7 +201,7 @@ def brute_force_vote_stats(
             total += _resolve_sign(u, tie)
         else:
             levels = l1_levels(len(flat), bits, algorithm)
-            total += _l1_quantize_segments(u, levels, l1_clip, segment_sizes).to(torch.int64)
+            total += l1_quantize_segments(u, levels, l1_clip, segment_sizes, bucket_size).to(torch.int64)
     applied = _resolve_sign(total, tie)
     numel = total.numel()
     tied = sum(1 for value in total.tolist() if value == 0)
@@ -230,9 +212,14 @@ def brute_force_vote_stats(
 
 
 def brute_force_vote_stats_for_options(
-    updates: list[Tensor], step: int, options: Mapping[str, object], segment_sizes: list[int] | None = None
+    updates: list[Tensor],
+    step: int,
+    options: Mapping[str, object],
+    segment_sizes: list[int] | None = None,
+    bucket_size: int | None = None,
 ) -> VoteStats:
-    """:func:`brute_force_vote_stats` for a LionCub options dict (LionCub's defaults where one is unset)."""
+    """:func:`brute_force_vote_stats` for a LionCub options dict (LionCub's defaults where one is unset);
+    ``bucket_size`` when given stands for the options' (the scenarios set it apart from their options)."""
     return brute_force_vote_stats(
         updates,
         step,
@@ -243,6 +230,7 @@ def brute_force_vote_stats_for_options(
         tie_break=str(options.get("tie_break", "alternate")),
         l1_clip=float(str(options.get("l1_clip", 2.0))),
         segment_sizes=segment_sizes,
+        bucket_size=int(str(options.get("bucket_size", LIONCUB_BUCKET_SIZE))) if bucket_size is None else bucket_size,
     )
 
 
@@ -392,6 +380,7 @@ def simulate_lioncub(
     momentum_sync_interval: int = 0,
     momentum_sync_params: Sequence[int] | None = None,
     pre_sign_updates: list[list[Tensor]] | None = None,
+    bucket_size: int = LIONCUB_BUCKET_SIZE,
 ) -> tuple[list[Tensor], list[list[Tensor]]]:
     """Simulate LionCub on `world_size` ranks for `steps` steps.
 
@@ -399,7 +388,8 @@ def simulate_lioncub(
     (shared) params, which it receives as clones. lr may be a callable of the step (a schedule).
     momentum_sync_params: indices of the params whose exp_avg is averaged every
     momentum_sync_interval steps (None = all). pre_sign_updates: if given, each compressed step
-    appends every rank's flat c (params in order) to it. Returns (final params, exp_avgs[rank][param]).
+    appends every rank's flat c (params in order) to it. ``bucket_size``: LionCub's, for the L1 scale of a
+    tensor longer than a bucket (tests.support.l1_reference). Returns (final params, exp_avgs[rank][param]).
     """
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
@@ -446,7 +436,7 @@ def simulate_lioncub(
                 delta = brute_force_vote_1bit(flat_c, step, tie_break)
             else:
                 delta = brute_force_vote_kbit(
-                    flat_c, step, bits, quantizer, aggregation, kbit_algorithm, tie_break, l1_clip, numels
+                    flat_c, step, bits, quantizer, aggregation, kbit_algorithm, tie_break, l1_clip, numels, bucket_size
                 )
             start = 0
             for t, size in zip(params, numels, strict=True):
@@ -595,7 +585,7 @@ def simulate_hybrid(
     6. per node, per element: c = b1*m + (1-b1)*g and m = b2*m + (1-b2)*g with the node's momentum;
     7. the nodes aggregate their c as ranks do at stage 0 (the 1-bit vote, k-bit sign or L1 with vote or
        mean; ``"none"`` is exact Lion and needs one node), with the L1 scale mu taken over each whole
-       shard, padding included: vote and quantize per shard;
+       shard, padding included (summed chunk-wise past ``bucket_size``): vote and quantize per shard;
     8. every copy of the shard applies x = x*(1 - lr*wd) - lr*Delta, padding elements included;
     9. every ``momentum_sync_interval`` LionCub steps the nodes' momenta are replaced by their mean
        (fp32, summed in node order).
@@ -693,6 +683,7 @@ def simulate_hybrid(
                     tie_break,
                     l1_clip,
                     [partition_sizes[i]] * node_size,
+                    bucket_size,
                 )
                 for i, flat_c in enumerate(group_c)
             ]
@@ -728,6 +719,7 @@ def _vote(
     tie_break: str,
     l1_clip: float,
     segment_sizes: list[int],
+    bucket_size: int,
 ) -> Tensor:
     """The nodes' aggregated direction of one padded flat group without error feedback (simulate_hybrid, step 7)."""
     if compression == "none":
@@ -735,7 +727,7 @@ def _vote(
     if compression == "1bit":
         return brute_force_vote_1bit(flat_c, step, tie_break)
     return brute_force_vote_kbit(
-        flat_c, step, bits, quantizer, aggregation, kbit_algorithm, tie_break, l1_clip, segment_sizes
+        flat_c, step, bits, quantizer, aggregation, kbit_algorithm, tie_break, l1_clip, segment_sizes, bucket_size
     )
 
 

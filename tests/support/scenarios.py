@@ -228,7 +228,7 @@ def simulate_training(world_size: int, steps: int, **options: object) -> tuple[l
         lr=TRAIN_LR,
         betas=TRAIN_BETAS,
         weight_decay=TRAIN_WEIGHT_DECAY,
-        **options,
+        **{"bucket_size": BUCKET_SIZE, **options},  # the optimizers' (scenario_settings): w1's L1 scale spans buckets
     )
 
 

@@ -16,7 +16,8 @@ Per engine step:
    the node's gradient (per-node clipping);
 5. LionCub's step count advances once; per sub-group s and slice j, the nodes' flat tensors of s, j:
    c = b1*m + (1-b1)*g, m = b2*m + (1-b2)*g, aggregated across the nodes as at stage 0 (one vote per flat
-   tensor: the L1 scale is its mean |c|), x = x*(1 - lr*wd) - lr*Delta, padding included;
+   tensor: the L1 scale is its mean |c|, summed chunk-wise past ``bucket_size``), x = x*(1 - lr*wd) - lr*Delta,
+   padding included;
 6. every ``momentum_sync_interval`` steps the nodes' momenta are replaced by their mean.
 
 With ``error_feedback`` (k-bit L1), step 5's aggregation of sub-group s, slice j is error feedback's
@@ -167,7 +168,15 @@ def simulate_hybrid_zero3(
                     delta = brute_force_vote_1bit(c, lioncub_step, tie_break)
                 else:
                     delta = brute_force_vote_kbit(
-                        c, lioncub_step, bits, quantizer, aggregation, kbit_algorithm, tie_break, l1_clip
+                        c,
+                        lioncub_step,
+                        bits,
+                        quantizer,
+                        aggregation,
+                        kbit_algorithm,
+                        tie_break,
+                        l1_clip,
+                        bucket_size=bucket_size,
                     )
                 _apply_update(masters[s][j], delta, step_lr, weight_decays[s])
         if momentum_sync_interval > 0 and lioncub_step % momentum_sync_interval == 0:

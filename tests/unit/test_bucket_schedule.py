@@ -70,7 +70,7 @@ def test_pipelined_buckets_give_the_serial_steps_bits_on_every_rank(p: int, mode
             assert torch.equal(pipelined[rank]["params"][index], serial[rank]["params"][index]), f"rank {rank} {name}"
             assert torch.equal(pipelined[rank]["momenta"][index], serial[rank]["momenta"][index]), f"rank {rank} {name}"
     # and both are what the brute-force simulation of the same training says
-    expected_params, expected_momenta = sc.simulate_mode(p, options)
+    expected_params, expected_momenta = sc.simulate_mode(p, {**options, "bucket_size": bucket_size})
     for index, name in enumerate(sc.PARAM_SHAPES):
         got = pipelined[0]["params"][index]
         if "mean" not in mode:

@@ -63,7 +63,7 @@ def test_vote_rates_alone_equal_the_brute_force_vote(mode: str) -> None:
         if "telemetry" not in options:
             assert record.tie_rate is None and record.agreement_rate is None
             continue
-        expected = brute_force_vote_stats_for_options(updates[step - 1], step, options, numels)
+        expected = brute_force_vote_stats_for_options(updates[step - 1], step, options, numels, sc.BUCKET_SIZE)
         assert (record.tie_rate, record.agreement_rate) == (expected.tie_rate, expected.agreement_rates[0])
     assert optimizer.telemetry_totals.steps == STEPS
 
