@@ -85,14 +85,15 @@ setup(
     package_data={"ds_lioncub.planner": ["convergence_evidence.json"]},
     python_requires=">=3.11",
     # torch is pinned by the Makefile (the CPU build on this machine); any torch >= 2.4 works.
-    install_requires=["torch>=2.4", "deepspeed==0.19.8", "pydantic>=2", "numpy"],
+    # tqdm: python -m ds_lioncub.simulate's progress bar.
+    install_requires=["torch>=2.4", "deepspeed==0.19.8", "pydantic>=2", "numpy", "tqdm"],
     extras_require={
         "mpi": ["mpi4py", "mpich"],
         "cuda": ["cupy-cuda12x"],
         # transformers and accelerate: the Hugging Face Trainer test (tests/integration/test_hf_trainer.py), pinned
         # to the versions it was written against (its CPU set-up works around their handling of a machine with no GPU).
         "test": ["pytest", "pytest-timeout", "tqdm", "transformers==5.24.0", "accelerate==1.15.0"],
-        "bench": ["matplotlib"],  # bench_train.py's loss plots
+        "bench": ["matplotlib"],  # bench_train.py's loss plots (python -m ds_lioncub.simulate --plot needs it too)
     },
     ext_modules=EXT_MODULES,
     cmdclass=CMDCLASS,

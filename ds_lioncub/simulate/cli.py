@@ -1,6 +1,6 @@
 """``python -m ds_lioncub.simulate``: will my Lion Cub mode keep Lion's loss at N workers?
 
-    python -m ds_lioncub.simulate ds_config.json --workers 8 16 32 --steps 300 --seeds 0 1 2
+    python -m ds_lioncub.simulate ds_config.json --workers 8 16 32 --steps 300 --seeds 0 1 2 --plot gap.png
     python -m ds_lioncub.simulate ds_config.json --task mypackage.mytask:build_task
 
 Reads the ds_config's ``"optimizer"`` block (``"type": "LionCub"`` and its ``"params"``) and its
@@ -12,15 +12,29 @@ options with ``compression="none"``: the fp32 mean of the workers' gradients). E
 same global batches, so the two differ only in the aggregation. It prints, per worker count, both
 validation losses, the gap (the mode's val loss relative to exact Lion's of the same seed, in %,
 mean ± spread over seeds, where spread is 2 x the sample std; "real" when |mean| > spread) and how
-often the applied update's sign matched, flipped against or tied exact Lion's.
+often the applied update's sign matched, flipped against or tied exact Lion's. ``--plot PATH`` also
+draws the gap against the worker count (needs matplotlib); a bar on stderr shows the steps done and
+the time left (``--no-progress`` hides it).
+
+Everything is checked before the first run trains: the ds_config, every option, the task, and every
+run's optimizer (the mode's and exact Lion's at every worker count are built, so a k-bit all-reduce too
+narrow for a count, or a count that does not divide the global batch, is refused up front).
+
+Options that need a real network are decided per option (:mod:`ds_lioncub.simulate.ds_config`):
+``comm_backend_name``, ``cuda_aware``, ``overlap`` (bit-identical by design), ``consistency_check`` and
+``telemetry`` do not change a step's math and are dropped with a printed note; ``compression="auto"``
+is refused (it plans for a real network: run the planner and pass the mode). A ZeRO hybrid config
+(a compressed mode at zero_optimization.stage 1, 2 or 3) is simulated as its voters, the nodes: each
+simulated worker is one node with its node's batch (its G ranks' micro-batches, which ZeRO averages in
+full precision), ``--workers`` counts nodes, and each node clips its own gradient; what the real
+hybrid refuses is refused here too.
 
 The task: ``--task module:function``, a function taking no arguments that returns a
 :class:`ds_lioncub.simulate.train.Task` (build a model from a seed, the global batch of step t, the
-mean loss of a batch, a validation loss). The default, ``examples.simulate_gpt:small_gpt`` (the example
-byte-level GPT, global batch 64 x 64), is importable from a repository checkout (run from its root).
-The learning rate follows DeepSpeed's WarmupCosineLR over ``--steps`` (``--warmup-steps``, ratios 0.1),
-peaking at the config's lr. Options that need a real network (transport, overlap, hybrid, consistency
-checks) are refused, with the reason.
+mean loss of a batch, a validation loss). The default, ``ds_lioncub.simulate.tasks:small_gpt`` (the
+example byte-level GPT on the Python standard library's sources, global batch 64 x 64), ships with the
+package. The learning rate follows DeepSpeed's WarmupCosineLR over ``--steps`` (``--warmup-steps``,
+ratios 0.1), peaking at the config's lr.
 """
 
 from __future__ import annotations
@@ -29,89 +43,26 @@ import argparse
 import importlib
 import json
 import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ds_lioncub.config import parse_config
 from ds_lioncub.errors import LionCubConfigError, LionCubError
 from ds_lioncub.simulate.agreement import AgreementStats
-from ds_lioncub.simulate.train import (
-    ClipRule,
-    SeedSummary,
-    Task,
-    TrainResult,
-    gap_percent,
-    seed_summary,
-    train_virtual,
-)
+from ds_lioncub.simulate.ds_config import RunSettings, SimulationConfig, read_ds_config
+from ds_lioncub.simulate.gradients import split_batch
+from ds_lioncub.simulate.plot import check_plot_path, write_gap_plot
+from ds_lioncub.simulate.progress import Progress
+from ds_lioncub.simulate.table import Row, format_table, rows_as_json
+from ds_lioncub.simulate.train import Task, TrainResult, gap_percent, seed_summary, train_virtual
+from ds_lioncub.simulate.world import VirtualLionCub
 
-DEFAULT_TASK = "examples.simulate_gpt:small_gpt"
+DEFAULT_TASK = "ds_lioncub.simulate.tasks:small_gpt"
 #: The options exact Lion keeps from the mode's: Lion's own and the bucket plan.
 EXACT_KEEPS = ("lr", "betas", "weight_decay", "bucket_size")
 
-
-@dataclass(frozen=True)
-class RunSettings:
-    """What the ds_config says about a run besides the optimizer's options.
-
-    Fields:
-        grad_clip: DeepSpeed's gradient_clipping (0 disables).
-        clip_rule: "per_worker" under bf16/fp16, else "deepspeed" (see ds_lioncub.simulate.train).
-    """
-
-    grad_clip: float
-    clip_rule: ClipRule
-
-
-@dataclass(frozen=True)
-class Row:
-    """One worker count of the table.
-
-    Fields:
-        workers: N.
-        exact_val, mode_val: the validation losses over seeds.
-        gap: the per-seed gap in % (:func:`~ds_lioncub.simulate.train.gap_percent`) over seeds.
-        agreement: the mode's agreement with exact Lion, averaged over steps and seeds (None for exact Lion).
-    """
-
-    workers: int
-    exact_val: SeedSummary
-    mode_val: SeedSummary
-    gap: SeedSummary
-    agreement: AgreementStats | None
-
-
-def read_ds_config(path: Path) -> tuple[dict[str, Any], RunSettings]:
-    """The LionCub options and run settings of a ds_config.json; refuses any other optimizer."""
-    try:
-        config = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise LionCubConfigError(f"LionCub: cannot read the ds_config {path}: {error}. Pass a JSON file.") from None
-    block = config.get("optimizer") if isinstance(config, dict) else None
-    kind = block.get("type") if isinstance(block, dict) else None
-    if not isinstance(kind, str) or kind.lower() != "lioncub":
-        raise LionCubConfigError(
-            f'LionCub: {path} has optimizer type {kind!r}; the simulator trains "type": "LionCub" only. '
-            f'Set "optimizer": {{"type": "LionCub", "params": {{...}}}} in the ds_config.'
-        )
-    assert isinstance(block, dict)
-    options = dict(block.get("params", {}))
-    parse_config(options)  # LionCub's own validation and messages, before any training
-    mixed = any(config.get(key, {}).get("enabled", False) for key in ("bf16", "fp16"))
-    scheduler = config.get("scheduler")
-    if isinstance(scheduler, dict):
-        print(
-            f"[simulate] note: the ds_config's scheduler ({scheduler.get('type')}) is not used; the lr follows "
-            f"WarmupCosineLR over --steps, peaking at the optimizer's lr",
-            flush=True,
-        )
-    settings = RunSettings(
-        grad_clip=float(config.get("gradient_clipping", 1.0)), clip_rule="per_worker" if mixed else "deepspeed"
-    )
-    return options, settings
+__all__ = ["DEFAULT_TASK", "Row", "RunSettings", "check_runs", "compare", "exact_options", "load_task", "main"]
 
 
 def exact_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -127,16 +78,36 @@ def load_task(spec: str) -> Task:
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        hint = " (the default task lives in the repository's examples/: run from a checkout's root)"
         raise LionCubConfigError(
-            f"LionCub: cannot import the task module {module_name!r}: {error}"
-            f"{hint if spec == DEFAULT_TASK else ''}. Put it on PYTHONPATH."
+            f"LionCub: cannot import the task module {module_name!r}: {error}. Put it on PYTHONPATH."
         ) from None
     factory = getattr(module, function_name, None)
     if not callable(factory):
         raise LionCubConfigError(f"LionCub: {module_name} has no function {function_name!r} for --task")
     task: Task = factory()
     return task
+
+
+def check_runs(
+    task: Task, options: dict[str, Any], workers: list[int], seeds: list[int], steps: int, warmup_steps: int
+) -> None:
+    """Refuse, before any training, what any run of the comparison would refuse.
+
+    Builds the mode's and exact Lion's optimizer at every worker count on the task's model (LionCub's
+    validation, the aggregation's world-size limits, momentum sync's layer selection) and splits the
+    first global batch over every count.
+    """
+    if steps < 1:
+        raise LionCubConfigError(f"LionCub: --steps must be >= 1, got {steps}.")
+    if warmup_steps < 0:
+        raise LionCubConfigError(f"LionCub: --warmup-steps must be >= 0, got {warmup_steps}.")
+    model = task.build_model(seeds[0])
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    batch = task.batch(0, seeds[0])
+    for n in workers:
+        for opts in (options, exact_options(options)):
+            VirtualLionCub(named, workers=n, module=model, **opts)
+        split_batch(batch, n)
 
 
 def compare(
@@ -147,15 +118,20 @@ def compare(
     steps: int,
     seeds: list[int],
     warmup_steps: int = 10,
-    log: Any = None,
+    progress: Progress | None = None,
+    unit: str = "workers",
 ) -> list[Row]:
-    """Train the mode and exact Lion for every (worker count, seed); one :class:`Row` per worker count."""
+    """Train the mode and exact Lion for every (worker count, seed); one :class:`Row` per worker count.
+
+    ``progress`` shows each step and prints each run's validation loss; ``unit`` names a worker in those lines.
+    """
     rows = []
     for n in workers:
         exact_runs: list[TrainResult] = []
         mode_runs: list[TrainResult] = []
         for seed in seeds:
             for label, opts, runs in (("exact Lion", exact_options(options), exact_runs), ("mode", options, mode_runs)):
+                run = f"{unit} {n} seed {seed} {label}"
                 result = train_virtual(
                     task,
                     opts,
@@ -165,14 +141,11 @@ def compare(
                     warmup_steps=warmup_steps,
                     grad_clip=settings.grad_clip,
                     clip_rule=settings.clip_rule,
+                    on_step=None if progress is None else progress.start_run(run),
                 )
                 runs.append(result)
-                if log is not None:
-                    print(
-                        f"[simulate] workers {n} seed {seed} {label}: val loss {result.val_loss:.4f}",
-                        file=log,
-                        flush=True,
-                    )
+                if progress is not None:
+                    progress.write(f"[simulate] {run}: val loss {result.val_loss:.4f}")
         gaps = [gap_percent(m.val_loss, e.val_loss) for m, e in zip(mode_runs, exact_runs, strict=True)]
         agreements = [r.agreement for r in mode_runs if r.agreement is not None]
         mean_agreement = None
@@ -192,21 +165,23 @@ def compare(
     return rows
 
 
-def format_table(rows: list[Row]) -> str:
-    """The table: one line per worker count, gap with 3 decimals (mean ± spread, in %)."""
-    header = (
-        f"{'workers':>7}  {'exact Lion val':>14}  {'mode val':>8}  {'gap % (mean ± spread)':>22}  {'real':>4}  "
-        f"{'match':>6}  {'flip':>6}  {'tie':>6}"
-    )
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        a = row.agreement
-        rates = f"{a.match:>6.3f}  {a.flip:>6.3f}  {a.tie:>6.3f}" if a is not None else f"{'-':>6}  {'-':>6}  {'-':>6}"
-        lines.append(
-            f"{row.workers:>7}  {row.exact_val.mean:>14.4f}  {row.mode_val.mean:>8.4f}  {row.gap.text(3):>22}  "
-            f"{'yes' if row.gap.real else 'no':>4}  {rates}"
-        )
-    return "\n".join(lines)
+def check_output_path(path: Path, flag: str) -> None:
+    """Refuse a folder, create the file's folder: an output that cannot be written fails before the runs."""
+    if path.is_dir():
+        raise LionCubConfigError(f"LionCub: {flag} {path} is a folder; name a file in it.")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise LionCubConfigError(f"LionCub: {flag} {path}: cannot create its folder: {error}.") from None
+
+
+def plot_title(config: SimulationConfig, task: Task, steps: int, seeds: list[int]) -> str:
+    """What the plot shows: the mode, the task, the run length and the seeds."""
+    shown = {"compression": "1bit", **config.options}  # LionCub's default mode when the config names none
+    hidden = ("lr", "weight_decay", "bucket_size")
+    mode = ", ".join(f"{key}={value}" for key, value in shown.items() if key not in hidden)
+    hybrid = f" (ZeRO stage {config.zero_stage} hybrid)" if config.hybrid else ""
+    return f"{mode}{hybrid} vs exact Lion: {task.name}, {steps} steps, seeds {seeds}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -221,6 +196,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=10, help="linear warmup steps of the lr schedule")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json-out", type=Path, default=None, help="also write the rows as JSON here")
+    p.add_argument("--plot", type=Path, default=None, help="also draw the gap against workers here (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p.parse_args(argv)
 
 
@@ -229,29 +206,46 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     try:
-        options, settings = read_ds_config(args.ds_config)
+        config = read_ds_config(args.ds_config)
+        for note in config.notes:
+            print(f"[simulate] note: {note}", flush=True)
+        if args.plot is not None:
+            check_plot_path(args.plot)
+        if args.json_out is not None:
+            check_output_path(args.json_out, "--json-out")
         task = load_task(args.task)
+        check_runs(task, config.options, args.workers, args.seeds, args.steps, args.warmup_steps)
         print(
-            f"[simulate] task {task.name}, {args.steps} steps, seeds {args.seeds}, options {options}, "
-            f"gradient clipping {settings.grad_clip} ({settings.clip_rule})",
+            f"[simulate] task {task.name}, {args.steps} steps, seeds {args.seeds}, options {config.options}, "
+            f"gradient clipping {config.settings.grad_clip} ({config.settings.clip_rule})",
             flush=True,
         )
-        rows = compare(task, options, settings, args.workers, args.steps, args.seeds, args.warmup_steps, sys.stdout)
+        unit = "nodes" if config.hybrid else "workers"
+        progress = Progress(2 * len(args.workers) * len(args.seeds) * args.steps, enabled=not args.no_progress)
+        try:
+            rows = compare(
+                task,
+                config.options,
+                config.settings,
+                args.workers,
+                args.steps,
+                args.seeds,
+                args.warmup_steps,
+                progress,
+                unit,
+            )
+        finally:
+            progress.close()
     except LionCubError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print()
+    if config.hybrid:
+        print("(ZeRO hybrid: workers are nodes, the voters)")
     print(format_table(rows))
     if args.json_out is not None:
-        rows_json = [
-            {
-                "workers": r.workers,
-                "exact_val": list(r.exact_val.values),
-                "mode_val": list(r.mode_val.values),
-                "gap_percent": list(r.gap.values),
-                "agreement": None if r.agreement is None else asdict(r.agreement),
-            }
-            for r in rows
-        ]
-        args.json_out.write_text(json.dumps(rows_json, indent=2) + "\n")
+        args.json_out.write_text(json.dumps(rows_as_json(rows), indent=2) + "\n")
+    if args.plot is not None:
+        write_gap_plot(rows, args.plot, plot_title(config, task, args.steps, args.seeds), f"{unit} (voters)")
+        print(f"[simulate] plot: {args.plot}")
     return 0

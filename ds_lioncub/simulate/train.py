@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -190,6 +191,7 @@ def train_virtual(
     gradient_method: Method = "auto",
     agreement_stats: bool = True,
     device: torch.device | str = "cpu",
+    on_step: Callable[[int, float], None] | None = None,
 ) -> TrainResult:
     """Train ``task`` for ``steps`` steps with ``VirtualLionCub(workers=workers, **options)``.
 
@@ -206,6 +208,7 @@ def train_virtual(
         device: where the model, the workers' momenta and the aggregation run ("cuda" for a GPU). The
             model is initialised and the batches are drawn on the CPU, as on any device, then moved, so
             runs on two devices start alike and differ only by their devices' rounding.
+        on_step: called after each step with (step, its training loss), e.g. to show progress.
     """
     if steps < 1:
         raise LionCubConfigError(f"LionCub: steps must be >= 1, got {steps}")
@@ -245,6 +248,8 @@ def train_virtual(
         stats = optimizer.last_agreement
         if stats is not None and not exact:
             tallies.append((stats.match, stats.flip, stats.zero, stats.tie))
+        if on_step is not None:
+            on_step(step, computed.loss)
     model.eval()
     with torch.no_grad():
         result.val_loss = float(task.validation_loss(model))

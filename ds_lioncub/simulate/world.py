@@ -53,7 +53,8 @@ NETWORK_OPTIONS = {
     "comm_backend_name": "the virtual world moves bytes in memory, not over a transport",
     "cuda_aware": "the virtual world moves bytes in memory, not over MPI",
     "overlap": "there is no backward pass to overlap: step() gets every worker's gradients at once",
-    "hybrid": "a virtual worker is one data-parallel rank; ZeRO nodes need real ranks",
+    "hybrid": "a virtual worker is one voter, and under the ZeRO hybrid the voters are the nodes: pass workers=<nodes> "
+    "and each node's batch (python -m ds_lioncub.simulate does so for a hybrid ds_config)",
     "consistency_check": "every virtual worker applies the update to the same single copy of the parameters",
     "network": "compression='auto' plans for a real network; plan with python -m ds_lioncub.planner and pass the mode",
 }
@@ -97,9 +98,7 @@ class VirtualLionCub(torch.optim.Optimizer):
         refused = sorted(set(options) & set(NETWORK_OPTIONS))
         if refused:
             reasons = "; ".join(f"{name}: {NETWORK_OPTIONS[name]}" for name in refused)
-            raise LionCubConfigError(
-                f"LionCub: VirtualLionCub does not take {refused} ({reasons}). Drop them; they do not change the math."
-            )
+            raise LionCubConfigError(f"LionCub: VirtualLionCub does not take {refused} ({reasons}). Drop them.")
         if options.get("compression") == "auto":
             raise LionCubConfigError(
                 "LionCub: VirtualLionCub takes a concrete mode, not compression='auto' (it plans for a real "

@@ -2,7 +2,8 @@
 
 The expected gaps are computed here from train_virtual calls made by the test (exact Lion's options
 written out by hand) and the arithmetic of the definition (100 x (mode - exact) / exact per seed,
-mean, 2 x sample std), not by the CLI's helpers.
+mean, 2 x sample std), not by the CLI's helpers. A config the command must refuse is refused before
+any run trains: the tests count the task's model builds and look for the per-run lines.
 """
 
 from __future__ import annotations
@@ -10,34 +11,54 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ds_lioncub.simulate.cli import main
+from ds_lioncub.simulate.tasks import GPTTask
+from ds_lioncub.simulate.tasks.gpt import GPTConfig
 from ds_lioncub.simulate.train import train_virtual
-from examples.gpt import GPTConfig
-from examples.simulate_gpt import GPTTask
 
 TASK = "tests.unit.test_simulate_cli:tiny_task"
 MODE = {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1, "compression": "1bit"}
 
 
+#: A 1-layer, d_model 16 GPT on 100 kB of the stdlib corpus, global batch 8 x 16 bytes.
+TINY: dict[str, Any] = {
+    "name": "tiny",
+    "config": GPTConfig(max_seq_len=16, n_layer=1, n_head=2, d_model=16),
+    "global_batch_size": 8,
+    "seq_len": 16,
+    "eval_windows": 16,
+    "corpus_bytes": 100_000,
+    "eval_batch": 16,
+}
+BUILDS: list[int] = []  # the seeds counting_task's models were built with
+COUNTING = "tests.unit.test_simulate_cli:counting_task"
+
+
 def tiny_task() -> GPTTask:
-    """A 1-layer, d_model 16 GPT on 100 kB of the stdlib corpus, global batch 8 x 16 bytes."""
-    return GPTTask(
-        name="tiny",
-        config=GPTConfig(max_seq_len=16, n_layer=1, n_head=2, d_model=16),
-        global_batch_size=8,
-        seq_len=16,
-        eval_windows=16,
-        corpus_bytes=100_000,
-        eval_batch=16,
-    )
+    return GPTTask(**TINY)
 
 
-def write_config(path: Path, optimizer: dict) -> Path:
-    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "optimizer": optimizer}))
+class CountingTask(GPTTask):
+    """The tiny task, recording every model it builds: a refusal before training builds at most one."""
+
+    def build_model(self, seed: int) -> Any:
+        BUILDS.append(seed)
+        return super().build_model(seed)
+
+
+def counting_task() -> CountingTask:
+    return CountingTask(**TINY)
+
+
+def write_config(path: Path, optimizer: dict, **extra: Any) -> Path:
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "optimizer": optimizer, **extra}
+    path.write_text(json.dumps(config))
     return path
 
 
@@ -89,10 +110,96 @@ def test_cli_refuses_another_optimizer(tmp_path: Path, capsys: pytest.CaptureFix
     assert "LionCub: " in err and "'Adam'" in err and '"type": "LionCub"' in err
 
 
-def test_cli_refuses_network_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    config = write_config(tmp_path / "overlap.json", {"type": "LionCub", "params": {**MODE, "overlap": True}})
-    assert main([str(config), "--workers", "2", "--steps", "1", "--seeds", "0", "--task", TASK]) == 2
-    assert "LionCub: " in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("params", "extra", "expected"),
+    [
+        # 3 does not divide the global batch of 8: refused before the 2-worker runs train.
+        (MODE, {}, "cannot be split into 3 equal micro-batches"),
+        # 4-bit L1 fields summed by the all-reduce hold 7 workers: refused at 8 before the 2-worker runs train.
+        ({**MODE, "compression": "kbit", "bits": 4, "quantizer": "l1"}, {}, "hold at most 7 workers"),
+        ({**MODE, "compression": "auto", "network": {"bandwidth": "1gbit"}}, {}, "ds_lioncub.planner"),
+        ({**MODE, "hybrid": {}}, {}, "hybrid applies under ZeRO stage 1, 2 or 3"),
+        ({**MODE, "overlap": True}, {"zero_optimization": {"stage": 2}}, "does not support overlap"),
+    ],
+)
+def test_cli_refuses_before_any_run_trains(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], params: dict, extra: dict, expected: str
+) -> None:
+    config = write_config(tmp_path / "ds.json", {"type": "LionCub", "params": params}, **extra)
+    workers = ["2", "3"] if expected.startswith("cannot be split") else ["2", "8"]
+    BUILDS.clear()
+    argv = [str(config), "--workers", *workers, "--steps", "2", "--seeds", "0", "--task", COUNTING]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("error: LionCub: ") and expected in err
+    assert "val loss" not in out and "[simulate] task" not in out  # no run trained, not even the first count's
+    assert len(BUILDS) <= 1  # at most the one model the checks build the optimizers on
+
+
+def test_options_that_do_not_change_the_math_are_dropped_with_a_note(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dropped = {
+        "overlap": True,  # bit-identical to overlap=False by design
+        "comm_backend_name": "torch",  # ("mpi" with overlap is a config LionCub refuses; mpi alone is dropped too)
+        "consistency_check": {"interval": 10},
+        "telemetry": {"vote_stats": True},
+    }
+    config = write_config(tmp_path / "ds.json", {"type": "LionCub", "params": {**MODE, **dropped}})
+    out_json = tmp_path / "rows.json"
+    argv = [str(config), "--workers", "2", "--steps", "3", "--seeds", "0", "--task", TASK, "--json-out", str(out_json)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for name in dropped:
+        assert f"[simulate] note: {name} dropped: " in out
+    [row] = json.loads(out_json.read_text())
+    task = tiny_task()
+    assert row["mode_val"] == [train_virtual(task, MODE, 2, 3, 0).val_loss]
+    assert row["exact_val"] == [train_virtual(task, {**MODE, "compression": "none"}, 2, 3, 0).val_loss]
+
+
+@pytest.mark.parametrize("block", [{"hybrid": {"node_size": 2}}, {}], ids=["hybrid-block", "stage-only"])
+def test_a_hybrid_config_simulates_its_nodes(tmp_path: Path, capsys: pytest.CaptureFixture[str], block: dict) -> None:
+    # Compressed LionCub at ZeRO stage 2 runs the hybrid with or without the block. The node is the voter and
+    # DeepSpeed clips each node's averaged gradient by its own norm: a binding clip (0.05) tells that rule from
+    # the stage-0 fp32 rule (every worker scaled by the mean norm).
+    params = {**MODE, **block}
+    config = write_config(
+        tmp_path / "ds.json",
+        {"type": "LionCub", "params": params},
+        zero_optimization={"stage": 2},
+        gradient_clipping=0.05,
+    )
+    out_json = tmp_path / "rows.json"
+    argv = [str(config), "--workers", "2", "4", "--steps", "4", "--seeds", "0", "--task", TASK]
+    assert main([*argv, "--json-out", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "each simulated worker is one node" in out and "--workers counts nodes" in out
+    assert "[simulate] nodes 4 seed 0 mode: val loss" in out
+    rows = json.loads(out_json.read_text())
+    task = tiny_task()
+    for row in rows:
+        nodes = row["workers"]
+        per_node = train_virtual(task, MODE, nodes, 4, 0, grad_clip=0.05, clip_rule="per_worker").val_loss
+        mean_norm = train_virtual(task, MODE, nodes, 4, 0, grad_clip=0.05, clip_rule="deepspeed").val_loss
+        exact = {"compression": "none", "lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}
+        assert row["mode_val"] == [per_node] and per_node != mean_norm
+        assert row["exact_val"] == [train_virtual(task, exact, nodes, 4, 0, grad_clip=0.05).val_loss]
+
+
+def test_a_missing_matplotlib_is_named_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it imports
+    config = write_config(tmp_path / "ds.json", {"type": "LionCub", "params": MODE})
+    BUILDS.clear()
+    argv = [str(config), "--workers", "2", "--steps", "1", "--seeds", "0", "--task", COUNTING]
+    assert main([*argv, "--plot", str(tmp_path / "gap.png")]) == 2
+    out, err = capsys.readouterr()
+    assert "pip install matplotlib" in err and err.startswith("error: LionCub: ")
+    assert BUILDS == [] and "val loss" not in out
 
 
 def test_cli_names_a_task_it_cannot_import(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

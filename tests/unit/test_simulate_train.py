@@ -12,7 +12,7 @@ import pytest
 import torch
 from deepspeed.runtime.lr_schedules import WarmupCosineLR
 
-from ds_lioncub.simulate.train import clip_worker_gradients, gap_percent, lr_ratio, seed_summary
+from ds_lioncub.simulate.train import clip_worker_gradients, gap_percent, lr_ratio, seed_summary, train_virtual
 
 
 def test_lr_ratio_is_deepspeeds_warmup_cosine_one_step_ahead() -> None:
@@ -86,3 +86,13 @@ def test_seed_summary_and_gap() -> None:
     single = seed_summary([3.0])
     assert single.spread is None and not single.real and single.text() == "+3.00 ± n/a"
     assert gap_percent(2.02, 2.0) == pytest.approx(1.0)
+
+
+def test_on_step_sees_every_step_and_its_training_loss() -> None:
+    from tests.unit.test_golden_losses import TeacherTask
+
+    seen: list[tuple[int, float]] = []
+    result = train_virtual(
+        TeacherTask(), {"compression": "1bit"}, 4, 5, 0, on_step=lambda s, loss: seen.append((s, loss))
+    )
+    assert seen == list(enumerate(result.train_losses)) and len(seen) == 5
