@@ -6,8 +6,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export DS_ACCELERATOR ?= cpu
-# The venv's tools first: its ninja (a wheel) must build the JIT kernels, not the system's, or the two
-# disagree about the build log and rebuild every op on each switch.
+# The venv's tools first (its ninja, deepspeed, ruff, mypy). The JIT op cache no longer depends on which
+# ninja PATH finds (ds_lioncub/comm/packing/jit_cache.py).
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: venv dev-tools cuda-toolkit train test test-fast lint check-cuda

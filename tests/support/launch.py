@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,39 +21,62 @@ REPO = Path(__file__).resolve().parents[2]
 
 def worker_environment(**extra: str) -> dict[str, str]:
     """This process's environment for a job's ranks: this checkout first on PYTHONPATH (the ranks import
-    ds_lioncub, tests.support and examples from it, whatever is pip-installed), one thread per rank."""
+    ds_lioncub, tests.support and examples from it, whatever is pip-installed), one thread per rank, and
+    Python's fault handler on, so that a rank killed by a signal prints every thread's Python stack."""
     path = os.pathsep.join(part for part in (str(REPO), os.environ.get("PYTHONPATH", "")) if part)
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **extra}
+
+
+def failed_ranks_report(script: str, world_size: int, codes: list[int | None], outputs: list[str]) -> str:
+    """The exit codes of all ranks, then every failing rank's whole output (the rank that failed first is
+    often not the one whose error the others report). A code of None: the rank was killed at the time limit."""
+    failed = [rank for rank, code in enumerate(codes) if code != 0]
+    sections = [f"{script}: rank(s) {', '.join(map(str, failed))} of {world_size} failed (exit codes {codes})"]
+    for rank in failed:
+        sections.append(f"----- rank {rank} exited with {codes[rank]}; its whole output -----\n{outputs[rank]}")
+    return "\n".join(sections)
 
 
 def run_ranks(script: Path, world_size: int, work_dir: Path, timeout_s: float = 240.0) -> list[dict[str, object]]:
-    """Run ``script RANK WORLD STORE OUT`` as ``world_size`` processes; return each rank's saved results."""
+    """Run ``script RANK WORLD STORE OUT`` as ``world_size`` processes; return each rank's saved results.
+
+    Each rank writes its output to ``work_dir/rank<r>.log`` (a file, not a pipe: a pipe that nobody reads
+    while the parent waits on another rank would block a rank that prints much). A failing rank fails the
+    call with every failing rank's whole output; a job past ``timeout_s`` is killed and reported with all.
+    """
     work_dir.mkdir(parents=True, exist_ok=True)
     store = work_dir / "store"
     env = worker_environment()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), str(world_size), str(store), str(work_dir)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world_size)
-    ]
-    outputs = []
+    logs = [work_dir / f"rank{rank}.log" for rank in range(world_size)]
+    procs = []
+    for rank in range(world_size):
+        with open(logs[rank], "w") as log:  # the child keeps its own descriptor
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(script), str(rank), str(world_size), str(store), str(work_dir)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    deadline = time.monotonic() + timeout_s
     try:
         for proc in procs:
-            out, _ = proc.communicate(timeout=timeout_s)
-            outputs.append(out)
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         for proc in procs:
             proc.kill()
-        raise AssertionError(f"{script.name} with {world_size} ranks did not finish in {timeout_s} s (hang?)") from None
-    failed = [(rank, proc.returncode, outputs[rank]) for rank, proc in enumerate(procs) if proc.returncode != 0]
-    if failed:
-        rank, code, out = failed[0]
-        raise AssertionError(f"rank {rank} of {world_size} exited with {code}:\n{out[-4000:]}")
+        for proc in procs:
+            proc.wait()
+        outputs = [log.read_text(errors="replace") for log in logs]
+        raise AssertionError(
+            f"{script.name} with {world_size} ranks did not finish in {timeout_s} s (hang?)\n"
+            + failed_ranks_report(script.name, world_size, [None] * world_size, outputs)
+        ) from None
+    codes = [proc.returncode for proc in procs]
+    if any(code != 0 for code in codes):
+        outputs = [log.read_text(errors="replace") for log in logs]
+        raise AssertionError(failed_ranks_report(script.name, world_size, codes, outputs))
     return [torch.load(work_dir / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
 
 

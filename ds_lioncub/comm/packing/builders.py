@@ -9,7 +9,10 @@ an out-of-tree op needs:
   there; DeepSpeed's ``installed_ops`` only knows DeepSpeed's ops;
 - a JIT build goes to ``<repo>/build/torch_extensions`` when run from a source checkout (unless
   ``TORCH_EXTENSIONS_DIR`` says otherwise), so one build serves every process and test session,
-  and it announces itself with one log line (a first build takes about a minute on 2 cores).
+  and it announces itself with one log line (a first build takes about a minute on 2 cores);
+- that cache holds one immutable directory per build key (:mod:`.jit_cache`): the key follows the
+  sources, flags, compiler, torch and CPU, not PATH, and a build never rewrites a library that
+  another process may have loaded.
 
 ``setup.py`` loads this file by its path at install time, before ds_lioncub is installed and
 without importing the package (whose import registers LionCub with DeepSpeed). So at module level it
@@ -34,6 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import deepspeed
 import torch
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
 from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder
@@ -130,13 +134,11 @@ def default_build_root() -> Path | None:
 
 
 @contextmanager
-def _jit_environment(build_root: Path | None) -> Iterator[None]:
-    """TORCH_EXTENSIONS_DIR set to our cache and ninja on PATH (the venv's bin may not be), restored after."""
+def _jit_environment(build_root: Path) -> Iterator[None]:
+    """TORCH_EXTENSIONS_DIR set to ``build_root`` and ninja on PATH (the venv's bin may not be), restored after."""
     saved = {key: os.environ.get(key) for key in ("TORCH_EXTENSIONS_DIR", "PATH")}
     try:
-        if build_root is not None:
-            build_root.mkdir(parents=True, exist_ok=True)
-            os.environ["TORCH_EXTENSIONS_DIR"] = str(build_root)
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(build_root)
         if shutil.which("ninja") is None:
             os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), saved["PATH"] or ""])
         yield
@@ -146,6 +148,10 @@ def _jit_environment(build_root: Path | None) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+# Build keys by op name: computed once per process (it reads the sources and asks the compiler its version).
+_JIT_KEYS: dict[str, str] = {}
 
 
 class _LionCubBuilderMixin:
@@ -173,25 +179,57 @@ class _LionCubBuilderMixin:
     def deepspeed_src_path(self, code_path: str) -> str:
         return str(resolve_source(code_path))
 
-    def jit_build_dir(self) -> Path:
+    def jit_root(self) -> Path:
+        """The JIT cache: :func:`default_build_root`, else torch's default root as torch names it."""
         root = default_build_root()
         if root is None:  # torch's default, as torch.utils.cpp_extension._get_build_directory names it
             from torch.utils.cpp_extension import get_default_build_root
 
             accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
             root = Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}"
-        return root / self.name
+        return root
+
+    def jit_key_files(self) -> list[Path]:
+        """The files whose bytes go into a build: sources, headers, and this file (which holds the flags)."""
+        sources = [Path(self.deepspeed_src_path(path)) for path in self.sources()]
+        headers = sorted(
+            header
+            for include in self.include_paths()
+            for header in Path(self.deepspeed_src_path(include)).glob("*")
+            if header.suffix in (".h", ".cuh", ".hpp")
+        )
+        return [*sources, *headers, Path(__file__)]
+
+    def jit_key_parts(self) -> list[str]:
+        """What else decides the library's bytes, besides :meth:`jit_key_files` (never PATH itself)."""
+        from ds_lioncub.comm.packing.jit_cache import compiler_identity, cpu_features
+
+        cxx_args = self.cxx_args()  # type: ignore[attr-defined]
+        parts = [f"deepspeed {deepspeed.__version__}", repr(cxx_args), compiler_identity(os.environ.get("CXX", "c++"))]
+        if any(arg in ("-march=native", "-mcpu=native") for arg in cxx_args):
+            parts.append(cpu_features())
+        return parts
+
+    def jit_key(self) -> str:
+        """The build key (:mod:`.jit_cache`): the same for every process of one machine and installation."""
+        key = _JIT_KEYS.get(self.name)
+        if key is None:
+            from ds_lioncub.comm.packing.jit_cache import build_key
+
+            key = _JIT_KEYS[self.name] = build_key(self.jit_key_files(), self.jit_key_parts())
+        return key
+
+    def jit_build_dir(self) -> Path:
+        """Where this op's JIT build for this machine and installation lives (complete or not yet built)."""
+        from ds_lioncub.comm.packing.jit_cache import keyed_dir
+
+        return keyed_dir(self.jit_root(), self.name, self.jit_key())
 
     def jit_cached(self) -> bool:
-        """True when a JIT build of this op already sits in the cache (loading it takes about a second)."""
-        build_dir = self.jit_build_dir()
-        libraries = list(build_dir.glob(f"{self.name}*.so"))
-        if not libraries:
-            return False
-        built = max(library.stat().st_mtime for library in libraries)
-        sources = [Path(self.deepspeed_src_path(path)) for path in self.sources()]
-        headers = list(Path(self.deepspeed_src_path(self.include_paths()[0])).glob("*.h"))
-        return all(source.stat().st_mtime <= built for source in sources + headers if source.exists())
+        """True when the JIT build of this op for this key sits in the cache (loading it takes about a second)."""
+        from ds_lioncub.comm.packing.jit_cache import library_in
+
+        return library_in(self.jit_build_dir(), self.name) is not None
 
     def prebuilt_available(self) -> bool:
         return importlib.util.find_spec(self.absolute_name()) is not None
@@ -214,22 +252,23 @@ class _LionCubBuilderMixin:
         return module
 
     def _jit(self, verbose: bool, prebuilt_error: BaseException | None) -> Any:
-        build_root = default_build_root()
-        where = str(self.jit_build_dir())
-        cached = self.jit_cached()
-        if not cached:
-            reason = f" (prebuilt module unusable: {prebuilt_error})" if prebuilt_error else ""
+        from ds_lioncub.comm.packing.jit_cache import load_or_build
+
+        reason = f" (prebuilt module unusable: {prebuilt_error})" if prebuilt_error else ""
+
+        def announce(where: Path) -> None:
             _logger().info(
                 f"building op {self.name} with JIT on first use, about a minute, once; cache: {where}{reason}"
             )
+
+        def build_into(staging_root: Path) -> Any:
+            with _jit_environment(staging_root):
+                return self.jit_load(verbose=verbose)  # type: ignore[attr-defined]
+
         start = time.time()
-        with _jit_environment(build_root):
-            module = self.jit_load(verbose=verbose)  # type: ignore[attr-defined]
-        seconds = time.time() - start
-        if cached and seconds > 10:  # the build flags changed (sources did not): ninja rebuilt it
-            cached = False
-            _logger().info(f"rebuilt op {self.name} with JIT in {seconds:.0f} s; cache: {where}")
-        _LOAD_SOURCES[self.name] = f"JIT cache {where}" if cached else f"JIT build {where} ({seconds:.0f} s)"
+        module, built = load_or_build(self.jit_root(), self.name, self.jit_key(), build_into, announce)
+        where = self.jit_build_dir()
+        _LOAD_SOURCES[self.name] = f"JIT build {where} ({time.time() - start:.0f} s)" if built else f"JIT cache {where}"
         return module
 
 
@@ -283,6 +322,20 @@ class LionCubPackingCUDABuilder(_LionCubBuilderMixin, CUDAOpBuilder):
             self.error_log = "no CUDA toolkit found (set CUDA_HOME, or put nvcc on PATH)"
             return False
         return super().is_compatible(verbose)
+
+    def jit_key_parts(self) -> list[str]:
+        # A JIT build targets TORCH_CUDA_ARCH_LIST, else the visible GPUs, with the toolkit's nvcc.
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        from ds_lioncub.comm.packing.jit_cache import compiler_identity
+
+        devices = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+        nvcc = str(Path(CUDA_HOME) / "bin" / "nvcc") if CUDA_HOME else "nvcc"
+        return [
+            *super().jit_key_parts(),
+            f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '')} devices={devices}",
+            compiler_identity(nvcc),
+        ]
 
     def nvcc_args(self) -> list[str]:
         # DeepSpeed adds --use_fast_math; the L1 quantizer must multiply and round exactly as torch.
