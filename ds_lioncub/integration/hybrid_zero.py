@@ -37,6 +37,7 @@ from ds_lioncub._logging import get_logger
 from ds_lioncub.comm import wire
 from ds_lioncub.comm.kbit import KbitCodec
 from ds_lioncub.comm.topology import HybridGroups
+from ds_lioncub.comm.transport.released import HandedOver
 from ds_lioncub.errors import LionCubSetupError
 from ds_lioncub.optimizer import LionCub
 
@@ -56,7 +57,9 @@ class HybridSetup:
 def any_rank(flag: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
     """Whether ``flag`` is true on any rank of ``group`` (one byte, MAX)."""
     value = torch.tensor([1 if flag else 0], dtype=torch.uint8, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    handed = HandedOver(value)
+    dist.all_reduce(handed.tensors[0], op=dist.ReduceOp.MAX, group=group)
+    handed.wait_until_released()  # gloo's worker lets go of it now, not while this process exits
     return bool(value.item())
 
 
@@ -126,7 +129,9 @@ def check_shards_match(shard_sizes: list[int], setup: HybridSetup) -> None:
     """Raise unless every rank of the vote group holds shards of the same sizes (the same elements)."""
     sizes = torch.tensor(shard_sizes, dtype=torch.int64)
     gathered = [torch.empty_like(sizes) for _ in range(setup.groups.layout.nodes)]
-    dist.all_gather(gathered, sizes, group=setup.groups.vote_group)
+    handed = HandedOver(sizes, *gathered)
+    dist.all_gather(handed.tensors[1:], handed.tensors[0], group=setup.groups.vote_group)
+    handed.wait_until_released()
     if any(not torch.equal(other, sizes) for other in gathered):
         raise LionCubSetupError(
             f"LionCub: the ZeRO shards of the ranks that vote together differ in size "

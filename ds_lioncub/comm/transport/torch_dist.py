@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ds_lioncub.comm.transport.base import TransportBase, Waitable, torch_distributed_initialised
+from ds_lioncub.comm.transport.released import HandedOver
 
 # gloo moves one message of several MB between two ranks that both send at about half the link rate,
 # and the same bytes as a run of messages of about 1 MiB at 0.9 of it or more (benchmarks/RESULTS.md,
@@ -42,17 +43,27 @@ def process_group_timeout(process_group: dist.ProcessGroup | None = None) -> tim
     return None
 
 
-class _Segmented:
-    """Segments of one collective, all issued: waits for each in issue order, then reassembles the result."""
+class _Released:
+    """Collectives issued together (one, or the segments of one): ``wait()`` waits for each in issue order,
+    then until the backend's worker threads have let go of the tensors they were handed (:mod:`.released`),
+    then reassembles the result, if it was segmented."""
 
-    def __init__(self, works: list[Waitable], reassemble: Callable[[], None]) -> None:
+    def __init__(
+        self, works: list[Waitable], handed: list[HandedOver], reassemble: Callable[[], None] | None = None
+    ) -> None:
         self._works = works
-        self._reassemble: Callable[[], None] | None = reassemble
+        self._handed = handed
+        self._reassemble = reassemble
 
     def wait(self) -> None:
-        for work in self._works:
-            work.wait()
-        self._works = []
+        works, self._works = self._works, []
+        while works:
+            works.pop(0).wait()
+        # No reference to a work is left here (a loop variable would keep the last one, and with it its
+        # tensors): gloo's worker may now hold the only ones, and lets go of them during this wait.
+        for handed in self._handed:
+            handed.wait_until_released()
+        self._handed = []
         if self._reassemble is not None:
             reassemble, self._reassemble = self._reassemble, None
             reassemble()
@@ -100,46 +111,64 @@ class TorchTransport(TransportBase):
             work.wait()
 
     def _raw_integer_all_reduce_sum(self, flat: torch.Tensor) -> None:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group)
+        handed = HandedOver(flat)
+        dist.all_reduce(handed.tensors[0], op=dist.ReduceOp.SUM, group=self.process_group)
+        handed.wait_until_released()
 
     def _raw_all_to_all_async(self, send: torch.Tensor, received: torch.Tensor) -> Waitable | None:
         columns = self._segment_columns(send, send.numel() // self.world_size, send.element_size() * self.world_size)
         if len(columns) <= 1:
-            return dist.all_to_all_single(received, send, group=self.process_group, async_op=True)
+            return self._issue_all_to_all([(received, send)])
         # Segment k carries columns [a, b) of every destination's row; its pieces land in the same columns.
         send_rows, received_rows = send.view(self.world_size, -1), received.view(self.world_size, -1)
-        pieces, works = [], []
+        pieces = []
         for begin, end in columns:
             piece_sent = send_rows[:, begin:end].contiguous()
-            piece_received = torch.empty_like(piece_sent)
-            works.append(dist.all_to_all_single(piece_received, piece_sent, group=self.process_group, async_op=True))
-            pieces.append((begin, end, piece_sent, piece_received))
+            pieces.append((begin, end, torch.empty_like(piece_sent), piece_sent))
 
         def reassemble() -> None:
-            for begin, end, _, piece_received in pieces:
+            for begin, end, piece_received, _ in pieces:
                 received_rows[:, begin:end].copy_(piece_received)
 
-        return _Segmented(works, reassemble)
+        return self._issue_all_to_all(
+            [(piece_received, piece_sent) for _, _, piece_received, piece_sent in pieces], reassemble
+        )
+
+    def _issue_all_to_all(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], reassemble: Callable[[], None] | None = None
+    ) -> _Released:
+        """One all-to-all per (received, sent) pair, all issued, on private views (:class:`HandedOver`)."""
+        handed, works = [], []
+        for received, sent in pairs:
+            handed.append(HandedOver(received, sent))
+            received_view, sent_view = handed[-1].tensors
+            works.append(dist.all_to_all_single(received_view, sent_view, group=self.process_group, async_op=True))
+        return _Released(works, handed, reassemble)
 
     def _raw_all_gather_async(self, send: torch.Tensor, received: torch.Tensor) -> Waitable | None:
         columns = self._segment_columns(send, send.numel(), send.element_size())
         if len(columns) <= 1:
-            return _all_gather_flat(received, send, group=self.process_group, async_op=True)
+            return self._issue_all_gather([(received, send)])
         # Segment k gathers elements [a, b) of every rank's message; they land at [a, b) of each rank's row.
         received_rows = received.view(self.world_size, -1)
-        pieces, works = [], []
-        for begin, end in columns:
-            piece_received = send.new_empty((self.world_size, end - begin))
-            works.append(
-                _all_gather_flat(piece_received.view(-1), send[begin:end], group=self.process_group, async_op=True)
-            )
-            pieces.append((begin, end, piece_received))
+        pieces = [(begin, end, send.new_empty((self.world_size, end - begin))) for begin, end in columns]
 
         def reassemble() -> None:
             for begin, end, piece_received in pieces:
                 received_rows[:, begin:end].copy_(piece_received)
 
-        return _Segmented(works, reassemble)
+        return self._issue_all_gather([(piece.view(-1), send[begin:end]) for begin, end, piece in pieces], reassemble)
+
+    def _issue_all_gather(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], reassemble: Callable[[], None] | None = None
+    ) -> _Released:
+        """One all-gather per (received, sent) pair, all issued, on private views (:class:`HandedOver`)."""
+        handed, works = [], []
+        for received, sent in pairs:
+            handed.append(HandedOver(received, sent))
+            received_view, sent_view = handed[-1].tensors
+            works.append(_all_gather_flat(received_view, sent_view, group=self.process_group, async_op=True))
+        return _Released(works, handed, reassemble)
 
     def _segment_columns(self, send: torch.Tensor, columns: int, bytes_per_column: int) -> list[tuple[int, int]]:
         """``[a, b)`` column ranges of at most about ``segment_bytes`` each; one range for a message that
@@ -150,4 +179,6 @@ class TorchTransport(TransportBase):
         return [(begin, min(columns, begin + step)) for begin in range(0, columns, step)]
 
     def _raw_integer_all_reduce_sum_async(self, flat: torch.Tensor) -> Waitable | None:
-        return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+        handed = HandedOver(flat)
+        work = dist.all_reduce(handed.tensors[0], op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+        return _Released([work], [handed])
