@@ -44,6 +44,7 @@ class Variant(LionCubPackingCPUBuilder):
 builder = Variant()
 builder.load()
 shutil.rmtree(builder.jit_build_dir(), ignore_errors=True)
+builder.jit_build_dir().with_name(builder.jit_build_dir().name + ".lock").unlink(missing_ok=True)
 """
 
 

@@ -37,8 +37,10 @@ from ds_lioncub._logging import get_logger
 from ds_lioncub.comm import wire
 from ds_lioncub.comm.kbit import KbitCodec
 from ds_lioncub.comm.topology import HybridGroups
+from ds_lioncub.comm.transport import make_transport
 from ds_lioncub.comm.transport.released import HandedOver
 from ds_lioncub.errors import LionCubSetupError
+from ds_lioncub.fingerprint import gather_texts
 from ds_lioncub.optimizer import LionCub
 
 # The attribute of a DeepSpeedEngine that holds its hybrid set-up (absent: not a hybrid engine).
@@ -162,8 +164,8 @@ def log_topology(setup: HybridSetup, shard_sizes: list[int], lioncub: LionCub) -
 
 def check_node_blocks_on_one_host(setup: HybridSetup) -> None:
     """When G came from the launcher, require each node block of ranks to be one machine."""
-    hosts: list[str] = [""] * setup.groups.layout.world_size
-    dist.all_gather_object(hosts, socket.gethostname())
+    # Over LionCub's own transport (not all_gather_object), whose collectives return only once gloo has let go.
+    hosts = gather_texts(make_transport(None, comm_backend_name="torch"), socket.gethostname())
     split = [
         (k, sorted({hosts[rank] for rank in members}))
         for k, members in enumerate(setup.groups.layout.node_groups)

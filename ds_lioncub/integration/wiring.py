@@ -37,7 +37,8 @@ from ds_lioncub.planner.model import DEEPSPEED_BUCKET_SIZE
 TESTED_DEEPSPEED_MINOR = (0, 19)
 
 
-def _hybrid_refusal(options: LionCubConfig, stage: int, what: str, fix: str) -> LionCubConfigError:
+def hybrid_refusal(options: LionCubConfig, stage: int, what: str, fix: str) -> LionCubConfigError:
+    """The error for an option the ZeRO hybrid does not support (also what ``python -m ds_lioncub.simulate`` says)."""
     return LionCubConfigError(
         f"LionCub: compression={options.compression!r} under ZeRO stage {stage} (the hybrid: ZeRO inside each node, "
         f"Lion Cub's vote across nodes) does not support {what}. To use it, {fix}; or use compression='none' "
@@ -49,7 +50,7 @@ def refuse_before_construction(engine: Any, options: LionCubConfig) -> None:
     """What must be refused before LionCub is built from a ds_config (building it would already communicate)."""
     stage = int(engine.zero_optimization_stage())
     if options.compression != "none" and stage in (1, 2, 3) and options.comm_backend_name != "torch":
-        raise _hybrid_refusal(
+        raise hybrid_refusal(
             options,
             stage,
             "comm_backend_name='mpi' (the MPI world would have to be the vote group)",
@@ -201,7 +202,7 @@ def _refuse_what_the_hybrid_cannot_do(engine: Any, optimizer: LionCub, stage: in
         refusals += _stage3_refusals(engine)
     for refused, what, fix in refusals:
         if refused:
-            raise _hybrid_refusal(optimizer.options, stage, what, fix)
+            raise hybrid_refusal(optimizer.options, stage, what, fix)
 
 
 def _stage3_refusals(engine: Any) -> list[tuple[bool, str, str]]:

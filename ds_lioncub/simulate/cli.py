@@ -26,8 +26,8 @@ Options that need a real network are decided per option (:mod:`ds_lioncub.simula
 is refused (it plans for a real network: run the planner and pass the mode). A ZeRO hybrid config
 (a compressed mode at zero_optimization.stage 1, 2 or 3) is simulated as its voters, the nodes: each
 simulated worker is one node with its node's batch (its G ranks' micro-batches, which ZeRO averages in
-full precision), ``--workers`` counts nodes, and each node clips its own gradient; what the real
-hybrid refuses is refused here too.
+full precision), ``--workers`` counts nodes, and each node clips its own gradient; the LionCub options
+the real hybrid refuses (overlap, MPI, momentum_sync by layer) are refused here too.
 
 The task: ``--task module:function``, a function taking no arguments that returns a
 :class:`ds_lioncub.simulate.train.Task` (build a model from a seed, the global batch of step t, the

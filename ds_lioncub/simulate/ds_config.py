@@ -11,9 +11,11 @@ G ranks' gradients in full precision, so a node's gradient is the mean over its 
 which is the gradient of the node's batch (up to fp32 rounding); across nodes the nodes vote. So a
 simulated worker is one node with its node's batch, ``--workers`` counts nodes, and ``hybrid`` is
 dropped from the virtual world's options. DeepSpeed clips each node's averaged gradient by that node's
-own norm (docs/user-guide.md, the ZeRO hybrid), so the clip rule is per worker. What the real hybrid
-refuses (``overlap``, ``comm_backend_name="mpi"``, ``momentum_sync`` by layer;
-:mod:`ds_lioncub.integration.wiring`) is refused here too, with the same fix.
+own norm (docs/user-guide.md, the ZeRO hybrid), so the clip rule is per worker. The LionCub options the
+real hybrid refuses (``overlap``, ``comm_backend_name="mpi"``, ``momentum_sync`` by layer;
+:mod:`ds_lioncub.integration.wiring`) are refused here too, with the same message. DeepSpeed settings the
+hybrid also refuses (optimizer or parameter offload, ZenFlow, elastic checkpoints) change no step's
+math and are not read here.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.errors import LionCubConfigError
+from ds_lioncub.integration.wiring import hybrid_refusal
 from ds_lioncub.simulate.train import ClipRule
 
 #: Options that do not change a step's math: dropped from the virtual world's options, each with this reason
@@ -91,7 +94,12 @@ def read_ds_config(path: Path) -> SimulationConfig:
             f'Set "optimizer": {{"type": "LionCub", "params": {{...}}}} in the ds_config.'
         )
     assert isinstance(block, dict)
-    options = dict(block.get("params", {}))
+    params = block.get("params", {})
+    if not isinstance(params, dict):
+        raise LionCubConfigError(
+            f'LionCub: the optimizer\'s "params" in {path} must be a JSON object of LionCub options, got {params!r}.'
+        )
+    options = dict(params)
     parsed = parse_config(options)  # LionCub's own validation and messages, before any training
     if parsed.compression == "auto":
         raise LionCubConfigError(
@@ -117,8 +125,13 @@ def read_ds_config(path: Path) -> SimulationConfig:
             f"the ds_config's scheduler ({scheduler.get('type')}) is not used; the lr follows WarmupCosineLR over "
             f"--steps, peaking at the optimizer's lr"
         )
+    clip = config.get("gradient_clipping", 1.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+        raise LionCubConfigError(
+            f"LionCub: the ds_config's gradient_clipping must be a number >= 0 (0 disables clipping), got {clip!r}."
+        )
     settings = RunSettings(
-        grad_clip=float(config.get("gradient_clipping", 1.0)),
+        grad_clip=float(clip),
         clip_rule="per_worker" if mixed or hybrid else "deepspeed",
     )
     kept = {name: value for name, value in options.items() if name not in DROPPED_OPTIONS and name != "hybrid"}
@@ -158,11 +171,7 @@ def refuse_what_the_hybrid_refuses(options: LionCubConfig, stage: int) -> None:
     ]
     for refused, what, fix in refusals:
         if refused:
-            raise LionCubConfigError(
-                f"LionCub: compression={options.compression!r} under ZeRO stage {stage} (the hybrid: ZeRO inside "
-                f"each node, Lion Cub's vote across nodes) does not support {what}, so DeepSpeed would refuse this "
-                f"config. To use it, {fix}; or use compression='none' (exact Lion under ZeRO)."
-            )
+            raise hybrid_refusal(options, stage, what, fix)
 
 
 def hybrid_note(options: LionCubConfig, stage: int) -> str:

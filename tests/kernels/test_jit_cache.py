@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,14 +38,19 @@ def path_with_venv_first() -> str:
 
 
 def copy_build(cpu_op: Any, calls: list[Path]) -> Callable[[Path], Any]:
-    """A stand-in for the compiler: puts this session's library where torch's JIT would build it."""
+    """A stand-in for the compiler: puts this session's library where torch's JIT would build it, and returns
+    a module named from there, as torch's import of it would be."""
     library = Path(cpu_op.__file__)
+    assert library.exists(), f"the session's op names a file that is not there: {library}"
 
     def build_into(staging_root: Path) -> Any:
         calls.append(staging_root)
         (staging_root / NAME).mkdir(parents=True)
-        shutil.copy(library, staging_root / NAME / library.name)
-        return cpu_op
+        copied = staging_root / NAME / library.name
+        shutil.copy(library, copied)
+        module = types.ModuleType(NAME)
+        module.__file__ = str(copied)
+        return module
 
     return build_into
 
@@ -91,8 +97,10 @@ def test_a_build_lands_complete_in_its_keyed_directory_and_is_then_loaded_withou
     announced: list[Path] = []
     module, built = load_or_build(tmp_path, NAME, "k1", copy_build(cpu_op, calls), announced.append)
     final = tmp_path / f"{NAME}-k1"
-    assert module is cpu_op and built and announced == [final]
+    assert built and announced == [final]
     assert library_in(final, NAME) is not None
+    # imported from the staging directory, which is gone: the module names where its file is now
+    assert Path(module.__file__) == library_in(final, NAME) and Path(module.__file__).exists(), module.__file__
     assert not list(tmp_path.glob(f"{STAGING_PREFIX}*")), "the staging directory is left behind"
     assert calls and calls[0].name.startswith(STAGING_PREFIX), calls  # built away from the final directory
     inode = library_in(final, NAME).stat().st_ino  # type: ignore[union-attr]
@@ -219,7 +227,8 @@ def test_a_build_beside_a_running_job_leaves_the_job_and_its_library_alone(cpu_o
         output, _ = variant.communicate(timeout=900)
     assert variant.returncode == 0, output
     variant_dir = Path(output.strip().splitlines()[-1])
-    shutil.rmtree(variant_dir)  # this test's own build: no other process loads it
+    shutil.rmtree(variant_dir)  # this test's own build and lock: no other process loads it
+    variant_dir.with_name(f"{variant_dir.name}.lock").unlink()
     assert "JIT build" in output and variant_dir.parent == final.parent and variant_dir != final, output
     assert (library.stat().st_ino, library.read_bytes()) == before
     checks.vote_1bit_equals_brute_force(job)

@@ -64,6 +64,7 @@ def run_ranks(script: Path, world_size: int, work_dir: Path, timeout_s: float = 
         for proc in procs:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
+        codes = [proc.poll() for proc in procs]  # a rank that ended first (with its error) keeps its code
         for proc in procs:
             proc.kill()
         for proc in procs:
@@ -71,7 +72,7 @@ def run_ranks(script: Path, world_size: int, work_dir: Path, timeout_s: float = 
         outputs = [log.read_text(errors="replace") for log in logs]
         raise AssertionError(
             f"{script.name} with {world_size} ranks did not finish in {timeout_s} s (hang?)\n"
-            + failed_ranks_report(script.name, world_size, [None] * world_size, outputs)
+            + failed_ranks_report(script.name, world_size, codes, outputs)
         ) from None
     codes = [proc.returncode for proc in procs]
     if any(code != 0 for code in codes):

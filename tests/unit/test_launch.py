@@ -36,10 +36,15 @@ def test_every_failing_rank_is_reported_with_its_whole_output(tmp_path: Path) ->
 
 
 def test_a_hung_job_is_killed_and_reported_with_every_rank_output(tmp_path: Path) -> None:
+    """Rank 1 fails at once, rank 0 waits for it forever: the report keeps rank 1's code and both outputs."""
     script = tmp_path / "hang.py"
-    script.write_text("import sys, time\nprint('rank', sys.argv[1], 'waiting', flush=True)\ntime.sleep(600)\n")
+    script.write_text(
+        "import sys, time\nrank = sys.argv[1]\nprint('rank', rank, 'started', flush=True)\n"
+        "if rank == '1':\n    sys.exit(5)\ntime.sleep(600)\n"
+    )
     with pytest.raises(AssertionError) as failure:
-        run_ranks(script, 2, tmp_path / "work", timeout_s=3)
+        run_ranks(script, 2, tmp_path / "work", timeout_s=15)
     report = str(failure.value)
-    assert "did not finish in 3 s" in report, report
-    assert "rank 0 waiting" in report and "rank 1 waiting" in report, report
+    assert "did not finish in 15 s" in report, report
+    assert "(exit codes [None, 5])" in report, report
+    assert "rank 0 started" in report and "rank 1 started" in report, report

@@ -329,13 +329,12 @@ class LionCubPackingCUDABuilder(_LionCubBuilderMixin, CUDAOpBuilder):
 
         from ds_lioncub.comm.packing.jit_cache import compiler_identity
 
-        devices = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+        listed = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+        # The architectures, not how many GPUs of each this process sees (CUDA_VISIBLE_DEVICES, a scheduler's binding).
+        visible = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+        targets = listed or repr(sorted(visible))
         nvcc = str(Path(CUDA_HOME) / "bin" / "nvcc") if CUDA_HOME else "nvcc"
-        return [
-            *super().jit_key_parts(),
-            f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '')} devices={devices}",
-            compiler_identity(nvcc),
-        ]
+        return [*super().jit_key_parts(), f"CUDA targets {targets}", compiler_identity(nvcc)]
 
     def nvcc_args(self) -> list[str]:
         # DeepSpeed adds --use_fast_math; the L1 quantizer must multiply and round exactly as torch.

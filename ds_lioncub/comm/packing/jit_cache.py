@@ -156,6 +156,12 @@ def load_or_build(
             os.rename(built, final)  # atomic: readers see no directory or a complete one
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+    # The module was imported from the staging directory, which is gone: name the file where it now is.
+    imported_from = getattr(module, "__file__", None)
+    if imported_from is not None:
+        module.__file__ = str(final / Path(imported_from).name)
+        if module.__spec__ is not None:
+            module.__spec__.origin = module.__file__
     return module, True
 
 

@@ -118,7 +118,7 @@ class TorchTransport(TransportBase):
     def _raw_all_to_all_async(self, send: torch.Tensor, received: torch.Tensor) -> Waitable | None:
         columns = self._segment_columns(send, send.numel() // self.world_size, send.element_size() * self.world_size)
         if len(columns) <= 1:
-            return self._issue_all_to_all([(received, send)])
+            return self._issue(dist.all_to_all_single, [(received, send)])
         # Segment k carries columns [a, b) of every destination's row; its pieces land in the same columns.
         send_rows, received_rows = send.view(self.world_size, -1), received.view(self.world_size, -1)
         pieces = []
@@ -130,25 +130,13 @@ class TorchTransport(TransportBase):
             for begin, end, piece_received, _ in pieces:
                 received_rows[:, begin:end].copy_(piece_received)
 
-        return self._issue_all_to_all(
-            [(piece_received, piece_sent) for _, _, piece_received, piece_sent in pieces], reassemble
-        )
-
-    def _issue_all_to_all(
-        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], reassemble: Callable[[], None] | None = None
-    ) -> _Released:
-        """One all-to-all per (received, sent) pair, all issued, on private views (:class:`HandedOver`)."""
-        handed, works = [], []
-        for received, sent in pairs:
-            handed.append(HandedOver(received, sent))
-            received_view, sent_view = handed[-1].tensors
-            works.append(dist.all_to_all_single(received_view, sent_view, group=self.process_group, async_op=True))
-        return _Released(works, handed, reassemble)
+        pairs = [(piece_received, piece_sent) for _, _, piece_received, piece_sent in pieces]
+        return self._issue(dist.all_to_all_single, pairs, reassemble)
 
     def _raw_all_gather_async(self, send: torch.Tensor, received: torch.Tensor) -> Waitable | None:
         columns = self._segment_columns(send, send.numel(), send.element_size())
         if len(columns) <= 1:
-            return self._issue_all_gather([(received, send)])
+            return self._issue(_all_gather_flat, [(received, send)])
         # Segment k gathers elements [a, b) of every rank's message; they land at [a, b) of each rank's row.
         received_rows = received.view(self.world_size, -1)
         pieces = [(begin, end, send.new_empty((self.world_size, end - begin))) for begin, end in columns]
@@ -157,17 +145,21 @@ class TorchTransport(TransportBase):
             for begin, end, piece_received in pieces:
                 received_rows[:, begin:end].copy_(piece_received)
 
-        return self._issue_all_gather([(piece.view(-1), send[begin:end]) for begin, end, piece in pieces], reassemble)
+        pairs = [(piece.view(-1), send[begin:end]) for begin, end, piece in pieces]
+        return self._issue(_all_gather_flat, pairs, reassemble)
 
-    def _issue_all_gather(
-        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], reassemble: Callable[[], None] | None = None
+    def _issue(
+        self,
+        collective: Callable[..., Waitable],
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        reassemble: Callable[[], None] | None = None,
     ) -> _Released:
-        """One all-gather per (received, sent) pair, all issued, on private views (:class:`HandedOver`)."""
+        """``collective(received, sent)`` for each pair, all issued, on private views (:class:`HandedOver`)."""
         handed, works = [], []
         for received, sent in pairs:
             handed.append(HandedOver(received, sent))
             received_view, sent_view = handed[-1].tensors
-            works.append(_all_gather_flat(received_view, sent_view, group=self.process_group, async_op=True))
+            works.append(collective(received_view, sent_view, group=self.process_group, async_op=True))
         return _Released(works, handed, reassemble)
 
     def _segment_columns(self, send: torch.Tensor, columns: int, bytes_per_column: int) -> list[tuple[int, int]]:
