@@ -5,8 +5,8 @@ Each rank keeps its own momentum and computes its own pre-sign update ``c``; the
 per parameter, and every rank applies the same update, so parameters stay bitwise identical. With
 ``compression="none"`` it is exact Lion on the mean gradient. Lion's equations are in
 :mod:`ds_lioncub.lion`. This module keeps the torch.optim surface and orchestrates: set-up, state,
-which step path runs (:mod:`ds_lioncub.step_paths`), the overlap controller
-(:mod:`ds_lioncub.overlap`), the post-step hooks (:mod:`ds_lioncub.post_step`) and telemetry.
+which step path runs (:mod:`ds_lioncub.step.paths`), the overlap controller
+(:mod:`ds_lioncub.step.overlap`), the post-step hooks (:mod:`ds_lioncub.step.post_step`) and telemetry.
 """
 
 from __future__ import annotations
@@ -22,25 +22,25 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_lioncub.aggregation import Aggregator, build_aggregation
-from ds_lioncub.bucket_work import check_param_group
 from ds_lioncub.comm.backend import CompressedBackend
 from ds_lioncub.comm.quantize import tie_sign
 from ds_lioncub.comm.transport import CommStats, Transport, make_transport
 from ds_lioncub.config import LionCubConfig, parse_config
+from ds_lioncub.consistency.fingerprint import describe_parameters
 from ds_lioncub.errors import LionCubConfigError, LionCubError, LionCubSetupError
-from ds_lioncub.fingerprint import describe_parameters
-from ds_lioncub.local_state import (
+from ds_lioncub.param_selection import names_by_position
+from ds_lioncub.planner.auto import AutoResolution
+from ds_lioncub.step.bucket_work import check_param_group
+from ds_lioncub.step.local_state import (
     load_local_momenta,
     local_momenta,
     restore_aggregation_state,
     saved_aggregation_state,
 )
-from ds_lioncub.optimizer_setup import check_same_set_up, log_setting, resolve_auto_at_construction
-from ds_lioncub.overlap import OverlapController, overlap_transport
-from ds_lioncub.param_selection import names_by_position
-from ds_lioncub.planner.auto import AutoResolution
-from ds_lioncub.post_step import MomentumSync, PostStepHook, ReplicaCheck, StepDone
-from ds_lioncub.step_paths import StepContext, participants, run_step_path
+from ds_lioncub.step.overlap import OverlapController, overlap_transport
+from ds_lioncub.step.paths import StepContext, participants, run_step_path
+from ds_lioncub.step.post_step import MomentumSync, PostStepHook, ReplicaCheck, StepDone
+from ds_lioncub.step.setup import check_same_set_up, log_setting, resolve_auto_at_construction
 from ds_lioncub.telemetry import StepRecord, StepTelemetry, TelemetryTotals
 
 
@@ -99,7 +99,7 @@ class LionCub(torch.optim.Optimizer):
         self._parts: StepInParts | None = None
         # Inside bucket_keys_from(): the number the first tensor of a step() call has in bucket keys.
         self._first_key_tensor = 0
-        # The bucket schedule of compressed steps (step_paths.compressed_step); False runs buckets one by one.
+        # The bucket schedule of compressed steps (step.paths.compressed_step); False runs buckets one by one.
         self._pipelined_buckets = True
         # Per-step records (docs/design.md, section 15).
         self.telemetry = StepTelemetry(vote_stats=self.options.telemetry.vote_stats)
@@ -296,7 +296,7 @@ class LionCub(torch.optim.Optimizer):
         (DeepSpeed's ``engine.backward`` does it on the accumulation boundary). Buckets leave, in
         reverse parameter order, as soon as their gradients are accumulated; ``step()`` checks them
         against the final gradients and votes again where needed
-        (:func:`~ds_lioncub.step_paths.overlapped_step`). Votes from an earlier armed backward that
+        (:func:`~ds_lioncub.step.paths.overlapped_step`). Votes from an earlier armed backward that
         ``step()`` never used are waited for and dropped first, so a skipped step costs no exactness,
         only the wasted bytes. A world of one arms nothing.
         """
@@ -381,7 +381,7 @@ class LionCub(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One Lion Cub step: the step path for the aggregation (step_paths), then the post-step hooks."""
+        """One Lion Cub step: the step path for the aggregation (step.paths), then the post-step hooks."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -19,7 +19,7 @@ COMPATIBILITY_MODULES = {"ds_lioncub.comm.backend", "ds_lioncub.comm.legacy"}
 # What `from ds_lioncub.comm import NAME` would take from the compatibility layer.
 COMPATIBILITY_NAMES_IN_COMM = {"backend", "legacy", "CompressedBackend", "legacy_padded_numel"}
 VOTE_PATH_FILES = sorted(
-    [REPO / "ds_lioncub" / "aggregation.py", *(REPO / "ds_lioncub" / "planner").glob("*.py")], key=str
+    [*(REPO / "ds_lioncub" / "aggregation").glob("*.py"), *(REPO / "ds_lioncub" / "planner").glob("*.py")], key=str
 )
 
 
@@ -51,9 +51,11 @@ def test_aggregation_and_planner_import_nothing_from_the_compatibility_layer(pat
     assert not taken, f"{path.name} takes {sorted(taken)} from ds_lioncub.comm"
 
 
-def test_the_planner_files_are_all_scanned() -> None:
-    names = {path.name for path in VOTE_PATH_FILES}
-    assert {"aggregation.py", "model.py", "auto.py", "calibrate.py", "cli.py"} <= names
+def test_the_aggregation_and_planner_files_are_all_scanned() -> None:
+    names = {str(path.relative_to(REPO / "ds_lioncub")) for path in VOTE_PATH_FILES}
+    aggregations = {"aggregation/exact_mean.py", "aggregation/one_bit_vote.py", "aggregation/kbit_vote.py"}
+    planner = {"planner/model.py", "planner/auto.py", "planner/calibrate.py", "planner/cli.py"}
+    assert aggregations | {"aggregation/error_feedback.py"} | planner <= names
 
 
 def test_the_moved_names_are_still_importable_from_their_old_module_as_the_same_objects() -> None:

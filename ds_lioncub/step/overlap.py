@@ -13,7 +13,7 @@ momentum is updated at ``step()``, after the ranks agree the step can be taken.
 
 The messages are a guess: clipping, loss-scale unscaling or user code may change the gradients
 after backward. The step therefore packs every bucket again from the final gradients and compares
-(:func:`ds_lioncub.step_paths.overlapped_step`; docs/design.md section 9.2).
+(:func:`ds_lioncub.step.paths.overlapped_step`; docs/design.md section 9.2).
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 
 from ds_lioncub.aggregation import Aggregator, Bucket, build_aggregation
-from ds_lioncub.bucket_work import Entry, bucket_directions, mean_abs_direction
-from ds_lioncub.buckets import Piece, plan_buckets
 from ds_lioncub.comm.transport import CommStats, Transport
 from ds_lioncub.comm.transport.torch_dist import process_group_timeout
 from ds_lioncub.comm.votes import PendingAggregate
 from ds_lioncub.config import LionCubConfig
 from ds_lioncub.errors import LionCubSetupError
+from ds_lioncub.step.bucket_plan import Piece, plan_buckets
+from ds_lioncub.step.bucket_work import Entry, bucket_directions, mean_abs_direction
 
 
 @dataclass
@@ -124,7 +124,7 @@ class OverlapController:
 
     Owned by the optimizer. :meth:`set_up` runs at construction and on every re-binding to a process
     group; :meth:`arm` arms the next backward (``LionCub.overlap_next_backward``); the step takes the
-    armed backward with :meth:`take_armed` and runs it (:func:`ds_lioncub.step_paths.overlapped_step`).
+    armed backward with :meth:`take_armed` and runs it (:func:`ds_lioncub.step.paths.overlapped_step`).
     """
 
     def __init__(self) -> None:
