@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 import warnings
 from types import ModuleType
@@ -37,13 +38,19 @@ MOVED_MODULES = {
 
 
 def _importer_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning raised in this module at the ``import`` statement."""
-    level, frame = 1, sys._getframe(1)
-    while frame.f_back is not None and (
-        frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith("<frozen importlib")
-    ):
-        level, frame = level + 1, frame.f_back
-    return level
+    """The ``stacklevel`` that points a warning raised in :meth:`MovedModuleFinder.create_module` at the code that
+    imported the old path: the first frame outside this module and importlib. ``warnings`` skips importlib's
+    bootstrap frames by itself, so they are not counted."""
+    importlib_dir = os.path.dirname(importlib.__file__)
+    level, frame = 1, sys._getframe(2)  # level 1 is create_module; frame 2 is what called it
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not ("importlib" in filename and "_bootstrap" in filename):
+            level += 1
+            if filename != __file__ and not filename.startswith(importlib_dir):
+                return level
+        frame = frame.f_back
+    return 2
 
 
 class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
