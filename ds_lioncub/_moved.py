@@ -15,7 +15,7 @@ import importlib.machinery
 import os
 import sys
 import warnings
-from types import ModuleType
+from types import FrameType, ModuleType
 
 #: old module path -> the module's path now.
 MOVED_MODULES = {
@@ -42,7 +42,8 @@ def _importer_stacklevel() -> int:
     imported the old path: the first frame outside this module and importlib. ``warnings`` skips importlib's
     bootstrap frames by itself, so they are not counted."""
     importlib_dir = os.path.dirname(importlib.__file__)
-    level, frame = 1, sys._getframe(2)  # level 1 is create_module; frame 2 is what called it
+    level = 1  # create_module
+    frame: FrameType | None = sys._getframe(2)  # what called create_module
     while frame is not None:
         filename = frame.f_code.co_filename
         if not ("importlib" in filename and "_bootstrap" in filename):
