@@ -29,13 +29,13 @@ from ds_lioncub.comm.quantize import tie_sign
 from ds_lioncub.comm.transport import CommStats, Transport, make_transport
 from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.errors import LionCubError
-from ds_lioncub.param_selection import names_by_position
 from ds_lioncub.planner.auto import AutoResolution
 from ds_lioncub.step.bucket_work import check_param_group
 from ds_lioncub.step.local_state import (
     CheckpointedState,
 )
 from ds_lioncub.step.overlap import OverlapController, OverlapControls
+from ds_lioncub.step.param_selection import names_by_position
 from ds_lioncub.step.parts import StepInParts, SteppedInParts
 from ds_lioncub.step.paths import StepContext, participants, run_step_path
 from ds_lioncub.step.post_step import MomentumSync, PostStepHook, ReplicaCheck, StepDone

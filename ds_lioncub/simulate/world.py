@@ -29,7 +29,6 @@ from ds_lioncub.comm.quantize import tie_sign
 from ds_lioncub.comm.transport import CommStats
 from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.errors import LionCubConfigError, LionCubError, NonFiniteGradientError
-from ds_lioncub.param_selection import names_by_position, select_parameters
 from ds_lioncub.simulate.agreement import AgreementStats, AgreementTally, summed_directions
 from ds_lioncub.simulate.transport import VirtualNetwork
 from ds_lioncub.step.bucket_plan import Piece, plan_buckets
@@ -47,6 +46,7 @@ from ds_lioncub.step.bucket_work import (
     prepare_sign_message,
     whole_tensor_mean_abs,
 )
+from ds_lioncub.step.param_selection import names_by_position, select_parameters
 
 #: Options that describe a real network or job, which a virtual world has none of: refused when given.
 NETWORK_OPTIONS = {

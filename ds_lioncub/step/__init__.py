@@ -9,6 +9,8 @@
 - :mod:`~ds_lioncub.step.overlap`: votes started during backward (option ``overlap``);
 - :mod:`~ds_lioncub.step.post_step`: what runs after every step, as hooks (momentum sync, the replica check);
 - :mod:`~ds_lioncub.step.local_state`: the per-rank state a checkpoint keeps (momenta, aggregation state);
+- :mod:`~ds_lioncub.step.param_selection`: the parameters' names by position, the layers momentum sync selects;
+- :mod:`~ds_lioncub.step.parts`: a step taken in several ``step()`` calls, and calls that only create state;
 - :mod:`~ds_lioncub.step.setup`: the set-up before the first step (the same on every rank,
   ``compression="auto"`` resolved, the setting logged).
 

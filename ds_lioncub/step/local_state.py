@@ -21,7 +21,7 @@ from torch import nn
 from ds_lioncub.aggregation import Aggregator
 from ds_lioncub.consistency.fingerprint import describe_parameters
 from ds_lioncub.errors import LionCubSetupError
-from ds_lioncub.param_selection import names_by_position
+from ds_lioncub.step.param_selection import names_by_position
 
 
 def local_momenta(

@@ -19,9 +19,9 @@ from ds_lioncub.aggregation import COMM_DTYPES, Bucket, ExactMean
 from ds_lioncub.comm.transport import Transport
 from ds_lioncub.config import ConsistencyCheckConfig, MomentumSyncConfig
 from ds_lioncub.consistency.replica_check import check_replicas
-from ds_lioncub.param_selection import select_parameters
 from ds_lioncub.step.bucket_plan import plan_buckets
 from ds_lioncub.step.bucket_work import piece_of
+from ds_lioncub.step.param_selection import select_parameters
 
 
 @dataclass(frozen=True)

@@ -197,6 +197,7 @@ MOVED = {
     "ds_lioncub.post_step": "ds_lioncub.step.post_step",
     "ds_lioncub.local_state": "ds_lioncub.step.local_state",
     "ds_lioncub.optimizer_setup": "ds_lioncub.step.setup",
+    "ds_lioncub.param_selection": "ds_lioncub.step.param_selection",
     "ds_lioncub.fingerprint": "ds_lioncub.consistency.fingerprint",
     "ds_lioncub.replica_check": "ds_lioncub.consistency.replica_check",
 }
