@@ -39,17 +39,9 @@ from typing import Protocol
 
 import torch
 
-from ds_lioncub.aggregation.state import (
-    AggregationState,
-    Bucket,
-)
+from ds_lioncub.aggregation.state import AggregationState, Bucket
 from ds_lioncub.comm.transport import Transport
-from ds_lioncub.comm.votes import (
-    PendingAggregate,
-    PendingResult,
-    finish_aggregate,
-    voted_signs_packed,
-)
+from ds_lioncub.comm.votes import PendingAggregate, PendingResult, finish_aggregate, voted_signs_packed
 
 
 class Aggregator(Protocol):

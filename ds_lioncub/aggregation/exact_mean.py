@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ds_lioncub.aggregation.state import (
-    Bucket,
-    ExactMeanState,
-)
+from ds_lioncub.aggregation.state import Bucket, ExactMeanState
 from ds_lioncub.comm.transport import Transport
-from ds_lioncub.comm.votes import (
-    PendingAggregate,
-)
+from ds_lioncub.comm.votes import PendingAggregate
 
 COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

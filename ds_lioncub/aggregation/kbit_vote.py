@@ -5,10 +5,7 @@ from __future__ import annotations
 import torch
 
 from ds_lioncub.aggregation.base import VoteStages
-from ds_lioncub.aggregation.state import (
-    Bucket,
-    KbitVoteState,
-)
+from ds_lioncub.aggregation.state import Bucket, KbitVoteState
 from ds_lioncub.comm.kbit import KbitCodec
 from ds_lioncub.comm.quantize import l1_segment_scales
 from ds_lioncub.comm.transport import Transport

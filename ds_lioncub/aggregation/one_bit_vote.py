@@ -5,10 +5,7 @@ from __future__ import annotations
 import torch
 
 from ds_lioncub.aggregation.base import VoteStages
-from ds_lioncub.aggregation.state import (
-    Bucket,
-    OneBitVoteState,
-)
+from ds_lioncub.aggregation.state import Bucket, OneBitVoteState
 from ds_lioncub.comm.transport import Transport
 from ds_lioncub.comm.votes import (
     PendingAggregate,
