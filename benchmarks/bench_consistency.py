@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.timing import median_seconds
 from ds_lioncub import LionCub
-from ds_lioncub.replica_check import parameter_checksums
+from ds_lioncub.consistency.replica_check import parameter_checksums
 from examples.gpt import GPT, GPTConfig
 
 MODELS = {

@@ -162,11 +162,16 @@ def _init_worker(threads: int) -> None:
 CODE_FILES = (
     "ds_lioncub/simulate/world.py",
     "ds_lioncub/simulate/transport.py",
-    "ds_lioncub/bucket_work.py",
-    "ds_lioncub/aggregation.py",
+    "ds_lioncub/step/bucket_work.py",
+    "ds_lioncub/aggregation/__init__.py",
+    "ds_lioncub/aggregation/base.py",
+    "ds_lioncub/aggregation/kbit_vote.py",
+    "ds_lioncub/aggregation/one_bit_vote.py",
+    "ds_lioncub/aggregation/exact_mean.py",
+    "ds_lioncub/aggregation/state.py",
     "ds_lioncub/simulate/gradients.py",
     "ds_lioncub/simulate/train.py",
-    "ds_lioncub/error_feedback.py",
+    "ds_lioncub/aggregation/error_feedback.py",
 )
 _CODE: dict[str, str] = {}
 

@@ -3,6 +3,7 @@
 Importing the package registers ``"type": "LionCub"`` with DeepSpeed (:func:`ds_lioncub.integration.register`).
 """
 
+from ds_lioncub import _moved
 from ds_lioncub._version import __version__
 from ds_lioncub.comm import CommStats, CompressedBackend
 from ds_lioncub.config import LionCubConfig, parse_config
@@ -35,4 +36,5 @@ __all__ = [
     "register_with_deepspeed",
 ]
 
+_moved.install()  # the module paths that moved into sub-packages keep importing
 register_with_deepspeed()

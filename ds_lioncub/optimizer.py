@@ -5,16 +5,18 @@ Each rank keeps its own momentum and computes its own pre-sign update ``c``; the
 per parameter, and every rank applies the same update, so parameters stay bitwise identical. With
 ``compression="none"`` it is exact Lion on the mean gradient. Lion's equations are in
 :mod:`ds_lioncub.lion`. This module keeps the torch.optim surface and orchestrates: set-up, state,
-which step path runs (:mod:`ds_lioncub.step_paths`), the overlap controller
-(:mod:`ds_lioncub.overlap`), the post-step hooks (:mod:`ds_lioncub.post_step`) and telemetry.
+which step path runs (:mod:`ds_lioncub.step.paths`), the overlap controller
+(:mod:`ds_lioncub.step.overlap`), the post-step hooks (:mod:`ds_lioncub.step.post_step`) and telemetry.
+Three groups of its public methods live beside their machinery, as base classes: a step in parts
+(:class:`~ds_lioncub.step.parts.SteppedInParts`), option ``overlap``
+(:class:`~ds_lioncub.step.overlap.OverlapControls`) and what a checkpoint keeps
+(:class:`~ds_lioncub.step.local_state.CheckpointedState`).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -22,29 +24,26 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_lioncub.aggregation import Aggregator, build_aggregation
-from ds_lioncub.bucket_work import check_param_group
 from ds_lioncub.comm.backend import CompressedBackend
 from ds_lioncub.comm.quantize import tie_sign
 from ds_lioncub.comm.transport import CommStats, Transport, make_transport
 from ds_lioncub.config import LionCubConfig, parse_config
-from ds_lioncub.errors import LionCubConfigError, LionCubError, LionCubSetupError
-from ds_lioncub.fingerprint import describe_parameters
-from ds_lioncub.local_state import (
-    load_local_momenta,
-    local_momenta,
-    restore_aggregation_state,
-    saved_aggregation_state,
-)
-from ds_lioncub.optimizer_setup import check_same_set_up, log_setting, resolve_auto_at_construction
-from ds_lioncub.overlap import OverlapController, overlap_transport
-from ds_lioncub.param_selection import names_by_position
+from ds_lioncub.errors import LionCubError
 from ds_lioncub.planner.auto import AutoResolution
-from ds_lioncub.post_step import MomentumSync, PostStepHook, ReplicaCheck, StepDone
-from ds_lioncub.step_paths import StepContext, participants, run_step_path
+from ds_lioncub.step.bucket_work import check_param_group
+from ds_lioncub.step.local_state import (
+    CheckpointedState,
+)
+from ds_lioncub.step.overlap import OverlapController, OverlapControls
+from ds_lioncub.step.param_selection import names_by_position
+from ds_lioncub.step.parts import StepInParts, SteppedInParts
+from ds_lioncub.step.paths import StepContext, participants, run_step_path
+from ds_lioncub.step.post_step import MomentumSync, PostStepHook, ReplicaCheck, StepDone
+from ds_lioncub.step.setup import check_same_set_up, log_setting, resolve_auto_at_construction
 from ds_lioncub.telemetry import StepRecord, StepTelemetry, TelemetryTotals
 
 
-class LionCub(torch.optim.Optimizer):
+class LionCub(SteppedInParts, OverlapControls, CheckpointedState, torch.optim.Optimizer):
     """Lion with local momentum and a 1-bit / k-bit vote over the data-parallel ranks.
 
     Args:
@@ -99,7 +98,7 @@ class LionCub(torch.optim.Optimizer):
         self._parts: StepInParts | None = None
         # Inside bucket_keys_from(): the number the first tensor of a step() call has in bucket keys.
         self._first_key_tensor = 0
-        # The bucket schedule of compressed steps (step_paths.compressed_step); False runs buckets one by one.
+        # The bucket schedule of compressed steps (step.paths.compressed_step); False runs buckets one by one.
         self._pipelined_buckets = True
         # Per-step records (docs/design.md, section 15).
         self.telemetry = StepTelemetry(vote_stats=self.options.telemetry.vote_stats)
@@ -204,23 +203,6 @@ class LionCub(torch.optim.Optimizer):
     def _make_transport(self, process_group: dist.ProcessGroup | None) -> Transport:
         return make_transport(process_group, self.options.comm_backend_name, self.options.cuda_aware)
 
-    def _set_up_overlap(self) -> None:
-        """With ``overlap``: the vote over a group of its own and a gradient hook on every parameter (once)."""
-        ranks = self._voter_ranks() if self.options.overlap and self.transport.world_size > 1 else []
-        params = self._flat_params()
-        self._overlap.set_up(self.options, self.transport.world_size, ranks, self._make_overlap_transport, params)
-
-    def _voter_ranks(self) -> list[int]:
-        """The global ranks of the voters' group."""
-        group = self.process_group if self.process_group is not None else dist.group.WORLD
-        return list(dist.get_process_group_ranks(group))
-
-    def _make_overlap_transport(self, ranks: list[int]) -> Transport:
-        """The overlap vote's transport: a new process group of the voters (global ``ranks``)."""
-        params = self._flat_params()
-        device = params[0].device if params else torch.device("cpu")
-        return overlap_transport(ranks, self._make_transport, device)
-
     def _flat_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
@@ -228,57 +210,6 @@ class LionCub(torch.optim.Optimizer):
         """Name every parameter (from named params or the module) and select momentum-sync layers."""
         self.param_names = names_by_position(self.param_groups, self.module)
         self._momentum_sync.select(self._flat_params(), self.param_names, self.module)
-
-    @contextmanager
-    def initialising_states(self) -> Iterator[None]:
-        """Within this block ``step()`` only creates optimizer state and changes nothing.
-
-        DeepSpeed's fp16/bf16 wrapper calls ``step()`` once on zero gradients to create the state;
-        for Lion Cub a real step would move every parameter by lr (a zero vote is a tie).
-        """
-        self._states_only = True
-        try:
-            yield
-        finally:
-            self._states_only = False
-
-    @contextmanager
-    def optimizer_step_in_parts(self) -> Iterator[None]:
-        """Within this block every ``step()`` call is one part of a single optimizer step.
-
-        For callers that step the parameters in several calls, each with only some of them in
-        ``param_groups`` (DeepSpeed's ZeRO-3 steps one flat sub-group per call). Every part runs with
-        the same step number, so the tie rule is the step's; each part does its own tensors' work (the
-        vote, the post-step hooks on its tensors, one telemetry record). The step count advances once,
-        when the block ends after at least one part; a block in which no part ran (a skipped step) or
-        that raised leaves it as it was.
-        """
-        if self._parts is not None:
-            raise LionCubSetupError("LionCub: optimizer_step_in_parts() blocks do not nest; end the first one.")
-        parts = StepInParts(self.param_groups[0]["step"] + 1 if self.param_groups else 1)
-        self._parts = parts
-        try:
-            yield
-        finally:
-            self._parts = None
-        if parts.taken:
-            for group in self.param_groups:
-                group["step"] = parts.step
-
-    @contextmanager
-    def bucket_keys_from(self, first_tensor: int) -> Iterator[None]:
-        """Within this block the tensors of a ``step()`` call are numbered from ``first_tensor`` in the bucket
-        keys under which error feedback keeps its state (:attr:`~ds_lioncub.aggregation.Bucket.key`).
-
-        For callers that step the parameters in several calls per optimizer step (DeepSpeed's ZeRO-1/2
-        steps each param group in its own call, every call's tensors then numbered from 0): numbering each
-        call's tensors after the earlier calls' keeps each tensor's state its own.
-        """
-        before, self._first_key_tensor = self._first_key_tensor, first_tensor
-        try:
-            yield
-        finally:
-            self._first_key_tensor = before
 
     # ------------------------------------------------------------------ public helpers
 
@@ -288,47 +219,6 @@ class LionCub(torch.optim.Optimizer):
         if self._agreement_transport is not self.transport:  # the world-wide finite check under ZeRO hybrid
             stats = stats + self._agreement_transport.stats
         return stats + self._overlap.traffic()  # votes started during backward, and those voted again
-
-    def overlap_next_backward(self) -> None:
-        """Start the bucket votes of the next backward from its gradient hooks (option ``overlap``).
-
-        Call it on every rank before ``loss.backward()`` of the last micro-step before ``step()``
-        (DeepSpeed's ``engine.backward`` does it on the accumulation boundary). Buckets leave, in
-        reverse parameter order, as soon as their gradients are accumulated; ``step()`` checks them
-        against the final gradients and votes again where needed
-        (:func:`~ds_lioncub.step_paths.overlapped_step`). Votes from an earlier armed backward that
-        ``step()`` never used are waited for and dropped first, so a skipped step costs no exactness,
-        only the wasted bytes. A world of one arms nothing.
-        """
-        if not self.options.overlap:
-            raise LionCubConfigError(
-                "LionCub: overlap_next_backward() starts votes during backward, which needs the option overlap=True; "
-                "construct LionCub with overlap=True or drop the call."
-            )
-        positive_ties = tie_sign(self.param_groups[0]["step"] + 1, self.options.tie_break) > 0
-        self._overlap.arm(self.param_groups, self.state, positive_ties, self.options.bucket_size)
-
-    def discard_overlapped_votes(self) -> None:
-        """Wait for and drop the votes of an armed backward whose step will not come (a skipped step).
-
-        Collective: every rank must call it, as every rank armed. ``overlap_next_backward`` calls it.
-        """
-        self._overlap.discard()
-
-    @property
-    def votes_in_flight(self) -> bool:
-        """Whether a backward was armed (``overlap_next_backward``) and its step has not run yet."""
-        return self._overlap.armed is not None
-
-    @property
-    def buckets_launched_in_backward(self) -> int:
-        """Buckets of armed backwards launched before ``step()``, from gradient hooks (overlap=True)."""
-        return self._overlap.buckets_launched_in_backward
-
-    @property
-    def revoted_buckets(self) -> int:
-        """Buckets voted again at ``step()`` because some rank's final message differed (overlap=True)."""
-        return self._overlap.revoted_buckets
 
     @property
     def last_step_telemetry(self) -> StepRecord | None:
@@ -345,43 +235,11 @@ class LionCub(torch.optim.Optimizer):
         """The parameters whose ``exp_avg`` momentum sync averages."""
         return [p for position, p in enumerate(self._flat_params()) if position in self._momentum_sync.positions]
 
-    def parameter_layout(self) -> list[str]:
-        """One line per parameter in flat position order: name (or ``#position``), shape, dtype.
-
-        What the ranks compare at set-up and what a checkpoint's momenta must match on load.
-        """
-        names = self.param_names if self.param_names is not None else names_by_position(self.param_groups, self.module)
-        params = self._flat_params()
-        return describe_parameters(list(names) if names is not None else [None] * len(params), params)
-
-    def local_momentum_state(self) -> list[torch.Tensor | None]:
-        """This rank's ``exp_avg`` by flat parameter position (None: no state yet), for checkpoints."""
-        return local_momenta(self._flat_params(), self.state)
-
-    def load_local_momentum(self, momenta: list[torch.Tensor | None]) -> None:
-        """Set ``exp_avg`` by flat parameter position (``None`` leaves a parameter's state as it is).
-
-        Raises :class:`~ds_lioncub.errors.LionCubSetupError` when the count does not match.
-        """
-        load_local_momenta(self._flat_params(), self.state, momenta)
-
-    def aggregation_state(self) -> dict[str, Any] | None:
-        """This rank's aggregation state for checkpoints (error feedback's residuals or estimates, per bucket,
-        on the CPU); None where the aggregation keeps nothing across steps."""
-        return saved_aggregation_state(self._aggregator)
-
-    def load_aggregation_state(self, state: dict[str, Any] | None) -> str:
-        """Take over :meth:`aggregation_state` of a checkpoint: "" when taken, else why the aggregation keeps
-        its fresh state (error feedback then starts over from zeros)."""
-        params = self._flat_params()
-        device = params[0].device if params else torch.device("cpu")
-        return restore_aggregation_state(self._aggregator, state, device)
-
     # ------------------------------------------------------------------ the step
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One Lion Cub step: the step path for the aggregation (step_paths), then the post-step hooks."""
+        """One Lion Cub step: the step path for the aggregation (step.paths), then the post-step hooks."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -430,11 +288,3 @@ class LionCub(torch.optim.Optimizer):
             self.telemetry.note_feedback(aggregation.state.feedback_kind, aggregation.state.take_feedback_ratio())
         self.telemetry.close_step(step, self.transport, self.comm_stats)
         return loss
-
-
-@dataclass
-class StepInParts:
-    """The optimizer step that ``step()`` calls are parts of (:meth:`LionCub.optimizer_step_in_parts`)."""
-
-    step: int
-    taken: int = 0

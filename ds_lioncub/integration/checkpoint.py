@@ -44,8 +44,8 @@ import torch.distributed as dist
 
 from ds_lioncub._logging import get_logger
 from ds_lioncub.comm.transport import make_transport
+from ds_lioncub.consistency.fingerprint import gather_texts
 from ds_lioncub.errors import LionCubSetupError
-from ds_lioncub.fingerprint import gather_texts
 from ds_lioncub.integration.hybrid_zero import HybridSetup
 from ds_lioncub.optimizer import LionCub
 

@@ -33,8 +33,8 @@ from typing import Any
 from ds_lioncub._version import __version__
 from ds_lioncub.comm.transport import make_transport
 from ds_lioncub.config import parse_config
+from ds_lioncub.consistency.fingerprint import check_same_on_every_rank, describe_parameters
 from ds_lioncub.errors import LionCubConfigError
-from ds_lioncub.fingerprint import check_same_on_every_rank, describe_parameters
 from ds_lioncub.integration import checkpoint
 from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE, configure_hybrid_zero
 from ds_lioncub.integration.hybrid_zero3 import configure_zero3, flat_groups_visible, node_zero_writes_the_model_states

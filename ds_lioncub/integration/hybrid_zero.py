@@ -39,8 +39,8 @@ from ds_lioncub.comm.kbit import KbitCodec
 from ds_lioncub.comm.topology import HybridGroups
 from ds_lioncub.comm.transport import make_transport
 from ds_lioncub.comm.transport.released import HandedOver
+from ds_lioncub.consistency.fingerprint import gather_texts
 from ds_lioncub.errors import LionCubSetupError
-from ds_lioncub.fingerprint import gather_texts
 from ds_lioncub.optimizer import LionCub
 
 # The attribute of a DeepSpeedEngine that holds its hybrid set-up (absent: not a hybrid engine).

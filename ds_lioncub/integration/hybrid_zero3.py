@@ -36,8 +36,8 @@ from deepspeed.runtime.utils import is_invalid_grad_norm
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from ds_lioncub.comm.transport import make_transport
+from ds_lioncub.consistency.fingerprint import gather_texts
 from ds_lioncub.errors import LionCubConfigError
-from ds_lioncub.fingerprint import gather_texts
 from ds_lioncub.integration.hybrid_zero import (
     ENGINE_ATTRIBUTE,
     HybridSetup,

@@ -24,8 +24,8 @@ import torch
 from ds_lioncub.comm.topology import create_groups, plan_hybrid, resolve_node_size
 from ds_lioncub.comm.transport import make_transport
 from ds_lioncub.config import LionCubConfig
+from ds_lioncub.consistency.fingerprint import agreed_text
 from ds_lioncub.errors import LionCubConfigError
-from ds_lioncub.fingerprint import agreed_text
 from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE, HybridSetup, check_node_blocks_on_one_host
 from ds_lioncub.integration.hybrid_zero3 import refuse_a_model_partitioned_elsewhere
 from ds_lioncub.optimizer import LionCub

@@ -10,7 +10,7 @@ step: the updated partitions are the parameters.
   parameters.
 - The hybrid (docs/design.md, section 12.1): the same collectives over the node's G ranks only (nothing of
   them leaves a node), and the vote of each rank's ``1/G`` slice with its counterparts on the other nodes,
-  priced as the ZeRO-1/2 hybrid's (:func:`~ds_lioncub.planner.model.hybrid_candidate`), plus the finite check
+  priced as the ZeRO-1/2 hybrid's (:func:`~ds_lioncub.planner.candidates.hybrid_candidate`), plus the finite check
   over the world.
 
 What is left out, as for ZeRO-2: the gathers are priced as whole buckets of ``zero_bucket_size``
@@ -26,16 +26,16 @@ from __future__ import annotations
 from typing import Any
 
 from ds_lioncub.comm import wire
+from ds_lioncub.planner.candidates import hybrid_candidate
 from ds_lioncub.planner.cluster import Cluster, Network
 from ds_lioncub.planner.local_costs import LION_UPDATE, LocalCosts
-from ds_lioncub.planner.model import (
+from ds_lioncub.planner.pricing import (
     ELEMENT_SIZE,
     Candidate,
-    _candidate,
-    _compressed_modes,
-    _Tally,
+    Tally,
     bucket_sizes,
-    hybrid_candidate,
+    compressed_modes,
+    priced_candidate,
 )
 
 
@@ -45,13 +45,13 @@ def exact_zero3_candidate(
     """Exact Lion under ZeRO-3 over the world: two parameter all-gathers and a gradient reduce-scatter a step."""
     p, node_size = cluster.world_size, cluster.gpus_per_node
     params: dict[str, Any] = {"compression": "none"} | ({} if comm_dtype == "fp32" else {"comm_dtype": comm_dtype})
-    tally = _Tally()
+    tally = Tally()
     for bucket in bucket_sizes(num_params, bucket_size):
         tally.add(wire.zero3_collectives(bucket, p, ELEMENT_SIZE[comm_dtype]), "spanning", node_size, network)
     # As ZeRO-2's exact candidate: Lion on this rank's partition, the gradients' conversion on all of them.
     conversion = costs.cost(f"none/{comm_dtype}") * num_params if p > 1 else 0.0
     local = costs.cost(LION_UPDATE) * wire.zero_partition_numel(num_params, p) + conversion
-    return _candidate(f"exact Lion, {comm_dtype} ZeRO-3 over the world", params, 3, tally, local)
+    return priced_candidate(f"exact Lion, {comm_dtype} ZeRO-3 over the world", params, 3, tally, local)
 
 
 def hybrid_zero3_candidate(
@@ -88,7 +88,7 @@ def zero3_candidates(
     """
     candidates = [exact_zero3_candidate(num_params, cluster, network, costs, exact_comm_dtype, zero_bucket_size)]
     if cluster.nodes > 1 and (cluster.gpus_per_node > 1 or hybrid_with_one_rank_per_node):
-        for label, params in _compressed_modes(cluster.nodes):
+        for label, params in compressed_modes(cluster.nodes):
             candidates.append(
                 hybrid_zero3_candidate(
                     label, params, num_params, cluster, network, costs, bucket_size, zero_bucket_size

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from ds_lioncub.aggregation import Aggregator
-from ds_lioncub.bucket_work import Entry, grad_piece, piece_of
-from ds_lioncub.buckets import Piece
 from ds_lioncub.lion import lion_direction
+from ds_lioncub.step.bucket_plan import Piece
+from ds_lioncub.step.bucket_work import Entry, grad_piece, piece_of
 
 
 @dataclass(frozen=True)

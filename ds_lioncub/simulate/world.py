@@ -4,7 +4,7 @@ In Lion Cub every replica applies the same update, so N workers need one copy of
 N momenta. Each step, every worker computes its pre-sign update from its own gradient and momentum,
 the aggregation combines the N messages as the collectives would, and the shared parameters take
 the result. Nothing here re-implements the math: the workers' local work is
-:mod:`ds_lioncub.bucket_work` (what :class:`~ds_lioncub.LionCub` runs on each rank), each worker's
+:mod:`ds_lioncub.step.bucket_work` (what :class:`~ds_lioncub.LionCub` runs on each rank), each worker's
 aggregation is the one :func:`~ds_lioncub.aggregation.build_aggregation` builds for a real rank (the
 same codecs, quantizers, tie rule, world-size limits), over a :class:`VirtualTransport` whose
 network moves the bytes in memory. The bucket plan, the tie rule of each step and momentum sync are
@@ -24,7 +24,15 @@ import torch
 from torch import nn
 
 from ds_lioncub.aggregation import COMM_DTYPES, AggregationState, Aggregator, Bucket, ExactMean, build_aggregation
-from ds_lioncub.bucket_work import (
+from ds_lioncub.comm.packing import unpack_signs
+from ds_lioncub.comm.quantize import tie_sign
+from ds_lioncub.comm.transport import CommStats
+from ds_lioncub.config import LionCubConfig, parse_config
+from ds_lioncub.errors import LionCubConfigError, LionCubError, NonFiniteGradientError
+from ds_lioncub.simulate.agreement import AgreementStats, AgreementTally, summed_directions
+from ds_lioncub.simulate.transport import VirtualNetwork
+from ds_lioncub.step.bucket_plan import Piece, plan_buckets
+from ds_lioncub.step.bucket_work import (
     BucketBuffers,
     Entry,
     apply_bucket,
@@ -38,15 +46,7 @@ from ds_lioncub.bucket_work import (
     prepare_sign_message,
     whole_tensor_mean_abs,
 )
-from ds_lioncub.buckets import Piece, plan_buckets
-from ds_lioncub.comm.packing import unpack_signs
-from ds_lioncub.comm.quantize import tie_sign
-from ds_lioncub.comm.transport import CommStats
-from ds_lioncub.config import LionCubConfig, parse_config
-from ds_lioncub.errors import LionCubConfigError, LionCubError, NonFiniteGradientError
-from ds_lioncub.param_selection import names_by_position, select_parameters
-from ds_lioncub.simulate.agreement import AgreementStats, AgreementTally, summed_directions
-from ds_lioncub.simulate.transport import VirtualNetwork
+from ds_lioncub.step.param_selection import names_by_position, select_parameters
 
 #: Options that describe a real network or job, which a virtual world has none of: refused when given.
 NETWORK_OPTIONS = {

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from ds_lioncub.buckets import Piece, plan_buckets
+from ds_lioncub.step.bucket_plan import Piece, plan_buckets
 
 
 def P(index: int, start: int, length: int) -> Piece:

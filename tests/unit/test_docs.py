@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel
 
 from ds_lioncub.config import LionCubConfig
-from ds_lioncub.config_reference import COMMAND, main, render
+from ds_lioncub.config.reference import COMMAND, main, render
 
 REPO = Path(__file__).resolve().parents[2]
 

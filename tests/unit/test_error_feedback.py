@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ds_lioncub import LionCubConfigError, parse_config
-from ds_lioncub.error_feedback import ResidualState
+from ds_lioncub.aggregation.error_feedback import ResidualState
 from ds_lioncub.simulate import VirtualLionCub
 from tests.support import scenarios as sc
 from tests.support.error_feedback_reference import EfWorld, plan_pieces, simulate_ef

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-import ds_lioncub.optimizer_setup as optimizer_setup
 import ds_lioncub.planner.convergence as convergence
+import ds_lioncub.step.setup as optimizer_setup
 from ds_lioncub import LionCub, parse_config
 from ds_lioncub._logging import get_logger
 from ds_lioncub.comm import wire

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ds_lioncub.comm.transport import TorchTransport
-from ds_lioncub.replica_check import check_replicas, parameter_checksums
+from ds_lioncub.consistency.replica_check import check_replicas, parameter_checksums
 
 NUMPY_INTS = {torch.float64: np.int64, torch.float32: np.int32, torch.float16: np.int16}
 

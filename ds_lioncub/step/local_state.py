@@ -11,13 +11,17 @@ keeps per-bucket state (:class:`~ds_lioncub.aggregation.AggregationState`), save
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from ds_lioncub.aggregation import Aggregator
+from ds_lioncub.consistency.fingerprint import describe_parameters
 from ds_lioncub.errors import LionCubSetupError
+from ds_lioncub.step.param_selection import names_by_position
 
 
 def local_momenta(
@@ -79,6 +83,52 @@ def restore_aggregation_state(aggregator: Aggregator | None, state: dict[str, An
     except ValueError as error:
         return str(error)
     return ""
+
+
+class CheckpointedState:
+    """What :class:`~ds_lioncub.optimizer.LionCub` hands a checkpoint beside DeepSpeed's files, and takes back
+    (a base class of LionCub: the attributes below are LionCub's)."""
+
+    param_groups: list[dict[str, Any]]
+    state: defaultdict[torch.Tensor, Any]
+    param_names: list[str] | None
+    module: nn.Module | None
+    _aggregator: Aggregator | None
+
+    def _flat_params(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def parameter_layout(self) -> list[str]:
+        """One line per parameter in flat position order: name (or ``#position``), shape, dtype.
+
+        What the ranks compare at set-up and what a checkpoint's momenta must match on load.
+        """
+        names = self.param_names if self.param_names is not None else names_by_position(self.param_groups, self.module)
+        params = self._flat_params()
+        return describe_parameters(list(names) if names is not None else [None] * len(params), params)
+
+    def local_momentum_state(self) -> list[torch.Tensor | None]:
+        """This rank's ``exp_avg`` by flat parameter position (None: no state yet), for checkpoints."""
+        return local_momenta(self._flat_params(), self.state)
+
+    def load_local_momentum(self, momenta: list[torch.Tensor | None]) -> None:
+        """Set ``exp_avg`` by flat parameter position (``None`` leaves a parameter's state as it is).
+
+        Raises :class:`~ds_lioncub.errors.LionCubSetupError` when the count does not match.
+        """
+        load_local_momenta(self._flat_params(), self.state, momenta)
+
+    def aggregation_state(self) -> dict[str, Any] | None:
+        """This rank's aggregation state for checkpoints (error feedback's residuals or estimates, per bucket,
+        on the CPU); None where the aggregation keeps nothing across steps."""
+        return saved_aggregation_state(self._aggregator)
+
+    def load_aggregation_state(self, state: dict[str, Any] | None) -> str:
+        """Take over :meth:`aggregation_state` of a checkpoint: "" when taken, else why the aggregation keeps
+        its fresh state (error feedback then starts over from zeros)."""
+        params = self._flat_params()
+        device = params[0].device if params else torch.device("cpu")
+        return restore_aggregation_state(self._aggregator, state, device)
 
 
 __all__ = ["load_local_momenta", "local_momenta", "restore_aggregation_state", "saved_aggregation_state"]

@@ -2,7 +2,8 @@
 
 ``momentum_sync``, ``consistency_check``, ``telemetry``, ``error_feedback``, ``hybrid`` and ``network`` are
 each a small validated model with a docstring under every field (docs/options.md is rendered from them);
-:mod:`ds_lioncub.config` holds the top-level options, the rules across options and :func:`parse_config`.
+:mod:`ds_lioncub.config.options` holds the top-level options and :func:`~ds_lioncub.config.parse_config`;
+the rules across options are :mod:`ds_lioncub.config.rules`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Literal
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from ds_lioncub.config_types import (
+from ds_lioncub.config.strict_types import (
     Duration,
     Flag,
     OptionalRate,

@@ -4,8 +4,8 @@ Every option's type, default and bounds come from its field, and its meaning fro
 so the reference cannot drift from what :func:`~ds_lioncub.config.parse_config` accepts:
 tests/unit/test_docs.py fails when the committed file differs from what this renders.
 
-    python -m ds_lioncub.config_reference --write docs/options.md   # after changing an option
-    python -m ds_lioncub.config_reference --check docs/options.md   # exit 1 when the file is stale
+    python -m ds_lioncub.config.reference --write docs/options.md   # after changing an option
+    python -m ds_lioncub.config.reference --check docs/options.md   # exit 1 when the file is stale
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from pydantic import BaseModel, BeforeValidator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from ds_lioncub.config import LionCubConfig
-from ds_lioncub.config_types import duration, only_booleans, rate
+from ds_lioncub.config.options import LionCubConfig
+from ds_lioncub.config.strict_types import duration, only_booleans, rate
 
-COMMAND = "python -m ds_lioncub.config_reference --write docs/options.md"
+COMMAND = "python -m ds_lioncub.config.reference --write docs/options.md"
 
 _HEADER = f"""# Option reference
 
-<!-- Generated from the field docstrings of ds_lioncub/config.py by `{COMMAND}`.
+<!-- Generated from the field docstrings of ds_lioncub/config/ by `{COMMAND}`.
      Do not edit by hand: tests/unit/test_docs.py fails when this file is stale. -->
 
 A block is a nested object, e.g. `"momentum_sync": {{"interval": 10}}`; "unset" is an option left out
@@ -159,7 +159,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ds_lioncub.config_reference", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m ds_lioncub.config.reference", description=__doc__.splitlines()[0])
     action = parser.add_mutually_exclusive_group()
     action.add_argument("--write", metavar="PATH", type=Path, help="write the reference to PATH")
     action.add_argument("--check", metavar="PATH", type=Path, help="exit 1 when PATH differs from the reference")

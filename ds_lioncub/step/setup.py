@@ -17,7 +17,7 @@ from ds_lioncub._version import __version__
 from ds_lioncub.aggregation import Aggregator
 from ds_lioncub.comm.transport import Transport
 from ds_lioncub.config import LionCubConfig
-from ds_lioncub.fingerprint import agreed_text, check_same_on_every_rank
+from ds_lioncub.consistency.fingerprint import agreed_text, check_same_on_every_rank
 from ds_lioncub.planner.auto import (
     AUTO_NODE_SIZE_LABEL,
     AutoResolution,
@@ -32,7 +32,7 @@ def check_same_set_up(
     transport: Transport, options: LionCubConfig, param_groups: list[dict[str, Any]], layout: list[str]
 ) -> None:
     """Raise the same error on every rank if the ranks were built with different options or models
-    (the set-up fingerprint, :func:`ds_lioncub.fingerprint.check_same_on_every_rank`)."""
+    (the set-up fingerprint, :func:`ds_lioncub.consistency.fingerprint.check_same_on_every_rank`)."""
     groups = [
         (len(group["params"]), group["lr"], tuple(group["betas"]), group["weight_decay"]) for group in param_groups
     ]

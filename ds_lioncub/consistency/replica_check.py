@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from ds_lioncub.comm.transport import Transport
+from ds_lioncub.consistency.fingerprint import gather_texts
 from ds_lioncub.errors import LionCubSetupError
-from ds_lioncub.fingerprint import gather_texts
 
 _BITS_AS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 

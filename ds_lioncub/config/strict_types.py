@@ -7,7 +7,7 @@ a real is expected ("weight_decay": 0) and a whole real where an integer is expe
 DeepSpeed configs write sizes) stay valid: they are the same number. network's rates and durations are the one
 place strings are numbers, because they carry units ("1gbit", "50us"; :class:`~ds_lioncub.config.NetworkConfig`).
 
-:mod:`ds_lioncub.config_reference` names each type in docs/options.md by the validator it carries.
+:mod:`ds_lioncub.config.reference` names each type in docs/options.md by the validator it carries.
 """
 
 from __future__ import annotations

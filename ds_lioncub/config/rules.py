@@ -11,12 +11,49 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ds_lioncub.comm.transport import cuda_aware_conflict
+from ds_lioncub.config.sections import (
+    ErrorFeedbackConfig,
+    HybridConfig,
+    MomentumSyncConfig,
+    NetworkConfig,
+    TelemetryConfig,
+)
 
-if TYPE_CHECKING:  # the rules read a config; config.py imports this table
-    from ds_lioncub.config import LionCubConfig
+
+class OptionValues(Protocol):
+    """The options a rule reads: :class:`~ds_lioncub.config.LionCubConfig` is one. The rules are written
+    against this view so that this table does not import the model that checks it (the model imports the
+    table)."""
+
+    @property
+    def compression(self) -> str: ...
+    @property
+    def network(self) -> NetworkConfig | None: ...
+    @property
+    def comm_dtype(self) -> str: ...
+    @property
+    def quantizer(self) -> str: ...
+    @property
+    def aggregation(self) -> str: ...
+    @property
+    def kbit_algorithm(self) -> str: ...
+    @property
+    def momentum_sync(self) -> MomentumSyncConfig: ...
+    @property
+    def telemetry(self) -> TelemetryConfig: ...
+    @property
+    def hybrid(self) -> HybridConfig | None: ...
+    @property
+    def overlap(self) -> bool: ...
+    @property
+    def comm_backend_name(self) -> str: ...
+    @property
+    def cuda_aware(self) -> bool: ...
+    @property
+    def error_feedback(self) -> ErrorFeedbackConfig | None: ...
 
 
 @dataclass(frozen=True)
@@ -30,8 +67,8 @@ class CrossOptionRule:
     """
 
     option: str
-    refuses: Callable[[LionCubConfig, AbstractSet[str]], bool]
-    message: Callable[[LionCubConfig], str]
+    refuses: Callable[[OptionValues, AbstractSet[str]], bool]
+    message: Callable[[OptionValues], str]
 
 
 def _kbit_only(name: str) -> CrossOptionRule:
@@ -46,7 +83,7 @@ def _kbit_only(name: str) -> CrossOptionRule:
     )
 
 
-def _cuda_aware_conflict_of(config: LionCubConfig) -> str:
+def _cuda_aware_conflict_of(config: OptionValues) -> str:
     """Why the config's cuda_aware cannot go with its comm_backend_name ("": it can); make_transport says the same."""
     return cuda_aware_conflict(config.comm_backend_name, config.cuda_aware) or ""
 
@@ -183,4 +220,4 @@ CROSS_OPTION_RULES: tuple[CrossOptionRule, ...] = (
 )
 
 
-__all__ = ["CROSS_OPTION_RULES", "CrossOptionRule"]
+__all__ = ["CROSS_OPTION_RULES", "CrossOptionRule", "OptionValues"]

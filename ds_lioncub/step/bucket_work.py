@@ -1,6 +1,6 @@
 """A bucket's local work around its aggregation: Lion's pre-sign updates before, the update after.
 
-A step cuts the participating parameters into buckets (:mod:`ds_lioncub.buckets`); each bucket's
+A step cuts the participating parameters into buckets (:mod:`ds_lioncub.step.bucket_plan`); each bucket's
 values go through an aggregation (:mod:`ds_lioncub.aggregation`) between two local halves, written
 here once for every caller that steps replicas: :class:`~ds_lioncub.optimizer.LionCub` (one rank) and
 :class:`~ds_lioncub.simulate.VirtualLionCub` (N workers in one process). Both run these functions on
@@ -23,11 +23,11 @@ from typing import Any, NamedTuple
 import torch
 
 from ds_lioncub.aggregation import Aggregator, Bucket
-from ds_lioncub.buckets import Piece
 from ds_lioncub.comm.packing import MomentumPiece, ParamPiece, apply_packed_signs, lion_direction_pack_signs
 from ds_lioncub.config import parse_config
 from ds_lioncub.errors import LionCubConfigError, UnsupportedParameterError
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
+from ds_lioncub.step.bucket_plan import Piece
 
 
 class Entry(NamedTuple):

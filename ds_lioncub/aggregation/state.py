@@ -2,7 +2,7 @@
 
 :class:`Bucket` is what every aggregation stage takes (:mod:`ds_lioncub.aggregation`); each aggregation
 owns an :class:`AggregationState` (one subclass per kind, its docstring says how to tune each knob), which
-is where per-bucket state such as error feedback (:mod:`ds_lioncub.error_feedback`) lives and what a
+is where per-bucket state such as error feedback (:mod:`ds_lioncub.aggregation.error_feedback`) lives and what a
 checkpoint saves (``state_dict()``/``load_state_dict()``).
 """
 
@@ -55,7 +55,7 @@ class AggregationState:
     - the knobs (:meth:`knobs`; one subclass per aggregation says what they are and how to tune them),
       fixed at construction and checked by :meth:`load_state_dict`;
     - :attr:`buckets`: per-bucket tensors by the bucket's :attr:`Bucket.key`. Empty without error
-      feedback, which keeps each bucket's residual or estimates there (:mod:`ds_lioncub.error_feedback`);
+      feedback, which keeps each bucket's residual or estimates there (:mod:`ds_lioncub.aggregation.error_feedback`);
     - :attr:`issued`: the buckets whose first collective this rank issued (every ``start``/``issue``),
       a counter for diagnostics that no result depends on.
 
@@ -77,7 +77,8 @@ class AggregationState:
         return None
 
     def take_feedback_ratio(self) -> float | None:
-        """The error feedback's telemetry since the last call (:mod:`ds_lioncub.error_feedback`); None without."""
+        """The error feedback's telemetry since the last call (:mod:`ds_lioncub.aggregation.error_feedback`);
+        None without."""
         return None
 
     def state_dict(self) -> dict[str, Any]:

@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 from ds_lioncub.aggregation import COMM_DTYPES, Bucket, ExactMean
-from ds_lioncub.bucket_work import piece_of
-from ds_lioncub.buckets import plan_buckets
 from ds_lioncub.comm.transport import Transport
 from ds_lioncub.config import ConsistencyCheckConfig, MomentumSyncConfig
-from ds_lioncub.param_selection import select_parameters
-from ds_lioncub.replica_check import check_replicas
+from ds_lioncub.consistency.replica_check import check_replicas
+from ds_lioncub.step.bucket_plan import plan_buckets
+from ds_lioncub.step.bucket_work import piece_of
+from ds_lioncub.step.param_selection import select_parameters
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class MomentumSync:
 
 class ReplicaCheck:
     """Every ``interval`` steps, raise the same error on every rank if the voters' parameters differ
-    (option ``consistency_check``; :func:`ds_lioncub.replica_check.check_replicas`). Runs only where
+    (option ``consistency_check``; :func:`ds_lioncub.consistency.replica_check.check_replicas`). Runs only where
     the voters hold replicas."""
 
     def __init__(self, options: ConsistencyCheckConfig) -> None:

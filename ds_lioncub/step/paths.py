@@ -1,8 +1,8 @@
 """The step paths of :class:`~ds_lioncub.optimizer.LionCub`: how one optimizer step runs over its buckets.
 
 ``LionCub.step`` runs one path per step (:func:`run_step_path` picks it); every path cuts the
-participating parameters into buckets (:mod:`ds_lioncub.buckets`) and runs each bucket's local halves
-(:mod:`ds_lioncub.bucket_work`) around its aggregation (:mod:`ds_lioncub.aggregation`):
+participating parameters into buckets (:mod:`ds_lioncub.step.bucket_plan`) and runs each bucket's local halves
+(:mod:`ds_lioncub.step.bucket_work`) around its aggregation (:mod:`ds_lioncub.aggregation`):
 
 - :func:`exact_lion_step`: exact Lion on each bucket's gradients, averaged over the ranks unless the
   caller already did (compression "none", or a world of one);
@@ -24,7 +24,12 @@ from typing import Any
 import torch
 
 from ds_lioncub.aggregation import Aggregator
-from ds_lioncub.bucket_work import (
+from ds_lioncub.comm.packing import pack_fields, packed_length, unpack_fields, unpack_signs
+from ds_lioncub.comm.schedule import run_three_stages
+from ds_lioncub.comm.transport import Transport
+from ds_lioncub.errors import NonFiniteGradientError, UnsupportedParameterError
+from ds_lioncub.step.bucket_plan import Piece, plan_buckets
+from ds_lioncub.step.bucket_work import (
     BucketBuffers,
     Entry,
     apply_bucket,
@@ -39,12 +44,7 @@ from ds_lioncub.bucket_work import (
     update_bucket_momenta,
     whole_tensor_mean_abs,
 )
-from ds_lioncub.buckets import Piece, plan_buckets
-from ds_lioncub.comm.packing import pack_fields, packed_length, unpack_fields, unpack_signs
-from ds_lioncub.comm.schedule import run_three_stages
-from ds_lioncub.comm.transport import Transport
-from ds_lioncub.errors import NonFiniteGradientError, UnsupportedParameterError
-from ds_lioncub.overlap import ArmedBackward, OverlapController
+from ds_lioncub.step.overlap import ArmedBackward, OverlapController
 from ds_lioncub.telemetry import BucketWatch, StepTelemetry, pack_local_signs
 
 
@@ -165,8 +165,8 @@ def compressed_step(entries: list[Entry], aggregator: Aggregator, positive_ties:
     bucket-sized fp32 buffer holds the update being prepared, then the result being applied.
 
     Sign votes (1-bit, k-bit of signs) keep no fp32 bucket at all: prepare is
-    :func:`~ds_lioncub.bucket_work.prepare_sign_message` (Lion's direction, the momentum update and
-    the packing, one pass where compiled) and apply is :func:`~ds_lioncub.bucket_work.apply_voted_signs`
+    :func:`~ds_lioncub.step.bucket_work.prepare_sign_message` (Lion's direction, the momentum update and
+    the packing, one pass where compiled) and apply is :func:`~ds_lioncub.step.bucket_work.apply_voted_signs`
     on the voted signs as they arrive, packed (unpack and update, one pass). The other modes build the
     fp32 bucket of ``c``. Both give the same bits (tests/unit/test_fused_step.py,
     tests/kernels/test_fused_step.py).
@@ -207,8 +207,8 @@ def run_bucket_schedule(
     """``start(k)`` (bucket k's first collective, issued), then reduce, complete and apply, per bucket,
     pipelined or serially (see :func:`compressed_step`).
 
-    A sign vote's result is applied packed (:func:`~ds_lioncub.bucket_work.apply_voted_signs`), any
-    other unpacked into ``scratch`` (:func:`~ds_lioncub.bucket_work.apply_bucket`). ``watch`` times
+    A sign vote's result is applied packed (:func:`~ds_lioncub.step.bucket_work.apply_voted_signs`), any
+    other unpacked into ``scratch`` (:func:`~ds_lioncub.step.bucket_work.apply_bucket`). ``watch`` times
     each bucket's aggregation stages (and a sign vote's fused apply) and, where ``start`` gave it this
     rank's signs, counts them against the applied direction.
     """

@@ -21,8 +21,8 @@ from ds_lioncub.comm.vocabulary import (
     Quantizer,
     TieBreak,
 )
-from ds_lioncub.config_rules import CROSS_OPTION_RULES, CrossOptionRule
-from ds_lioncub.config_sections import (
+from ds_lioncub.config.rules import CROSS_OPTION_RULES, CrossOptionRule
+from ds_lioncub.config.sections import (
     CommDtype,
     ConsistencyCheckConfig,
     ErrorFeedbackConfig,
@@ -31,7 +31,7 @@ from ds_lioncub.config_sections import (
     NetworkConfig,
     TelemetryConfig,
 )
-from ds_lioncub.config_types import (
+from ds_lioncub.config.strict_types import (
     Flag,
     Real,
     Whole,
@@ -158,7 +158,7 @@ class LionCubConfig(DeepSpeedConfigModel):
     """Opt-in parts of the per-step telemetry (``{"vote_stats": true}``); every step's record is
     ``opt.last_step_telemetry`` (docs/user-guide.md, "What each step did")."""
 
-    #: Every rule across options, in the order they are checked (ds_lioncub.config_rules): a config with several
+    #: Every rule across options, in the order they are checked (ds_lioncub.config.rules): a config with several
     #: problems is refused with the first rule's message. A new option that depends on another adds its rule there.
     CROSS_OPTION_RULES: ClassVar[tuple[CrossOptionRule, ...]] = CROSS_OPTION_RULES
 

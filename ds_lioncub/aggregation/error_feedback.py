@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from ds_lioncub.aggregation import Bucket, BucketKey, KbitVote, KbitVoteState, piece_means
+from ds_lioncub.aggregation.kbit_vote import KbitVote, piece_means
+from ds_lioncub.aggregation.state import Bucket, BucketKey, KbitVoteState
 from ds_lioncub.comm.kbit import KbitCodec
 from ds_lioncub.comm.packing import pack_fields, sum_fields_per_position, unpack_signs
 from ds_lioncub.comm.quantize import l1_segment_scales
