@@ -2,7 +2,7 @@
 
 A refactoring that must not change behaviour is checked by capturing before it and after it:
 
-  python -m tests.support.behaviour_capture capture OUT.pt [--parts scenarios,hybrid,engine]
+  python -m tests.support.behaviour_capture capture OUT.pt [--parts scenarios,hybrid,zero3_hybrid,engine]
   python -m tests.support.behaviour_capture compare A.pt B.pt
 
 ``capture`` runs the scenario workers the way their tests do (tests/support/launch.py) and saves every
@@ -12,6 +12,8 @@ rank's results dict:
   tests/distributed/conftest.py does);
 - ``hybrid``: tests/workers/hybrid_scenarios.py, its "main" then its "resume" phase, on 4 ranks under the
   real ``deepspeed`` launcher (``run_deepspeed``, as tests/integration/test_zero_hybrid.py does);
+- ``zero3_hybrid``: tests/workers/zero3_hybrid_scenarios.py the same way (as
+  tests/integration/test_zero3_hybrid.py does);
 - ``engine``: tests/workers/ds_engine_scenarios.py, "main" on 2 ranks then "resume" on 3
   (as tests/integration/test_deepspeed_engine.py does); it covers the DeepSpeed wiring, the set-up
   checks and the checkpoint code.
@@ -109,6 +111,12 @@ def _capture_hybrid(work: Path) -> dict[str, Any]:
     return {f"hybrid/{phase}": ranks for phase, ranks in launched.items()}
 
 
+def _capture_zero3_hybrid(work: Path) -> dict[str, Any]:
+    phases = [("main", HYBRID_WORLD, []), ("resume", HYBRID_WORLD, [])]
+    launched = _launch_phases(work / "zero3_hybrid", "zero3_hybrid_scenarios.py", phases, timeout_s=3600)
+    return {f"zero3_hybrid/{phase}": ranks for phase, ranks in launched.items()}
+
+
 def _capture_engine(work: Path) -> dict[str, Any]:
     out = work / "engine"
     phases = [
@@ -119,7 +127,9 @@ def _capture_engine(work: Path) -> dict[str, Any]:
     return {f"engine/{phase}": ranks for phase, ranks in launched.items()}
 
 
-PARTS.update(scenarios=_capture_scenarios, hybrid=_capture_hybrid, engine=_capture_engine)
+PARTS.update(
+    scenarios=_capture_scenarios, hybrid=_capture_hybrid, zero3_hybrid=_capture_zero3_hybrid, engine=_capture_engine
+)
 
 
 def _build_packing_op() -> str:
