@@ -11,24 +11,21 @@ goes on with the next one. Each rank saves what it saw (parameters after every s
 master weights and of the momentum, its error-feedback state, the partition geometry ZeRO chose, step
 counts, learning rates, LionCub's traffic and per-step telemetry, error messages) to
 DIR/<phase>-rank<R>.pt; tests/integration/test_zero_hybrid.py compares them with the simulation.
+How a case is built, trained, recorded, saved and resumed is tests.support.hybrid_worker's (shared with
+the ZeRO-3 worker); this file names where ZeRO-1/2 keeps the tensors (VIEW) and its own scenarios.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import traceback
-from pathlib import Path
 from typing import Any
 
 import deepspeed
 import torch
 import torch.distributed as dist
 
-import ds_lioncub  # noqa: F401 - registers LionCub with DeepSpeed
-from ds_lioncub.deepspeed_integration import find_lioncub
 from tests.support.hybrid_cases import (
-    CHECKPOINT_AT,
     CHECKPOINTED,
     CHECKPOINTED_EF,
     OTHER_TOPOLOGIES,
@@ -36,21 +33,20 @@ from tests.support.hybrid_cases import (
     TRAINED,
     UNSIMULATED,
     HybridCase,
-    build_model,
     loss_of,
 )
-
-
-def build(case: HybridCase) -> Any:
-    model = build_model()
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=case.model_parameters(model), config=case.ds_config()
-    )
-    return engine
-
-
-def error_text(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
+from tests.support.hybrid_worker import (
+    ZeroView,
+    attempt,
+    build,
+    error_text,
+    lioncub_of,
+    run_damaged,
+    run_resumed,
+    run_save,
+    run_trained,
+    run_worker,
+)
 
 
 def zero_shards(engine: Any) -> list[torch.Tensor]:
@@ -63,19 +59,7 @@ def optimizer_tensors(engine: Any) -> list[torch.Tensor]:
     shards = zero_shards(engine)
     if shards:
         return shards
-    lioncub = find_lioncub(engine.optimizer)
-    assert lioncub is not None
-    return lioncub._flat_params()
-
-
-def momenta(engine: Any) -> list[torch.Tensor | None]:
-    lioncub = find_lioncub(engine.optimizer)
-    assert lioncub is not None
-    out = []
-    for tensor in optimizer_tensors(engine):
-        state = lioncub.state.get(tensor, {})
-        out.append(state["exp_avg"].detach().float().clone() if "exp_avg" in state else None)
-    return out
+    return lioncub_of(engine)._flat_params()
 
 
 def geometry(engine: Any) -> dict[str, Any] | None:
@@ -95,90 +79,29 @@ def geometry(engine: Any) -> dict[str, Any] | None:
     }
 
 
-def lioncub_step(engine: Any) -> int:
-    lioncub = find_lioncub(engine.optimizer)
-    assert lioncub is not None
-    return int(lioncub.param_groups[0]["step"])
+def module_params(engine: Any) -> list[torch.Tensor]:
+    return [p.detach().float().clone() for p in engine.module.parameters()]
 
 
-def grad_norm(engine: Any) -> float | None:
-    norm = engine.get_global_grad_norm()
-    return None if norm is None else float(norm)
+def momentum_numel(engine: Any, momenta: list[torch.Tensor | None]) -> int:
+    return sum(m.numel() for m in momenta if m is not None)
 
 
-def train(engine: Any, case: HybridCase, first_step: int, steps: int, record: dict[str, Any]) -> None:
-    rank = dist.get_rank()
-    lioncub = find_lioncub(engine.optimizer)
-    assert lioncub is not None
-    for step in range(first_step, first_step + steps):
-        record.setdefault("lr", []).append(float(engine.get_lr()[0]))
-        for micro in range(engine.gradient_accumulation_steps()):
-            loss = loss_of(engine, rank, step, micro, case.nan_at)
-            engine.backward(loss)
-            engine.step()
-        record.setdefault("params", []).append([p.detach().float().clone() for p in engine.module.parameters()])
-        record.setdefault("lioncub_step", []).append(lioncub_step(engine))
-        record.setdefault("skipped_steps", []).append(int(engine.skipped_steps))
-        record.setdefault("grad_norm", []).append(grad_norm(engine))
-        stats = lioncub.comm_stats()
-        record.setdefault("comm", []).append((stats.collectives, stats.bytes_sent, stats.bytes_received))
-        record.setdefault("telemetry", []).append(lioncub.last_step_telemetry)
-
-
-def final_state(engine: Any, record: dict[str, Any]) -> None:
-    record["geometry"] = geometry(engine)
-    record["masters"] = [shard.detach().float().clone() for shard in zero_shards(engine)]
-    record["momenta"] = momenta(engine)
-    record["exp_avg_numel"] = sum(m.numel() for m in record["momenta"] if m is not None)
-    lioncub = find_lioncub(engine.optimizer)
-    assert lioncub is not None
-    record["aggregation"] = lioncub.aggregation_state()  # error feedback's per-bucket state (None without)
-
-
-def run_trained() -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    for case in [*TRAINED, *UNSIMULATED]:
-        record: dict[str, Any] = {"error": None}
-        try:
-            engine = build(case)
-            record["geometry_at_init"] = geometry(engine)
-            train(engine, case, 1, case.steps, record)
-            final_state(engine, record)
-        except Exception as error:  # noqa: BLE001 - recorded; the test reports it
-            record["error"] = error_text(error)
-            record["traceback"] = traceback.format_exc()
-        results[f"trained/{case.name}"] = record
-    return results
-
-
-def save_one(case: HybridCase, directory: Path) -> dict[str, Any]:
-    record: dict[str, Any] = {"error": None}
-    try:
-        engine = build(case)
-        train(engine, case, 1, CHECKPOINT_AT, record)
-        engine.save_checkpoint(str(directory))
-        final_state(engine, record)
-    except Exception as error:  # noqa: BLE001
-        record["error"] = error_text(error)
-        record["traceback"] = traceback.format_exc()
-    return record
-
-
-def run_save(out: Path) -> dict[str, Any]:
-    results = {"save": save_one(CHECKPOINTED, out / "ckpt")}
-    for case in CHECKPOINTED_EF:
-        results[f"save/{case.name}"] = save_one(case, out / f"ckpt-{case.name}")
-    return results
+VIEW = ZeroView(
+    params=module_params,
+    masters=zero_shards,
+    stepped=optimizer_tensors,
+    geometry=geometry,
+    exp_avg_numel=momentum_numel,
+    loaded_params=True,
+)
+EF_CHECKPOINTS = {case.name: case for case in CHECKPOINTED_EF}
 
 
 def run_refused() -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, (case, _) in REFUSED.items():
-        try:
-            build(case)
-            results[f"refused/{name}"] = None
-        except Exception as error:  # noqa: BLE001 - the test checks the message
-            results[f"refused/{name}"] = error_text(error)
+        attempt(results, f"refused/{name}", lambda case=case: build(case))
     return results
 
 
@@ -219,88 +142,28 @@ def run_mismatched() -> dict[str, Any]:
     return results
 
 
-def run_damaged(out: Path) -> dict[str, Any]:
-    """The hybrid checkpoint with one side file missing, or truncated, loaded at its own topology: refused."""
-    import shutil
-
-    results: dict[str, Any] = {}
-    if dist.get_rank() == 0:
-        for kind in ("missing", "truncated"):
-            target = out / f"damaged-{kind}"
-            shutil.copytree(out / "ckpt", target)
-            tag = (target / "latest").read_text().strip()
-            if kind == "missing":
-                (target / tag / "lioncub_hybrid_rank_00002.pt").unlink()
-            else:
-                path = target / tag / "lioncub_hybrid_rank_00003.pt"
-                path.write_bytes(path.read_bytes()[:100])
-    dist.barrier()
-    for kind in ("missing", "truncated"):
-        try:
-            build(CHECKPOINTED).load_checkpoint(str(out / f"damaged-{kind}"))
-            results[f"damaged/{kind}"] = None
-        except Exception as error:  # noqa: BLE001 - the test checks the message
-            results[f"damaged/{kind}"] = error_text(error)
+def run_main(args: argparse.Namespace) -> dict[str, Any]:
+    results = run_trained([*TRAINED, *UNSIMULATED], VIEW)
+    results.update(run_save(args.out, CHECKPOINTED, EF_CHECKPOINTS, VIEW))
+    results.update(run_refused())
+    results.update(run_mismatched())
+    results.update(run_perturbed())
     return results
 
 
-def resume_one(case: HybridCase, directory: Path) -> dict[str, Any]:
-    record: dict[str, Any] = {"error": None}
-    try:
-        engine = build(case)
-        engine.load_checkpoint(str(directory))
-        record["loaded_momenta"] = momenta(engine)
-        record["loaded_masters"] = [shard.detach().float().clone() for shard in zero_shards(engine)]
-        record["loaded_lioncub_step"] = lioncub_step(engine)
-        record["loaded_params"] = [p.detach().float().clone() for p in engine.module.parameters()]
-        lioncub = find_lioncub(engine.optimizer)
-        assert lioncub is not None
-        record["loaded_aggregation"] = lioncub.aggregation_state()
-        train(engine, case, CHECKPOINT_AT + 1, case.steps - CHECKPOINT_AT, record)
-        final_state(engine, record)
-    except Exception as error:  # noqa: BLE001
-        record["error"] = error_text(error)
-        record["traceback"] = traceback.format_exc()
-    return record
-
-
-def run_resume(out: Path) -> dict[str, Any]:
-    results: dict[str, Any] = {"resume": resume_one(CHECKPOINTED, out / "ckpt")}
-    for case in CHECKPOINTED_EF:
-        results[f"resume/{case.name}"] = resume_one(case, out / f"ckpt-{case.name}")
-    results.update(run_damaged(out))
+def run_resume(args: argparse.Namespace) -> dict[str, Any]:
+    results = run_resumed(args.out, CHECKPOINTED, EF_CHECKPOINTS, VIEW)
+    results.update(run_damaged(args.out, CHECKPOINTED, ("missing", "truncated")))
     for node_size in OTHER_TOPOLOGIES:
         case = dataclasses.replace(CHECKPOINTED, name=f"resume_node_size{node_size}", node_size=node_size)
-        try:
-            other = build(case)
-            other.load_checkpoint(str(out / "ckpt"))
-            results[f"resume_at/{node_size}"] = None
-        except Exception as error:  # noqa: BLE001 - the test checks the message
-            results[f"resume_at/{node_size}"] = error_text(error)
-            results[f"resume_at/{node_size}/traceback"] = traceback.format_exc()
+        attempt(
+            results,
+            f"resume_at/{node_size}",
+            lambda case=case: build(case).load_checkpoint(str(args.out / "ckpt")),
+            with_traceback=True,
+        )
     return results
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--local_rank", type=int, default=0)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--phase", choices=("main", "resume"), required=True)
-    args = parser.parse_args()
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.set_num_threads(1)
-    results: dict[str, Any] = {}
-    if args.phase == "main":
-        results.update(run_trained())
-        results.update(run_save(args.out))
-        results.update(run_refused())
-        results.update(run_mismatched())
-        results.update(run_perturbed())
-    else:
-        results.update(run_resume(args.out))
-    torch.save(results, args.out / f"{args.phase}-rank{dist.get_rank()}.pt")
-    dist.barrier()
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(run_main, run_resume)
