@@ -65,7 +65,7 @@ class HandedOver:
                         "completed; going on (a process exiting now could abort with SIGABRT)."
                     )
                 return
-            time.sleep(0)  # releases the GIL, which the worker's release of a tensor's Python object takes
+            time.sleep(0)  # yields the CPU (and the GIL) to the worker, which may be waiting for either
         self._counts = []
 
 
