@@ -14,11 +14,12 @@ still alive after the caller had held the GIL for 50 ms, and gone within 1 ms of
 So every collective LionCub issues on CPU tensors gets private views of its tensors
 (:class:`HandedOver`): views made for that call alone, which no one else can reference, so their
 reference counts go back to what they were exactly when the backend has let go of them. After the
-collective completes, :meth:`HandedOver.wait_until_released` waits for that, sleeping with the GIL
-released so that the worker can take it for its release. Then no worker holds a tensor of LionCub's once
-the collective has returned, and none can touch Python later. It costs a view per tensor and a reference
-count read (the worker has usually let go already). CUDA tensors are not waited on:
-NCCL's watchdog keeps finished works for a while by design, and ``destroy_process_group`` shuts it down.
+collective completes, :meth:`HandedOver.wait_until_released` waits for that, yielding the CPU and the
+GIL meanwhile; the views are still alive then, so the release frees no Python object. Then no worker
+holds a tensor of LionCub's once the collective has returned, and none can touch Python later. It costs
+a view per tensor and a reference count read (the worker has usually let go already). CUDA tensors are
+not waited on: NCCL's watchdog keeps finished works for a while by design, and ``destroy_process_group``
+shuts it down.
 """
 
 from __future__ import annotations
