@@ -32,20 +32,6 @@ WORKER = REPO / "tests" / "workers" / "set_up_scenarios.py"
 RANKS = 3
 
 HOG = "while True: pass"
-# One real build of the packing op per run (a new key each time: the macro's value), then its directory removed.
-REBUILD = """
-import shutil, sys, time
-from ds_lioncub.op_builder import LionCubPackingCPUBuilder
-
-class Variant(LionCubPackingCPUBuilder):
-    def cxx_args(self):
-        return [*super().cxx_args(), f"-DLIONCUB_STRESS_VARIANT={time.time_ns()}"]
-
-builder = Variant()
-builder.load()
-shutil.rmtree(builder.jit_build_dir(), ignore_errors=True)
-builder.jit_build_dir().with_name(builder.jit_build_dir().name + ".lock").unlink(missing_ok=True)
-"""
 
 
 def start_job(work: Path) -> list[subprocess.Popen[bytes]]:
@@ -80,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         while done < args.jobs:
             if args.rebuild and (rebuild is None or rebuild.poll() is not None):
                 builds += rebuild is not None and rebuild.returncode == 0
-                rebuild = subprocess.Popen([sys.executable, "-c", REBUILD], env=worker_environment(), cwd=REPO)
+                variant = ["-m", "tests.support.jit_variant", str(time.time_ns()), "--remove"]  # a new key each time
+                rebuild = subprocess.Popen(
+                    [sys.executable, *variant], env=worker_environment(), cwd=REPO, stdout=subprocess.DEVNULL
+                )
             batch = min(args.concurrent, args.jobs - done)
             jobs = [(root / f"job{done + j}", start_job(root / f"job{done + j}")) for j in range(batch)]
             for work, procs in jobs:

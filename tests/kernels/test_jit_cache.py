@@ -186,23 +186,6 @@ def test_processes_that_alternate_path_load_the_one_build(cpu_op: Any) -> None:
     assert sorted(path.name for path in final.parent.iterdir()) == entries
 
 
-# The same op with one more flag (a macro no source reads, unique to each run): another key, so a real build
-# in the same cache directory every time; argv[1] is the macro's value.
-BUILD_A_VARIANT = """
-import sys
-from ds_lioncub.op_builder import LionCubPackingCPUBuilder
-
-class Variant(LionCubPackingCPUBuilder):
-    def cxx_args(self):
-        return [*super().cxx_args(), f"-DLIONCUB_JIT_CACHE_TEST_VARIANT={sys.argv[1]}"]
-
-builder = Variant()
-builder.load()
-print(builder.load_source)
-print(builder.jit_build_dir())
-"""
-
-
 @pytest.mark.distributed
 def test_a_build_beside_a_running_job_leaves_the_job_and_its_library_alone(cpu_op: Any, tmp_path: Path) -> None:
     """A real build of the same op (another key: one more flag) and a load from a process with another PATH run
@@ -213,7 +196,7 @@ def test_a_build_beside_a_running_job_leaves_the_job_and_its_library_alone(cpu_o
     assert library is not None, f"this session's build is not in {final}"
     before = (library.stat().st_ino, library.read_bytes())
     variant = subprocess.Popen(
-        [sys.executable, "-c", BUILD_A_VARIANT, str(os.getpid())],
+        [sys.executable, "-m", "tests.support.jit_variant", str(os.getpid()), "--remove"],  # a real build, its own key
         env={**worker_environment(), "PATH": path_without_venv()},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -227,9 +210,8 @@ def test_a_build_beside_a_running_job_leaves_the_job_and_its_library_alone(cpu_o
         output, _ = variant.communicate(timeout=900)
     assert variant.returncode == 0, output
     variant_dir = Path(output.strip().splitlines()[-1])
-    shutil.rmtree(variant_dir)  # this test's own build and lock: no other process loads it
-    variant_dir.with_name(f"{variant_dir.name}.lock").unlink()
     assert "JIT build" in output and variant_dir.parent == final.parent and variant_dir != final, output
+    assert not variant_dir.exists() and not variant_dir.with_name(f"{variant_dir.name}.lock").exists(), output
     assert (library.stat().st_ino, library.read_bytes()) == before
     checks.vote_1bit_equals_brute_force(job)
     checks.vote_kbit_equals_brute_force_or_refuses_before_communicating(job)
