@@ -1,4 +1,4 @@
-"""The L1 quantizer of the Lion Cub paper (section 4.2) for the brute-force references, in plain torch.
+"""The L1 quantizer (docs/design.md, section 4.1) for the brute-force references, in plain torch.
 
 ``q = clamp(round(c * s), -L, L)`` with the scale ``s = L / (clip * mu)`` and ``mu`` the mean |c| of the
 tensor ``c`` belongs to (docs/design.md, sections 4.1 and 4.7). Written from those definitions with no
