@@ -13,7 +13,10 @@ object is gone; then it sleeps 1 ms (GIL released) and looks again. A release th
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
+import tempfile
 import time
 import weakref
 from pathlib import Path
@@ -56,10 +59,6 @@ def rank_main(rank: int, world_size: int, store: str, calls: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
-    import subprocess
-    import tempfile
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--calls", type=int, default=600)
