@@ -49,7 +49,7 @@ import sys
 import time
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,14 @@ import torch
 
 from benchmarks.study_report import evidence, write_report
 
-RESULTS = Path(__file__).resolve().parent / "results" / "convergence_study"
+#: Runs on the pinned corpus (DeepSpeed 0.19.8's sources: the same bytes on every machine and Python).
+RESULTS = Path(__file__).resolve().parent / "results" / "convergence_pinned"
+#: The first study's runs, on the running Python's standard library (3.11 here); the shipped
+#: convergence evidence was computed from them.
+STDLIB_RESULTS = Path(__file__).resolve().parent / "results" / "convergence_study"
+#: Validation windows of the wide validation loss each run also records (``val_loss_wide``): 2,048 windows of
+#: 64 bytes, a third of the validation split, against the task's 320.
+WIDE_EVAL_WINDOWS = 2048
 WORKERS = (4, 8, 16, 32, 64)
 BETA2 = (0.95, 0.99)
 SEEDS = (0, 1, 2)
@@ -108,6 +115,38 @@ EF_ROUNDING_MODES = ("2bit_l1_a2a_ef_residual_rounding", "4bit_l1_a2a_ef_residua
 
 
 @dataclass(frozen=True)
+class Design:
+    """The training regime of a study's runs: what the pilot varies to find the calmest instrument.
+
+    Fields:
+        lr: the schedule's peak (WarmupCosineLR, 10 warmup steps, ratios 0.1).
+        grad_clip: the global gradient norm clip (DeepSpeed's fp32 rule); 0 disables it.
+        global_batch: windows of 64 bytes per step, split over the workers (a multiple of 64 keeps
+            every worker count of the grid dividing it).
+    """
+
+    lr: float = 1e-3
+    grad_clip: float = 1.0
+    global_batch: int = 64
+
+    def settings(self) -> str:
+        clip = f"clip {self.grad_clip} (deepspeed rule)" if self.grad_clip > 0 else "no clipping"
+        return (
+            f"lr {self.lr:g} WarmupCosineLR (10 warmup, ratios 0.1), beta1 0.9, wd 0.1, {clip}, "
+            f"global batch {self.global_batch} x 64 bytes"
+        )
+
+
+#: The designs by name. ``base`` is the examples' settings (the first study's); the others change one thing.
+DESIGNS: dict[str, Design] = {
+    "base": Design(),
+    "lr5e-4": Design(lr=5e-4),
+    "noclip": Design(grad_clip=0.0),
+    "batch128": Design(global_batch=128),
+}
+
+
+@dataclass(frozen=True)
 class Run:
     """One cell and seed of the grid.
 
@@ -115,6 +154,7 @@ class Run:
         task: "small" or "large" (examples.simulate_gpt).
         steps: optimizer steps.
         workers, mode, beta2, seed: the cell and seed.
+        design: a key of :data:`DESIGNS`.
     """
 
     task: str
@@ -123,27 +163,31 @@ class Run:
     mode: str
     beta2: float
     seed: int
+    design: str = "base"
 
     @property
     def name(self) -> str:
         return f"N{self.workers:02d}_{self.mode}_b2-{self.beta2}_seed{self.seed}"
 
     def path(self, root: Path) -> Path:
-        return config_dir(root, self.task, self.steps) / f"{self.name}.json"
+        return config_dir(root, self.task, self.steps, self.design) / f"{self.name}.json"
 
     def options(self) -> dict[str, Any]:
-        return {"lr": 1e-3, "betas": (0.9, self.beta2), "weight_decay": 0.1, **mode_options(self.mode, self.workers)}
+        lr = DESIGNS[self.design].lr
+        return {"lr": lr, "betas": (0.9, self.beta2), "weight_decay": 0.1, **mode_options(self.mode, self.workers)}
 
 
-def config_dir(root: Path, task: str, steps: int) -> Path:
-    return root / f"gpt-{task}_{steps}steps"
+def config_dir(root: Path, task: str, steps: int, design: str = "base") -> Path:
+    """``gpt-<task>_<steps>steps``, with ``_<design>`` after it for a design other than ``base``."""
+    return root / (f"gpt-{task}_{steps}steps" + ("" if design == "base" else f"_{design}"))
 
 
 def plan(args: argparse.Namespace) -> list[Run]:
     """Every run the filters select, seed-major (then beta2, workers, mode)."""
     runs = [
-        Run(args.task, args.steps, n, mode, beta2, seed)
+        Run(args.task, args.steps, n, mode, beta2, seed, design)
         for seed in args.seeds
+        for design in args.design
         for beta2 in args.beta2
         for n in args.workers
         for mode in args.modes
@@ -151,6 +195,13 @@ def plan(args: argparse.Namespace) -> list[Run]:
     if args.only:
         runs = [r for r in runs if any(fnmatch.fnmatch(r.name, pattern) for pattern in args.only)]
     return runs
+
+
+def task_corpus_source(task: Any) -> str:
+    """Where the task's bytes came from (the corpus module's description, with the pinned hash)."""
+    from ds_lioncub.simulate.tasks.corpus import load_corpus
+
+    return load_corpus(None, max_bytes=task.corpus_bytes).source
 
 
 def _init_worker(threads: int) -> None:
@@ -204,18 +255,26 @@ def execute(run: Run, root: Path, device: str = "cpu", claim: bool = False) -> s
     from ds_lioncub.simulate.train import train_virtual
     from examples.simulate_gpt import task_by_name
 
-    task = task_by_name(run.task)
+    design = DESIGNS[run.design]
+    task = replace(task_by_name(run.task), global_batch_size=design.global_batch)
     code = code_fingerprint()
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
-    result = train_virtual(task, run.options(), run.workers, run.steps, run.seed, device=device)
+    result = train_virtual(
+        task, run.options(), run.workers, run.steps, run.seed, grad_clip=design.grad_clip, device=device
+    )
     wall = time.perf_counter() - t0
+    assert result.model is not None
+    with torch.no_grad():
+        val_wide = replace(task, eval_windows=WIDE_EVAL_WINDOWS).validation_loss(result.model)
     record = {
         **asdict(run),
         "name": run.name,
         "task_name": task.name,
         "options": run.options(),
         "val_loss": result.val_loss,
+        "val_loss_wide": val_wide,
+        "wide_eval_windows": WIDE_EVAL_WINDOWS,
         "final_train_loss": sum(result.train_losses[-10:]) / len(result.train_losses[-10:]),
         "train_losses": result.train_losses,
         "agreement": None if result.agreement is None else asdict(result.agreement),
@@ -229,7 +288,8 @@ def execute(run: Run, root: Path, device: str = "cpu", claim: bool = False) -> s
         "load_average_before": load_before,
         "load_average_after": os.getloadavg()[0],
         "code": code,
-        "settings": "lr 1e-3 WarmupCosineLR (10 warmup, ratios 0.1), beta1 0.9, wd 0.1, clip 1.0 (deepspeed rule)",
+        "settings": design.settings(),
+        "corpus": task_corpus_source(task),
     }
     path = run.path(root)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -292,6 +352,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--beta2", type=float, nargs="+", default=list(BETA2))
     p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    p.add_argument("--design", nargs="+", choices=sorted(DESIGNS), default=["base"], help="training regimes (DESIGNS)")
     p.add_argument("--only", nargs="+", default=[], help="run names to keep (globs, e.g. 'N32_*_seed0')")
     p.add_argument("--jobs", type=int, default=1, help="processes (one torch thread each by default)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
@@ -320,11 +381,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    directory = config_dir(args.results, args.task, args.steps)
+    directory = config_dir(args.results, args.task, args.steps, args.design[0])
     if args.report:
         modes = [m for m in args.modes if m != "exact"]
         # The EF section reads every EF run present; the main table shows EF rows only when asked (--modes).
-        print(write_report(directory, args.workers, modes, args.beta2))
+        for design in args.design:
+            design_dir = config_dir(args.results, args.task, args.steps, design)
+            print(write_report(design_dir, args.workers, modes, args.beta2))
         if args.evidence is not None:
             summary = evidence(directory, args.workers, modes, args.beta2)
             args.evidence.write_text(json.dumps(summary, indent=1) + "\n")

@@ -329,7 +329,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-windows", type=int, default=256)
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--corpus-bytes", type=int, default=DEFAULT_MAX_BYTES)
-    p.add_argument("--corpus-cache", type=Path, default=None, help="where the stdlib corpus is cached")
+    p.add_argument("--corpus-cache", type=Path, default=None, help="where the default corpus is cached")
     p.add_argument("--settings", type=str, default="{}", help="JSON object of TrainSettings fields")
     p.add_argument("--node-size", type=int, default=1, help="ranks per node (the ZeRO hybrid's hybrid.node_size)")
     args = p.parse_args(argv)

@@ -91,7 +91,7 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="run the configs unchanged (they differ in more than communication: schedule, precision, batch layout)",
     )
-    p.add_argument("--corpus", type=Path, default=None, help="training text file (default: Python stdlib sources)")
+    p.add_argument("--corpus", type=Path, default=None, help="training text file (default: DeepSpeed 0.19.8 sources)")
     p.add_argument("--corpus-bytes", type=int, default=DEFAULT_MAX_BYTES)
     p.add_argument("--out-dir", type=Path, default=None, help="keep per-run JSON summaries and configs here")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run before it is killed")

@@ -12,8 +12,8 @@ from ds_lioncub.simulate.tasks.corpus import (
     build_corpus,
     load_corpus,
     main,
-    stdlib_root,
-    stdlib_sources,
+    pinned_root,
+    pinned_sources,
     train_val_split,
 )
 
@@ -23,8 +23,8 @@ __all__ = [
     "build_corpus",
     "load_corpus",
     "main",
-    "stdlib_root",
-    "stdlib_sources",
+    "pinned_root",
+    "pinned_sources",
     "train_val_split",
 ]
 

@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--d-model", type=int, default=128)
 
     g = p.add_argument_group("data and output")
-    g.add_argument("--corpus", type=Path, default=None, help="training text file (default: Python stdlib sources)")
+    g.add_argument("--corpus", type=Path, default=None, help="training text file (default: DeepSpeed 0.19.8 sources)")
     g.add_argument("--corpus-bytes", type=int, default=DEFAULT_MAX_BYTES, help="corpus size cap (<= 0: none)")
     g.add_argument("--json-out", type=Path, default=None, help="write a JSON summary here (rank 0)")
     g.add_argument("--log-interval", type=int, default=0, help="log lines when there is no progress bar (0 = steps/10)")

@@ -88,6 +88,7 @@ class TrainResult:
         gradient_seconds, optimizer_seconds: wall time of the per-worker gradients and of the optimizer
             steps (clipping included), summed over the steps.
         lrs: the learning rate each step applied.
+        model: the trained model, for evaluations beyond the task's own.
     """
 
     train_losses: list[float]
@@ -97,6 +98,7 @@ class TrainResult:
     gradient_seconds: float = 0.0
     optimizer_seconds: float = 0.0
     lrs: list[float] = field(default_factory=list)
+    model: nn.Module | None = None
 
 
 @dataclass(frozen=True)
@@ -253,6 +255,7 @@ def train_virtual(
     model.eval()
     with torch.no_grad():
         result.val_loss = float(task.validation_loss(model))
+    result.model = model
     if tallies:
         means = torch.tensor(tallies, dtype=torch.float64).mean(dim=0).tolist()
         result.agreement = AgreementStats(match=means[0], flip=means[1], zero=means[2], tie=means[3])

@@ -26,7 +26,7 @@ TASK = "tests.unit.test_simulate_cli:tiny_task"
 MODE = {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1, "compression": "1bit"}
 
 
-#: A 1-layer, d_model 16 GPT on 100 kB of the stdlib corpus, global batch 8 x 16 bytes.
+#: A 1-layer, d_model 16 GPT on 100 kB of the pinned corpus, global batch 8 x 16 bytes.
 TINY: dict[str, Any] = {
     "name": "tiny",
     "config": GPTConfig(max_seq_len=16, n_layer=1, n_head=2, d_model=16),

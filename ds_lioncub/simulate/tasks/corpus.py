@@ -1,8 +1,11 @@
-"""Byte-level training corpus that needs no network.
+"""Byte-level training corpus that needs no network and has the same bytes on every machine.
 
-By default the corpus is the Python standard library's own ``.py`` sources: every Python install
-has them, they are real text with long-range structure, and reading them is deterministic (sorted
-relative paths) for a given Python version. A user file can be passed instead. Tokens are bytes
+By default the corpus is the ``.py`` sources of the DeepSpeed release that ds_lioncub pins
+(``deepspeed==0.19.8`` in setup.py): every install of ds_lioncub has them, they are real text with
+long-range structure, and a pinned release is the same bytes whatever the Python version, the platform
+or the accelerator. They are read in sorted relative-path order, the one file DeepSpeed's build writes
+(its git hash and compiled ops) left out, and checked against :data:`PINNED_SHA256` before use: a run
+never trains on other bytes without saying so. A user file can be passed instead. Tokens are bytes
 (vocabulary 256), so no tokenizer has to be downloaded or trained.
 
 This module is the one place that decides the corpus's bytes (``examples/corpus.py`` re-exports it for the
@@ -17,20 +20,27 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.metadata
+import importlib.util
 import math
 import os
-import sys
-import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ds_lioncub.errors import LionCubSetupError
+
 DEFAULT_MAX_BYTES = 4_000_000
-# Third-party packages live inside the stdlib directory on most installs; they are not part of the
-# standard library and differ between machines, so they would break determinism.
-_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+#: The package whose sources are the default corpus, and the release setup.py pins.
+PINNED_PACKAGE = "deepspeed"
+PINNED_VERSION = "0.19.8"
+#: sha256 of the whole uncapped default corpus (every source, separators included), the bytes the
+#: pinned release ships. A cap takes a prefix of these bytes, so one hash covers every cap.
+PINNED_SHA256 = "798735a1468f557a40479145cdfaf26cf5ba368c9c6d6145745689114bc74719"
+#: Written by DeepSpeed's build (the git hash and the ops compiled on that machine): differs between installs.
+_BUILD_GENERATED = frozenset({"git_version_info_installed.py"})
 # Separates files so that the model sees where one module ends and the next begins.
 _FILE_SEPARATOR = b"\n\n"
 
@@ -42,44 +52,51 @@ class Corpus:
     source: str  # human-readable description of where the bytes came from
 
 
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
+def pinned_root() -> Path:
+    """The installed pinned package's directory, after checking its version (without importing it)."""
+    try:
+        version = importlib.metadata.version(PINNED_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    spec = importlib.util.find_spec(PINNED_PACKAGE)
+    if version != PINNED_VERSION or spec is None or not spec.submodule_search_locations:
+        found = "is not installed" if version is None else f"is version {version}"
+        raise LionCubSetupError(
+            f"the default corpus is {PINNED_PACKAGE} {PINNED_VERSION}'s sources, and {PINNED_PACKAGE} {found}. "
+            f"Fix: pip install {PINNED_PACKAGE}=={PINNED_VERSION} (ds_lioncub's own requirement), or pass a "
+            "corpus file (--corpus)."
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
-def stdlib_sources(root: Path | None = None) -> list[Path]:
-    """All .py files under the stdlib directory, sorted by relative POSIX path.
-
-    os.walk with pruning instead of rglob: it never descends into site-packages, which can be far
-    larger than the stdlib itself.
-    """
-    root = stdlib_root() if root is None else Path(root)
+def pinned_sources(root: Path | None = None) -> list[Path]:
+    """The pinned package's .py files, sorted by relative POSIX path, the build-generated file left out."""
+    root = pinned_root() if root is None else Path(root)
     files: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
-        files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py") and f not in _BUILD_GENERATED)
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _read_stdlib_bytes(max_bytes: int) -> bytes:
-    chunks: list[bytes] = []
-    total = 0
-    for path in stdlib_sources():
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue  # unreadable file (permissions, broken link): skipping keeps the order stable
-        chunks.append(data + _FILE_SEPARATOR)
-        total += len(data) + len(_FILE_SEPARATOR)
-        if 0 < max_bytes <= total:
-            break
-    blob = b"".join(chunks)
-    return blob[:max_bytes] if max_bytes > 0 else blob
+def _read_pinned_bytes() -> bytes:
+    """The whole default corpus, checked against :data:`PINNED_SHA256`."""
+    root = pinned_root()
+    blob = b"".join(path.read_bytes() + _FILE_SEPARATOR for path in pinned_sources(root))
+    digest = hashlib.sha256(blob).hexdigest()
+    if digest != PINNED_SHA256:
+        raise LionCubSetupError(
+            f"the {PINNED_PACKAGE} {PINNED_VERSION} sources under {root} are not the pinned corpus (sha256 "
+            f"{digest[:16]}..., expected {PINNED_SHA256[:16]}...): files there were edited, added or removed. "
+            f"Fix: pip install --force-reinstall --no-deps {PINNED_PACKAGE}=={PINNED_VERSION}, or pass a "
+            "corpus file (--corpus)."
+        )
+    return blob
 
 
 def _cache_path(cache_dir: Path, max_bytes: int) -> Path:
-    # The key covers everything the stdlib corpus depends on, so a stale cache cannot be reused.
-    key = f"{sys.version}|{stdlib_root()}|{max_bytes}".encode()
-    return cache_dir / f"stdlib_corpus_{hashlib.sha256(key).hexdigest()[:16]}.bin"
+    # The pinned hash and the cap decide the bytes, so a cache under another key can never be reused.
+    return cache_dir / f"pinned_corpus_{PINNED_SHA256[:16]}_{max_bytes}.bin"
 
 
 def build_corpus(
@@ -89,8 +106,8 @@ def build_corpus(
 ) -> tuple[torch.Tensor, str]:
     """Return (uint8 tensor of bytes, description).
 
-    path: a user file to read instead of the stdlib. max_bytes <= 0 means no cap.
-    cache_dir: where the stdlib corpus may be cached (nothing is written anywhere else).
+    path: a user file to read instead of the pinned sources. max_bytes <= 0 means no cap.
+    cache_dir: where the default corpus may be cached (nothing is written anywhere else).
     """
     if path is not None:
         path = Path(path)
@@ -103,7 +120,8 @@ def build_corpus(
         if cached is not None and cached.exists():
             blob = cached.read_bytes()
         else:
-            blob = _read_stdlib_bytes(max_bytes)
+            blob = _read_pinned_bytes()
+            blob = blob[:max_bytes] if max_bytes > 0 else blob
             if cached is not None:
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 # Write then rename: several ranks may build the same cache at the same time.
@@ -111,9 +129,9 @@ def build_corpus(
                 with os.fdopen(fd, "wb") as f:
                     f.write(blob)
                 os.replace(tmp, cached)
-        source = f"python {sys.version_info.major}.{sys.version_info.minor} stdlib sources ({len(blob)} bytes)"
+        source = f"{PINNED_PACKAGE} {PINNED_VERSION} sources ({len(blob)} bytes, sha256 {PINNED_SHA256[:12]}...)"
     if len(blob) == 0:
-        raise ValueError(f"empty corpus from {path or stdlib_root()}")
+        raise ValueError(f"empty corpus from {path or PINNED_PACKAGE}")
     # bytearray: torch.frombuffer needs a writable buffer to avoid a warning and a copy later.
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8), source
 
@@ -124,8 +142,8 @@ def train_val_split(
     """Block-interleaved split: the data is cut into blocks and a val_fraction of them, spread
     evenly, becomes validation.
 
-    A plain tail split would make the sorted stdlib's last directories (email/, encodings/ with
-    its code-page tables) the whole validation set, a different distribution from training.
+    A plain tail split would make the last directories in sorted order the whole validation set,
+    code of another kind than the training split's.
     Blocks keep val text out of every training window except across a block boundary.
     """
     if not 0.0 < val_fraction < 1.0:
@@ -155,7 +173,7 @@ def load_corpus(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", type=Path, default=None, help="read this file instead of the stdlib")
+    parser.add_argument("--corpus", type=Path, default=None, help="read this file instead of the pinned sources")
     parser.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="cap (<= 0: no cap)")
     parser.add_argument("--out", type=Path, default=None, help="write the corpus bytes here")
     args = parser.parse_args()

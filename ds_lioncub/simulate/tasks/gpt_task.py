@@ -3,7 +3,7 @@
     python -m ds_lioncub.simulate configs/lioncub_1bit.json --workers 8 16 32      # this task by default
     python -m ds_lioncub.simulate configs/lioncub_1bit.json --task ds_lioncub.simulate.tasks:large_gpt
 
-Byte-level language modelling on the Python standard library's sources
+Byte-level language modelling on the pinned DeepSpeed sources
 (:mod:`ds_lioncub.simulate.tasks.corpus`): each step's global batch is 64 windows of 64 bytes, drawn at
 random from the training split by a generator seeded with (seed, step) alone, so every worker count and
 every mode sees the same bytes; validation is 320 evenly spaced windows of the validation split, the
@@ -40,7 +40,7 @@ def _corpus(max_bytes: int) -> Corpus:
 
 @dataclass
 class GPTTask:
-    """The example GPT on the stdlib corpus; a :class:`ds_lioncub.simulate.train.Task`.
+    """The example GPT on the pinned corpus; a :class:`ds_lioncub.simulate.train.Task`.
 
     Fields:
         name: the label in tables and result files.
