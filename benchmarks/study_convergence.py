@@ -223,6 +223,9 @@ CODE_FILES = (
     "ds_lioncub/simulate/gradients.py",
     "ds_lioncub/simulate/train.py",
     "ds_lioncub/aggregation/error_feedback.py",
+    "ds_lioncub/simulate/drift.py",
+    "ds_lioncub/simulate/tasks/corpus.py",
+    "ds_lioncub/simulate/tasks/gpt_task.py",
 )
 _CODE: dict[str, str] = {}
 
@@ -278,6 +281,7 @@ def execute(run: Run, root: Path, device: str = "cpu", claim: bool = False) -> s
         "final_train_loss": sum(result.train_losses[-10:]) / len(result.train_losses[-10:]),
         "train_losses": result.train_losses,
         "agreement": None if result.agreement is None else asdict(result.agreement),
+        "drift": None if result.drift is None else [asdict(tensor) for tensor in result.drift],
         "gradient_method": result.gradient_method,
         "wall_s": wall,
         "seconds_per_step": wall / run.steps,

@@ -41,6 +41,7 @@ from torch import nn
 
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.simulate.agreement import AgreementStats
+from ds_lioncub.simulate.drift import TensorDrift
 from ds_lioncub.simulate.gradients import Batch, GradientBuffers, Method, worker_gradients
 from ds_lioncub.simulate.world import VirtualLionCub
 
@@ -89,6 +90,8 @@ class TrainResult:
             steps (clipping included), summed over the steps.
         lrs: the learning rate each step applied.
         model: the trained model, for evaluations beyond the task's own.
+        drift: per tensor, how the compressed steps' sign errors added up over windows of steps
+            (:mod:`ds_lioncub.simulate.drift`); None where ``agreement`` is.
     """
 
     train_losses: list[float]
@@ -99,6 +102,7 @@ class TrainResult:
     optimizer_seconds: float = 0.0
     lrs: list[float] = field(default_factory=list)
     model: nn.Module | None = None
+    drift: list[TensorDrift] | None = None
 
 
 @dataclass(frozen=True)
@@ -256,6 +260,8 @@ def train_virtual(
     with torch.no_grad():
         result.val_loss = float(task.validation_loss(model))
     result.model = model
+    if tallies and optimizer.drift is not None:
+        result.drift = optimizer.drift.stats()
     if tallies:
         means = torch.tensor(tallies, dtype=torch.float64).mean(dim=0).tolist()
         result.agreement = AgreementStats(match=means[0], flip=means[1], zero=means[2], tie=means[3])

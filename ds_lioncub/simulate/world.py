@@ -30,6 +30,7 @@ from ds_lioncub.comm.transport import CommStats
 from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.errors import LionCubConfigError, LionCubError, NonFiniteGradientError
 from ds_lioncub.simulate.agreement import AgreementStats, AgreementTally, summed_directions
+from ds_lioncub.simulate.drift import DriftTally
 from ds_lioncub.simulate.transport import VirtualNetwork
 from ds_lioncub.step.bucket_plan import Piece, plan_buckets
 from ds_lioncub.step.bucket_work import (
@@ -70,7 +71,7 @@ class VirtualLionCub(torch.optim.Optimizer):
         lr, betas, weight_decay: Lion's hyper-parameters (a learning-rate scheduler changes the groups').
         module: the model, for ``momentum_sync.layers="auto"`` and names.
         agreement_stats: record :attr:`last_agreement` each compressed step (one more pass over every
-            worker's ``c`` and one over the result).
+            worker's ``c`` and one over the result), and the sign errors' drift in :attr:`drift`.
         **options: LionCub's options (compression, bits, quantizer, aggregation, kbit_algorithm,
             tie_break, l1_clip, comm_dtype, bucket_size, check_finite, momentum_sync), validated as
             LionCub validates them (a k-bit all-reduce too narrow for N workers raises LionCub's error).
@@ -115,6 +116,8 @@ class VirtualLionCub(torch.optim.Optimizer):
         self.agreement_stats = agreement_stats
         #: What the last compressed step's update agreed with exact Lion (``agreement_stats=True``), else None.
         self.last_agreement: AgreementStats | None = None
+        #: How the compressed steps' sign errors add up over steps, per tensor (``agreement_stats=True``), else None.
+        self.drift: DriftTally | None = DriftTally() if agreement_stats else None
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
         self._ready = False
         super().__init__(params, defaults)
@@ -210,7 +213,9 @@ class VirtualLionCub(torch.optim.Optimizer):
         else:
             if self.options.check_finite:
                 self._require_finite_gradients(entries, step)
-            self._compressed_step(entries, plan, tie_sign(step, self.options.tie_break) > 0)
+            names = names_by_position(self.param_groups, self.module) if self.drift is not None else None
+            labels = [names[j] if names else f"param{j}" for j in taking_part]
+            self._compressed_step(entries, plan, tie_sign(step, self.options.tie_break) > 0, labels)
         for group in self.param_groups:
             group["step"] = step
         interval = self.options.momentum_sync.interval
@@ -234,8 +239,12 @@ class VirtualLionCub(torch.optim.Optimizer):
                 grads = list(self._aggregators[0].finish(pending[0]).split(sizes))
             exact_lion_bucket(entries[0], bucket, grads)
 
-    def _compressed_step(self, entries: list[list[Entry]], plan: list[list[Piece]], positive_ties: bool) -> None:
+    def _compressed_step(
+        self, entries: list[list[Entry]], plan: list[list[Piece]], positive_ties: bool, labels: list[str]
+    ) -> None:
         """Every bucket through each worker's local work and aggregation stages, stage by stage across workers.
+
+        ``labels[n]`` names the tensor of ``entries[i][n]`` in :attr:`drift`.
 
         The same work per worker as LionCub's serial bucket schedule (the schedule never changes a bit);
         the update is applied once, to the shared parameters, from worker 0's copy of the result.
@@ -273,18 +282,38 @@ class VirtualLionCub(torch.optim.Optimizer):
                     for aggregator, prepared in zip(aggregators, prepared_buckets, strict=True)
                 ]
             results = [aggregator.reduce(mine) for aggregator, mine in zip(aggregators, pending, strict=True)]
-            if packed_signs:
-                voted = aggregators[0].complete_packed(results[0])
-                if tally is not None and exact_c is not None:
-                    tally.add(exact_c, unpack_signs(voted, numel), aggregators, pending)
+            voted = aggregators[0].complete_packed(results[0]) if packed_signs else None
+            if voted is None:
+                applied = aggregators[0].complete(results[0], scratch.for_bucket(entries[0], bucket))
+            if tally is not None and exact_c is not None:
+                # Recorded before the update is applied, from the update's signs as applied.
+                if voted is not None:
+                    applied = unpack_signs(voted, numel)
+                tally.add(exact_c, applied, aggregators, pending)
+                if self.drift is not None:
+                    self._record_drift(entries[0], bucket, labels, exact_c, applied)
+            if voted is not None:
                 apply_voted_signs(entries[0], bucket, voted)
             else:
-                delta = aggregators[0].complete(results[0], scratch.for_bucket(entries[0], bucket))
-                if tally is not None and exact_c is not None:
-                    tally.add(exact_c, delta, aggregators, pending)
-                apply_bucket(entries[0], bucket, delta)
+                apply_bucket(entries[0], bucket, applied)
         if tally is not None:
             self.last_agreement = tally.stats()
+        if self.drift is not None:
+            self.drift.end_step()
+
+    def _record_drift(
+        self, mine: list[Entry], bucket: list[Piece], labels: list[str], exact_c: torch.Tensor, applied: torch.Tensor
+    ) -> None:
+        """The bucket's pieces into :attr:`drift`, each under its tensor's label."""
+        assert self.drift is not None
+        for piece, exact_piece, applied_piece in zip(
+            bucket,
+            exact_c.split([piece.length for piece in bucket]),
+            applied.split([piece.length for piece in bucket]),
+            strict=True,
+        ):
+            param = mine[piece.tensor_index].param
+            self.drift.add(labels[piece.tensor_index], param.numel(), piece.start, exact_piece, applied_piece)
 
     def _sync_momentum(self) -> None:
         """Average the selected parameters' momenta over the workers, as LionCub's momentum sync does: every
