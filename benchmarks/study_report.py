@@ -3,11 +3,12 @@
 Reads every run JSON of one study directory. For each (beta2, workers, mode) it pairs the mode's runs
 with exact Lion's runs of the same worker count and seed, and summarises over the seeds both have:
 
-- gap %: 100 x (mode val - exact val) / exact val per seed; mean ± spread, spread = 2 x the sample
-  standard deviation of the per-seed gaps (ds_lioncub.simulate.train.seed_summary); "real" only where
-  |mean| > spread (never with one seed);
-- exact spread %: exact Lion's own seed-to-seed spread at that worker count (2 x the sample std of
-  its val losses, in % of their mean): how far val loss moves between seeds with no compression;
+- gap %: 100 x (mode val - exact val) / exact val per seed; mean ± half-width of the mean's two-sided
+  95% Student-t interval over the n seeds, t(n - 1) x sample sd / sqrt(n) (ds_lioncub.student_t);
+  "real" only where the interval excludes 0 (never with one seed);
+- exact 2 sd %: exact Lion's own seed-to-seed spread at that worker count (2 x the sample standard
+  deviation of its val losses, in % of their mean; no interval): how far val loss moves between seeds
+  with no compression;
 - match / flip / tie: the applied update's sign against exact Lion's sign(mean_i c_i) at the same
   step, averaged over steps and seeds.
 """
@@ -20,8 +21,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ds_lioncub.comm import wire
+from ds_lioncub.comm.kbit import KbitCodec
+from ds_lioncub.config import parse_config
 from ds_lioncub.planner.convergence import study_mode
-from ds_lioncub.simulate.train import SeedSummary, gap_percent, seed_summary
+from ds_lioncub.simulate.train import gap_percent
+from ds_lioncub.student_t import MeanInterval, mean_interval, sample_sd
 
 MODE_LABELS = {
     "1bit": "1-bit vote",
@@ -90,15 +95,14 @@ def summarise(
         return None
     gaps = [gap_percent(mode_runs[s]["val_loss"], exact_runs[s]["val_loss"]) for s in seeds]
     exact_vals = [exact_runs[s]["val_loss"] for s in sorted(exact_runs)]
-    exact_summary = seed_summary(exact_vals)
-    exact_spread = None if exact_summary.spread is None else 100.0 * exact_summary.spread / exact_summary.mean
+    exact_spread = 100.0 * 2.0 * sample_sd(exact_vals) / _mean(exact_vals) if len(exact_vals) > 1 else None
     agreements = [mode_runs[s]["agreement"] for s in seeds if mode_runs[s]["agreement"] is not None]
     rates = {key: _mean([a[key] for a in agreements]) for key in ("match", "flip", "tie")} if agreements else None
     return {
         "seeds": seeds,
-        "gap": seed_summary(gaps),
-        "exact_val": seed_summary([exact_runs[s]["val_loss"] for s in seeds]),
-        "mode_val": seed_summary([mode_runs[s]["val_loss"] for s in seeds]),
+        "gap": mean_interval(gaps),
+        "exact_val": mean_interval([exact_runs[s]["val_loss"] for s in seeds]),
+        "mode_val": mean_interval([mode_runs[s]["val_loss"] for s in seeds]),
         "exact_spread_percent": exact_spread,
         "rates": rates,
         "seconds_per_step": _mean([mode_runs[s]["seconds_per_step"] for s in seeds]),
@@ -120,7 +124,7 @@ def summarised_cells(
                     yield beta2, n, mode, row
 
 
-def _cell_text(summary: SeedSummary) -> str:
+def _cell_text(summary: MeanInterval) -> str:
     return summary.text(2)
 
 
@@ -131,8 +135,8 @@ def report_table(
     beta2s: list[float],
 ) -> str:
     lines = [
-        "| beta2 | workers | mode | seeds | exact Lion val | mode val | gap % (mean ± spread) | real "
-        "| exact spread % | match | flip | tie |",
+        "| beta2 | workers | mode | seeds | exact Lion val | mode val | gap % (mean ± 95% t half-width) | real "
+        "| exact 2 sd % | match | flip | tie |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for beta2, n, mode, row in summarised_cells(cells, workers, modes, beta2s):
@@ -154,7 +158,7 @@ def write_plot(
     beta2s: list[float],
     path: Path,
 ) -> None:
-    """Gap % vs workers, one line per mode, one panel per beta2; error bars are the spread."""
+    """Gap % vs workers, one line per mode, one panel per beta2; error bars are the 95% Student-t interval."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -169,7 +173,7 @@ def write_plot(
                 continue
             xs = [n for n, _ in kept]
             ys = [row["gap"].mean for _, row in kept]
-            errs = [row["gap"].spread or 0.0 for _, row in kept]
+            errs = [row["gap"].half_width or 0.0 for _, row in kept]
             # One colour per mode in every panel, whichever modes a panel has.
             color = f"C{list(MODE_LABELS).index(mode) % 10}" if mode in MODE_LABELS else None
             ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, color=color, label=MODE_LABELS.get(mode, mode))
@@ -179,7 +183,7 @@ def write_plot(
         ax.set_xlabel("workers")
         ax.set_title(f"beta2 = {beta2}")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("val loss vs exact Lion, % (mean ± 2 std over seeds)")
+    axes[0][0].set_ylabel("val loss vs exact Lion, % (mean, 95% t interval over seeds)")
     for ax in axes[0]:
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -229,7 +233,7 @@ def ef_table(cells: dict[tuple[float, int, str], dict[int, dict[str, Any]]], bet
         seeds, ef_gaps, no_ef_gaps = paired_gaps(cells, beta2, n, mode, base)
         if not seeds:
             continue
-        ef_gap, no_ef_gap = seed_summary(ef_gaps), seed_summary(no_ef_gaps)
+        ef_gap, no_ef_gap = mean_interval(ef_gaps), mean_interval(no_ef_gaps)
         better = sum(e < b for e, b in zip(ef_gaps, no_ef_gaps, strict=True))
         met = ef_target(no_ef_gap.mean, ef_gap.mean)
         passed, total = passed + met, total + 1
@@ -258,8 +262,8 @@ BF16_STORAGE = "_bf16"
 
 def storage_table(cells: dict[tuple[float, int, str], dict[int, dict[str, Any]]], beta2s: list[float]) -> str:
     """Every cell with bf16-residual runs beside the same cell's fp32 residual: both gaps to exact Lion, and
-    the per-seed difference of the bf16 gap from the fp32 gap in points (mean ± spread), over the seeds that
-    bf16, fp32 and exact Lion all have; "" when there are none."""
+    the per-seed difference of the bf16 gap from the fp32 gap in points (mean ± 95% t half-width), over the seeds
+    that bf16, fp32 and exact Lion all have; "" when there are none."""
     lines = [
         "| beta2 | workers | mode | seeds | fp32 residual gap % | bf16 residual gap % | bf16 - fp32 (points) |",
         "|---|---|---|---|---|---|---|",
@@ -270,10 +274,11 @@ def storage_table(cells: dict[tuple[float, int, str], dict[int, dict[str, Any]]]
         seeds, bf16_gaps, fp32_gaps = paired_gaps(cells, beta2, n, mode, mode.removesuffix(BF16_STORAGE))
         if not seeds:
             continue
-        difference = seed_summary([b - f for b, f in zip(bf16_gaps, fp32_gaps, strict=True)])
+        difference = mean_interval([b - f for b, f in zip(bf16_gaps, fp32_gaps, strict=True)])
         lines.append(
-            f"| {beta2} | {n} | {MODE_LABELS.get(mode, mode)} | {len(seeds)} | {_cell_text(seed_summary(fp32_gaps))} | "
-            f"{_cell_text(seed_summary(bf16_gaps))} | {_cell_text(difference)} |"
+            f"| {beta2} | {n} | {MODE_LABELS.get(mode, mode)} | {len(seeds)} | "
+            f"{_cell_text(mean_interval(fp32_gaps))} | {_cell_text(mean_interval(bf16_gaps))} | "
+            f"{_cell_text(difference)} |"
         )
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
@@ -287,10 +292,11 @@ def write_report(directory: Path, workers: list[int], modes: list[str], beta2s: 
     text = (
         f"# Convergence study: {directory.name}\n\n"
         f"{runs} runs. Gap: the mode's validation loss relative to exact Lion's (fp32 mean) at the same worker "
-        f"count and seed, in %; mean ± spread over the seeds both have, spread = 2 x sample std of the per-seed "
-        f"gaps; real only where |mean| > spread. Exact spread: exact Lion's seed-to-seed spread (2 x std of its val "
-        f"loss, % of the mean). match / flip / tie: the applied update's sign against exact Lion's at the same "
-        f"step.\n\n"
+        f"count and seed, in %; mean ± half-width (95% t, n seeds) over the n seeds both have: t(n - 1) x the "
+        f"per-seed gaps' sample standard deviation / sqrt(n), t(2) = 4.303 for 3 seeds; real only where the interval "
+        f"excludes 0. Exact 2 sd: exact Lion's own seed-to-seed spread (2 x the sample standard deviation of its val "
+        f"loss, % of the mean; not an interval). match / flip / tie: the applied update's sign against exact "
+        f"Lion's at the same step.\n\n"
         f"{report_table(cells, workers, modes, beta2s)}\n\n![gap vs workers](gap_vs_workers.png)\n"
     )
     outliers = runs_on_other_data(directory)
@@ -304,8 +310,9 @@ def write_report(directory: Path, workers: list[int], modes: list[str], beta2s: 
         text += (
             "\n## Error feedback\n\n"
             "Each error-feedback form against the same mode without it: both gaps to exact Lion over the seeds "
-            "that EF, no-EF and exact Lion all have (mean ± spread, as above); EF better: the seeds on which the "
-            "EF gap is below the no-EF gap; match / flip / tie: the EF run's applied sign against exact Lion's. "
+            "that EF, no-EF and exact Lion all have (mean ± 95% t half-width, as above); EF better: the seeds on "
+            "which the EF gap is below the no-EF gap; match / flip / tie: the EF run's applied sign against exact "
+            "Lion's. "
             "Target: the EF gap at most half of the no-EF gap and never above it (by the means).\n\n"
             f"{feedback}"
         )
@@ -314,7 +321,7 @@ def write_report(directory: Path, workers: list[int], modes: list[str], beta2s: 
         text += (
             "\n### The residual stored in bf16\n\n"
             "The residual form with `storage: bf16` against the same cell with the default fp32 residual: both "
-            "gaps to exact Lion, and bf16's gap minus fp32's per seed, in points (mean ± spread).\n\n"
+            "gaps to exact Lion, and bf16's gap minus fp32's per seed, in points (mean ± 95% t half-width).\n\n"
             f"{storage}"
         )
     (directory / "report.md").write_text(text)
@@ -322,30 +329,58 @@ def write_report(directory: Path, workers: list[int], modes: list[str], beta2s: 
     return text
 
 
+def bits_per_element(params: dict[str, Any], workers: int) -> int:
+    """Bits per gradient element of the message each of ``workers`` ranks sends for LionCub ``params``: 1 for the
+    1-bit vote, b for a b-bit vote. Counted by ds_lioncub.comm.wire (what the transports and the planner count)
+    on a bucket of 8 x ``workers`` elements, which needs no padding.
+
+    Momentum sync (docs/design.md, section 8) is not in the figure: every ``interval`` K steps it all-reduces
+    the selected layers' momenta, 2(p - 1)/p x 32 bits (fp32; 16 in bf16) per selected element, so it adds
+    2(p - 1)/p x 32 x (n_sel / n) / K bits per element per step on average, with n_sel / n the share of the
+    model's elements in the embeddings and head (``layers: "auto"``), which depends on the model.
+    """
+    options = parse_config(params)
+    numel = wire.vote_padded_numel(1, workers)
+    if options.compression == "1bit":
+        message = wire.sign_vote_message_bytes(numel, workers)
+    elif options.compression == "kbit":
+        codec = KbitCodec.build(workers, options.bits, options.quantizer, options.kbit_algorithm)
+        message = wire.kbit_message_bytes(codec, numel)
+    else:
+        raise ValueError(f"bits_per_element: {options.compression!r} sends no vote")
+    return 8 * message // numel
+
+
 def evidence(directory: Path, workers: list[int], modes: list[str], beta2s: list[float]) -> dict[str, Any]:
     """The study's summary for the planner and ``compression="auto"`` (ds_lioncub/planner/convergence.py):
-    one cell per (planner mode key, workers, beta2) with the gap's mean and spread in %.
+    one cell per (planner mode key, workers, beta2) with the gap's mean, the half-width of its 95% Student-t
+    interval (both in %), the seeds, and the mode's bits per element (:func:`bits_per_element`).
 
     The planner's key comes from each run's own options (``study_mode``); two study modes with the same
-    key (the 4-bit sign vote is the 1-bit vote's arithmetic) give one cell, the first in ``modes``.
+    key (the 4-bit sign vote is the 1-bit vote's arithmetic) give one cell, the first in ``modes``, and the
+    bits are those of the mode the key names (1 for a vote of sign fields, the 1-bit vote's key).
     """
     cells = load_runs(directory)
     out: list[dict[str, Any]] = []
     seen: set[tuple[str, int, float]] = set()
     for beta2, n, mode, row in summarised_cells(cells, workers, modes, beta2s):
-        key = study_mode(next(iter(cells[(beta2, n, mode)].values()))["options"])
+        options = next(iter(cells[(beta2, n, mode)].values()))["options"]
+        key = study_mode(options)
         if key is None or key == "unmeasured" or (key, n, beta2) in seen:
             continue
         seen.add((key, n, beta2))
-        gap: SeedSummary = row["gap"]
+        gap: MeanInterval = row["gap"]
+        # A k-bit sign vote stands for the 1-bit vote (study_mode): the cell's mode is the 1-bit vote.
+        voted = {"compression": "1bit"} if key in ("1bit", "1bit+sync") else options
         out.append(
             {
                 "mode": key,
                 "workers": n,
                 "beta2": beta2,
                 "gap_percent": round(gap.mean, 3),
-                "spread_percent": None if gap.spread is None else round(gap.spread, 3),
+                "half_width_percent": None if gap.half_width is None else round(gap.half_width, 3),
                 "seeds": len(row["seeds"]),
+                "bits_per_element": bits_per_element(voted, n),
             }
         )
     return {

@@ -241,7 +241,8 @@ def recommendations(cluster: PlannedCluster, link_rates: Sequence[str] = LINK_RA
 
 
 def format_recommendations(found: Sequence[Recommendation], runs: Sequence[RunConfig]) -> list[str]:
-    """One line per link rate, then the configurations of ``runs`` the study passed over at stage 0, and why."""
+    """One line per link rate, then the configurations of ``runs`` the study passed over at stage 0, and why, and
+    those recommended at stage 0 whose 95% interval the study cannot clear of 2% (the planner's caveat)."""
     from ds_lioncub import planner
 
     def pick(choice: Choice) -> str:
@@ -258,6 +259,16 @@ def format_recommendations(found: Sequence[Recommendation], runs: Sequence[RunCo
     if passed_over:
         reasons = "; ".join(f"{name}, {why}" for name, why in passed_over.items())
         lines.append(_paragraph(f"Passed over at stage 0, though faster: {reasons}", "  "))
+    uncertain: dict[str, str] = {}
+    for r in found:
+        name = names.get(_key(r.stage0.best.params))
+        if name is not None and r.stage0.caveat():
+            uncertain.setdefault(name, r.stage0.best_verdict.note)
+    if uncertain:
+        reasons = "; ".join(f"{name}, {why}" for name, why in uncertain.items())
+        lines.append(
+            _paragraph(f"Recommended at stage 0, though the study cannot tell whether within 2%: {reasons}", "  ")
+        )
     return lines
 
 

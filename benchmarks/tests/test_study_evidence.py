@@ -1,8 +1,10 @@
 """From the convergence study's runs to the planner's decision: the report's verdicts (summarise, paired_gaps,
-ef_target, ef_table, evidence) on run sets written here with losses chosen so that every gap, mean and spread
-is worked out by hand below; the shipped ds_lioncub/planner/convergence_evidence.json against what the
-documented command (benchmarks/RESULTS.md, ``python -m benchmarks.study_convergence --report --evidence ...``)
-gives from the shipped runs; and the planner's choice on evidence files written here."""
+ef_target, ef_table, evidence) on run sets written here with losses chosen so that every gap, mean and 95%
+Student-t half-width is worked out by hand below (with the t quantiles' closed forms at 1 and 2 degrees of
+freedom, T1 and T2); the shipped ds_lioncub/planner/convergence_evidence.json against what the
+documented command (benchmarks/RESULTS.md, ``python -m benchmarks.study_convergence --report --results
+benchmarks/results/convergence_study --evidence ...``) gives from the shipped runs; and the planner's choice on
+evidence files written here, in the current form and in the older one with ``spread_percent``."""
 
 from __future__ import annotations
 
@@ -14,9 +16,9 @@ from typing import Any
 import pytest
 
 from benchmarks import study_convergence
-from benchmarks.study_report import ef_table, ef_target, evidence, load_runs, paired_gaps, summarise
+from benchmarks.study_report import bits_per_element, ef_table, ef_target, evidence, load_runs, paired_gaps, summarise
 from ds_lioncub.planner import Candidate, Cluster
-from ds_lioncub.planner.convergence import EVIDENCE_FILE, LOSS_THRESHOLD_PERCENT, choose, read_evidence
+from ds_lioncub.planner.convergence import EVIDENCE_FILE, LOSS_THRESHOLD_PERCENT, Choice, choose, read_evidence
 
 #: Each study mode's LionCub options, as benchmarks/study_convergence.py records them in a run's JSON.
 OPTIONS: dict[str, dict[str, Any]] = {
@@ -43,6 +45,11 @@ OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 FIRST_LOSS = 5.5  # the loss before any update: the same for every run of a seed on the same corpus
+
+# The 0.975 quantiles of Student's t, from its CDF's closed forms: 1 degree of freedom (Cauchy),
+# P(|T| < t) = 2 atan(t) / pi; 2 degrees, t / sqrt(2 + t^2).
+T1 = math.tan(0.95 * math.pi / 2)  # 12.706
+T2 = 0.95 * math.sqrt(2 / (1 - 0.95**2))  # 4.303
 
 
 def write_run(
@@ -83,15 +90,17 @@ def study(tmp_path: Path) -> Path:
     """A small study at beta2 0.99 whose gaps are round numbers:
 
     32 workers, exact Lion over seeds 0-3 (val 2.0, 2.0, 1.6, 2.5):
-      - 1-bit vote, seeds 0-2: val 2.10, 2.08, 1.696 -> gaps 5, 4, 6 % (mean 5, spread 2: a loss);
+      - 1-bit vote, seeds 0-2: val 2.10, 2.08, 1.696 -> gaps 5, 4, 6 % (mean 5, sd 1, half-width T2 / sqrt 3
+        = 2.48: the interval [2.52, 7.48] lies above 2 %, a loss);
         agreement on seeds 0 and 1 only; seconds per step 1, 2, 3. Seed 3 has exact Lion alone.
       - 4-bit sign vote (the 1-bit vote's planner key), seed 0 only: val 2.02 -> gap 1 %.
       - 2-bit L1 all-to-all, seeds 0-2, but seed 2 trained another corpus (its first loss differs from its
-        seed's others), so it is left out: val 2.20, 2.16 -> gaps 10, 8 % (mean 9, spread 2 sqrt 2, 2 seeds).
+        seed's others), so it is left out: val 2.20, 2.16 -> gaps 10, 8 % (mean 9, sd sqrt 2, half-width
+        T1 sqrt 2 / sqrt 2 = 12.71, 2 seeds).
       - its EF21 form, seeds 0-1: val 2.04, 2.02 -> gaps 2, 1 % (mean 1.5: at most half of 9, met).
-      - 8-bit L1 all-reduce, seeds 0-2: val 2.04, 2.04, 1.632 -> gaps 2, 2, 2 %: exactly the threshold.
+      - 8-bit L1 all-reduce, seeds 0-2: val 2.04, 2.04, 1.632 -> gaps 2, 2, 2 %: exactly the threshold, half-width 0.
     64 workers, exact Lion over seeds 0-1 (val 2.0, 2.0):
-      - 4-bit L1 all-to-all: val 2.02, 2.04 -> gaps 1, 2 % (mean 1.5);
+      - 4-bit L1 all-to-all: val 2.02, 2.04 -> gaps 1, 2 % (mean 1.5, sd sqrt(1/2), half-width T1 / 2 = 6.35);
       - its residual EF form: val 2.04, 2.02 -> gaps 2, 1 % (mean 1.5: not worse, not half, missed).
     16 workers: a 1-bit run without any exact Lion run to pair it with.
     """
@@ -125,11 +134,11 @@ def test_summarise_pairs_each_seed_with_exact_lions_and_leaves_out_seeds_either_
     assert row["seeds"] == [0, 1, 2]  # exact Lion's seed 3 has no 1-bit run
     assert row["gap"].values == pytest.approx((5.0, 4.0, 6.0))
     assert row["gap"].mean == pytest.approx(5.0)
-    assert row["gap"].spread == pytest.approx(2.0)  # deviations 0, -1, 1: sample variance 1
-    assert row["gap"].real  # |5| > 2
+    assert row["gap"].half_width == pytest.approx(T2 / math.sqrt(3))  # deviations 0, -1, 1: sample variance 1
+    assert row["gap"].real  # the interval [2.52, 7.48] excludes 0
     assert row["exact_val"].mean == pytest.approx((2.0 + 2.0 + 1.6) / 3)
     assert row["mode_val"].mean == pytest.approx((2.10 + 2.08 + 1.696) / 3)
-    # Exact Lion's own seed spread is over every exact seed of the cell, seed 3 included.
+    # Exact Lion's own seed spread (2 x sample sd, no interval) is over every exact seed of the cell, seed 3 too.
     exact_vals = [2.0, 2.0, 1.6, 2.5]
     assert row["exact_spread_percent"] == pytest.approx(100.0 * spread_of(exact_vals) / (sum(exact_vals) / 4))
     # Seed 2 recorded no agreement: the rates are over seeds 0 and 1.
@@ -137,11 +146,11 @@ def test_summarise_pairs_each_seed_with_exact_lions_and_leaves_out_seeds_either_
     assert row["seconds_per_step"] == pytest.approx(2.0)
 
 
-def test_summarise_of_one_seed_has_no_spread_and_is_never_real(study: Path) -> None:
+def test_summarise_of_one_seed_has_no_interval_and_is_never_real(study: Path) -> None:
     row = summarise(load_runs(study), 0.99, 32, "4bit_sign")
     assert row is not None and row["seeds"] == [0]
     assert row["gap"].mean == pytest.approx(1.0)
-    assert row["gap"].spread is None and not row["gap"].real
+    assert row["gap"].half_width is None and not row["gap"].real
     assert row["rates"] is None  # its one run recorded no agreement
 
 
@@ -149,7 +158,9 @@ def test_a_run_on_another_corpus_leaves_its_cell_with_the_seeds_on_the_usual_one
     row = summarise(load_runs(study), 0.99, 32, "2bit_l1_a2a")
     assert row is not None and row["seeds"] == [0, 1]
     assert row["gap"].mean == pytest.approx(9.0)
-    assert row["gap"].spread == pytest.approx(2.0 * math.sqrt(2.0))  # deviations 1, -1: sample variance 2
+    # deviations 1, -1: sample variance 2; half-width T1 x sqrt 2 / sqrt 2, which holds 0: not real
+    assert row["gap"].half_width == pytest.approx(T1)
+    assert not row["gap"].real
 
 
 def test_summarise_has_no_row_without_exact_lion_or_without_the_mode(study: Path) -> None:
@@ -188,59 +199,95 @@ def test_the_error_feedback_table_judges_each_cell_by_its_paired_means(study: Pa
     by_cell = {(row[1], row[3]): row for row in rows}
     assert set(by_cell) == {("32", "ef21"), ("64", "residual (all)")}
     ef21 = by_cell[("32", "ef21")]
-    # Over seeds 0 and 1 (the no-EF seed 2 is left out): no-EF 10, 8 (9 ± 2.83), EF 2, 1 (1.5 ± 1.41).
-    assert ef21[4:8] == ["2", "+9.00 ± 2.83", "+1.50 ± 1.41", "2/2"]
+    # Over seeds 0 and 1 (the no-EF seed 2 is left out): no-EF 10, 8 (9 ± T1 = 12.71), EF 2, 1 (1.5 ± T1 / 2).
+    assert ef21[4:8] == ["2", f"+9.00 ± {T1:.2f}", f"+1.50 ± {T1 / 2:.2f}", "2/2"]
+    assert (f"{T1:.2f}", f"{T1 / 2:.2f}") == ("12.71", "6.35")
     assert ef21[12] == "**met**"
     residual = by_cell[("64", "residual (all)")]
     # no-EF 1, 2; EF 2, 1: equal means (1.5), not half; EF below no-EF on seed 1 only.
-    assert residual[4:8] == ["2", "+1.50 ± 1.41", "+1.50 ± 1.41", "1/2"]
+    assert residual[4:8] == ["2", "+1.50 ± 6.35", "+1.50 ± 6.35", "1/2"]
     assert residual[12] == "missed"
     assert table.endswith("Target met in 1 of 2 cells.\n")
     assert ef_table(load_runs(study), [0.95]) == ""  # no cell at that beta2
 
 
-def test_evidence_has_one_cell_per_planner_key_with_the_paired_gaps_mean_and_spread(study: Path) -> None:
+def test_evidence_has_one_cell_per_planner_key_with_the_paired_gaps_mean_and_interval(study: Path) -> None:
     modes = ["1bit", "4bit_sign", "2bit_l1_a2a", "8bit_l1", "2bit_l1_a2a_ef21", "4bit_l1_a2a"]
     modes.append("4bit_l1_a2a_ef_residual")
     summary = evidence(study, [16, 32, 64], modes, [0.99])
     assert summary["source"] == "benchmarks/study_convergence.py, results gpt-small_300steps (benchmarks/RESULTS.md)"
     # 16 workers: no exact Lion to pair with; the 4-bit sign vote is the 1-bit vote's key, already taken;
-    # the error-feedback forms are no planner evidence; rounded to 3 decimals: 2 sqrt 2 = 2.828.
+    # the error-feedback forms are no planner evidence. Half-widths rounded to 3 decimals: T2 / sqrt 3 = 2.484,
+    # T1 = 12.706 (2 seeds, sd sqrt 2), T1 / 2 = 6.353 (2 seeds, sd sqrt(1/2)).
     assert summary["cells"] == [
-        {"mode": "1bit", "workers": 32, "beta2": 0.99, "gap_percent": 5.0, "spread_percent": 2.0, "seeds": 3},
+        {
+            "mode": "1bit",
+            "workers": 32,
+            "beta2": 0.99,
+            "gap_percent": 5.0,
+            "half_width_percent": 2.484,
+            "seeds": 3,
+            "bits_per_element": 1,
+        },
         {
             "mode": "2bit-l1-alltoall",
             "workers": 32,
             "beta2": 0.99,
             "gap_percent": 9.0,
-            "spread_percent": 2.828,
+            "half_width_percent": 12.706,
             "seeds": 2,
+            "bits_per_element": 2,
         },
         {
             "mode": "8bit-l1-allreduce",
             "workers": 32,
             "beta2": 0.99,
             "gap_percent": 2.0,
-            "spread_percent": 0.0,
+            "half_width_percent": 0.0,
             "seeds": 3,
+            "bits_per_element": 8,
         },
         {
             "mode": "4bit-l1-alltoall",
             "workers": 64,
             "beta2": 0.99,
             "gap_percent": 1.5,
-            "spread_percent": 1.414,
+            "half_width_percent": 6.353,
             "seeds": 2,
+            "bits_per_element": 4,
         },
     ]
+    assert (round(T2 / math.sqrt(3), 3), round(T1, 3), round(T1 / 2, 3)) == (2.484, 12.706, 6.353)
 
 
 def test_of_two_modes_with_one_planner_key_evidence_takes_the_first_listed(study: Path) -> None:
     summary = evidence(study, [32], ["4bit_sign", "1bit"], [0.99])
-    # The 4-bit sign vote's one seed stands for the 1-bit vote: no spread, one seed.
+    # The 4-bit sign vote's one seed stands for the 1-bit vote: no interval, one seed, the 1-bit vote's 1 bit.
     assert summary["cells"] == [
-        {"mode": "1bit", "workers": 32, "beta2": 0.99, "gap_percent": 1.0, "spread_percent": None, "seeds": 1}
+        {
+            "mode": "1bit",
+            "workers": 32,
+            "beta2": 0.99,
+            "gap_percent": 1.0,
+            "half_width_percent": None,
+            "seeds": 1,
+            "bits_per_element": 1,
+        }
     ]
+
+
+@pytest.mark.parametrize("workers", [4, 32, 64])
+def test_bits_per_element_is_each_ranks_message_over_its_elements(workers: int) -> None:
+    # The rank's first message carries one field per element: 1 bit for the signs, b bits for a b-bit vote,
+    # whatever the count of workers and the algorithm.
+    assert bits_per_element(OPTIONS["1bit"], workers) == 1
+    assert bits_per_element({**OPTIONS["1bit"], "momentum_sync": {"interval": 10, "layers": "auto"}}, workers) == 1
+    assert bits_per_element(OPTIONS["2bit_l1_a2a"], workers) == 2
+    assert bits_per_element(OPTIONS["4bit_l1_a2a"], workers) == 4
+    assert bits_per_element(OPTIONS["4bit_sign"], workers) == 4
+    assert bits_per_element(OPTIONS["8bit_l1"], workers) == 8
+    with pytest.raises(ValueError, match="sends no vote"):
+        bits_per_element(OPTIONS["exact"], workers)
 
 
 def candidate(label: str, params: dict[str, Any], seconds_per_step: float) -> Candidate:
@@ -262,57 +309,141 @@ def test_the_planner_passes_over_what_the_studys_runs_show_losing(study: Path, t
     path.write_text(json.dumps(evidence(study, [32], modes, [0.99]), indent=1) + "\n")
     cells = read_evidence(path)
     choice = choose(CANDIDATES, Cluster(1, 32), 0.99, cells)
-    # 1-bit: +5 ± 2 over 3 seeds, a loss; 2-bit L1: +9 over only 2 seeds (its third trained another corpus),
-    # so the rule does not call it a loss, and it is kept.
+    # 1-bit: +5, interval [5 - 2.48, 5 + 2.48] above 2 over 3 seeds, a loss; 2-bit L1: +9 over only 2 seeds (its
+    # third trained another corpus), interval [9 - 12.71, 9 + 12.71]: not a loss, and it is kept.
     assert choice.best is CANDIDATES[1]
     assert [c for c, _ in choice.skipped] == [CANDIDATES[0]]
-    assert choice.verdicts[0].note == "+5.0% ± 2.0 vs Lion's loss (32 workers, beta2 0.99, 3 seeds)"
-    assert choice.verdicts[1].note == "+9.0% ± 2.8 vs Lion's loss (32 workers, beta2 0.99, 2 seeds)"
-    assert "1-bit vote: +5.0% ± 2.0 vs Lion's loss" in choice.skipped_sentence()
-    # Without the 2-bit runs, the 8-bit L1 cell, exactly at the threshold, is not a loss and is kept.
+    assert choice.verdicts[0].note == ("loss vs Lion +5.0% (95% CI +2.5 to +7.5, 3 seeds) at 32 workers, beta2 0.99")
+    assert choice.verdicts[1].note == "loss vs Lion +9.0% (95% CI -3.7 to +21.7, 2 seeds) at 32 workers, beta2 0.99"
+    assert "1-bit vote: loss vs Lion +5.0% (95% CI +2.5 to +7.5, 3 seeds)" in choice.skipped_sentence()
+    # The 2-bit mode is recommended on speed, with its interval beside it: 2 seeds cannot call a loss.
+    assert choice.caveat() == (
+        "2-bit L1 all-to-all: loss vs Lion +9.0% (95% CI -3.7 to +21.7, 2 seeds) at 32 workers, beta2 0.99: "
+        "2 seeds, too few to call a loss."
+    )
+    # Without the 2-bit runs, the 8-bit L1 cell, exactly at the threshold with no seed-to-seed variation, is not
+    # a loss and is kept; its interval [2, 2] reaches the threshold, so the recommendation shows it.
     choice = choose([CANDIDATES[0], *CANDIDATES[2:]], Cluster(1, 32), 0.99, cells)
     assert choice.best is CANDIDATES[2] and choice.verdicts[1].cell is not None
     assert choice.verdicts[1].cell.gap_percent == LOSS_THRESHOLD_PERCENT
+    assert choice.verdicts[1].cell.half_width_percent == 0.0
+    assert choice.caveat().endswith(
+        "(95% CI +2.0 to +2.0, 3 seeds) at 32 workers, beta2 0.99: not shown to exceed 2%, nor to stay below it."
+    )
 
 
-def test_the_planner_reads_an_evidence_file_and_keeps_only_what_is_not_a_real_loss(tmp_path: Path) -> None:
-    def cell(mode: str, gap: float, spread: float | None, seeds: int = 3) -> dict[str, Any]:
-        return {
-            "mode": mode,
-            "workers": 32,
-            "beta2": 0.99,
-            "gap_percent": gap,
-            "spread_percent": spread,
-            "seeds": seeds,
-        }
+def _cell(mode: str, gap: float, half_width: float | None, seeds: int = 3) -> dict[str, Any]:
+    """An evidence file's cell at 32 workers, beta2 0.99, in the current form."""
+    return {
+        "mode": mode,
+        "workers": 32,
+        "beta2": 0.99,
+        "gap_percent": gap,
+        "half_width_percent": half_width,
+        "seeds": seeds,
+        "bits_per_element": 1,
+    }
 
+
+def _choice_from_file(tmp_path: Path, *cells: dict[str, Any]) -> Choice:
+    path = tmp_path / "evidence.json"
+    path.write_text(json.dumps({"source": "made up for this test", "cells": list(cells)}))
+    return choose(CANDIDATES, Cluster(1, 32), 0.99, read_evidence(path))
+
+
+def test_the_planner_passes_over_a_mode_only_when_its_interval_lies_above_the_threshold(tmp_path: Path) -> None:
     def best(*cells: dict[str, Any]) -> tuple[str, str]:
-        path = tmp_path / "evidence.json"
-        path.write_text(json.dumps({"source": "made up for this test", "cells": list(cells)}))
-        choice = choose(CANDIDATES, Cluster(1, 32), 0.99, read_evidence(path))
+        choice = _choice_from_file(tmp_path, *cells)
         return choice.best.label, choice.skipped_sentence()
 
-    losing = cell("1bit", 2.5, 0.4)  # above 2 % and beyond its spread, over 3 seeds
+    losing = _cell("1bit", 2.5, 0.4)  # interval [2.1, 2.9]: above 2 %, over 3 seeds
     assert best(losing) == (
         "2-bit L1 all-to-all",  # not in this study: kept, nothing says it loses
-        "Faster but not recommended, the convergence study shows them losing more than 2% of Lion's loss: "
-        "1-bit vote: +2.5% ± 0.4 vs Lion's loss (32 workers, beta2 0.99, 3 seeds) (benchmarks/RESULTS.md, "
-        "'Convergence at 4-64 workers').",
+        "Faster but not recommended, the convergence study shows them losing more than 2% of Lion's loss (the "
+        "95% interval above it): 1-bit vote: loss vs Lion +2.5% (95% CI +2.1 to +2.9, 3 seeds) at 32 workers, "
+        "beta2 0.99 (benchmarks/RESULTS.md, 'Convergence at 4-64 workers').",
     )
-    assert best(cell("1bit", 2.0, 0.4)) == ("1-bit vote", "")  # at the threshold, not above it
-    assert best(cell("1bit", 3.0, 3.0)) == ("1-bit vote", "")  # within its spread (equal to it)
-    assert best(cell("1bit", 9.0, 0.4, seeds=2)) == ("1-bit vote", "")  # too few seeds to call it a loss
-    assert best(cell("1bit", 9.0, None, seeds=1)) == ("1-bit vote", "")
-    # Every compressed mode losing: exact Lion, and each passed-over mode is named with its number.
-    label, sentence = best(losing, cell("2bit-l1-alltoall", 6.0, 1.0), cell("8bit-l1-allreduce", 2.1, 0.1))
+    assert best(_cell("1bit", 2.0, 0.4)) == ("1-bit vote", "")  # the gap at the threshold
+    assert best(_cell("1bit", 3.0, 1.0)) == ("1-bit vote", "")  # the lower end at the threshold, not above it
+    assert best(_cell("1bit", 3.3, 3.0)) == ("1-bit vote", "")  # the interval holds 2 %: too wide to tell
+    assert best(_cell("1bit", 9.0, 0.4, seeds=2)) == ("1-bit vote", "")  # too few seeds to call it a loss
+    assert best(_cell("1bit", 9.0, None, seeds=1)) == ("1-bit vote", "")
+    # Every compressed mode losing: exact Lion, and each passed-over mode is named with its interval.
+    losers = (losing, _cell("2bit-l1-alltoall", 6.0, 1.0), _cell("8bit-l1-allreduce", 2.1, 0.08))
+    label, sentence = best(*losers)
     assert label == "exact Lion"
-    assert "2-bit L1 all-to-all: +6.0% ± 1.0" in sentence and "8-bit L1 all-reduce: +2.1% ± 0.1" in sentence
+    assert "2-bit L1 all-to-all: loss vs Lion +6.0% (95% CI +5.0 to +7.0, 3 seeds)" in sentence
+    assert "8-bit L1 all-reduce: loss vs Lion +2.1% (95% CI +2.0 to +2.2, 3 seeds)" in sentence
+
+
+def test_a_recommendation_the_study_cannot_clear_carries_its_interval(tmp_path: Path) -> None:
+    wide = _choice_from_file(tmp_path, _cell("1bit", 3.3, 3.0))
+    assert wide.caveat() == (
+        "1-bit vote: loss vs Lion +3.3% (95% CI +0.3 to +6.3, 3 seeds) at 32 workers, beta2 0.99: not shown to "
+        "exceed 2%, nor to stay below it."
+    )
+    # The upper end below 2 %: the study shows the mode within the threshold, nothing to add.
+    assert _choice_from_file(tmp_path, _cell("1bit", 0.5, 1.4)).caveat() == ""
+    # At 2 % exactly it is not shown below it.
+    assert _choice_from_file(tmp_path, _cell("1bit", 0.5, 1.5)).caveat().endswith("nor to stay below it.")
+    assert _choice_from_file(tmp_path, _cell("1bit", -1.0, None, seeds=1)).caveat() == (
+        "1-bit vote: loss vs Lion -1.0% (1 seed, no interval) at 32 workers, beta2 0.99: 1 seed, too few to call "
+        "a loss."
+    )
+    # Exact Lion, the mode no study is needed for, carries none.
+    every_mode_losing = [_cell("1bit", 9.0, 1.0), _cell("2bit-l1-alltoall", 9.0, 1.0)]
+    every_mode_losing.append(_cell("8bit-l1-allreduce", 9.0, 1.0))
+    exact = _choice_from_file(tmp_path, *every_mode_losing)
+    assert exact.best.label == "exact Lion" and exact.caveat() == ""
+
+
+def test_an_older_file_with_the_spread_gives_the_same_interval(tmp_path: Path) -> None:
+    # The shipped file before half-widths: spread = 2 x sample sd of the per-seed gaps, no bits.
+    path = tmp_path / "old.json"
+    old_cells = [
+        {"mode": "1bit", "workers": 32, "beta2": 0.99, "gap_percent": 3.344, "spread_percent": 2.406, "seeds": 3},
+        {"mode": "1bit", "workers": 64, "beta2": 0.99, "gap_percent": 4.0, "spread_percent": 1.0, "seeds": 2},
+        {"mode": "1bit", "workers": 4, "beta2": 0.99, "gap_percent": 1.0, "spread_percent": None, "seeds": 1},
+    ]
+    path.write_text(json.dumps({"source": "an older study", "cells": old_cells}))
+    three, two, one = read_evidence(path)
+    # sd = spread / 2; half-width t(seeds - 1) x sd / sqrt(seeds)
+    assert three.half_width_percent == pytest.approx(T2 * 1.203 / math.sqrt(3))  # 2.989: [+0.36, +6.33]
+    assert two.half_width_percent == pytest.approx(T1 * 0.5 / math.sqrt(2))
+    assert one.half_width_percent is None
+    assert (three.bits_per_element, three.seeds, three.gap_percent) == (None, 3, 3.344)
+    assert not three.loses and three.undecided  # 3.344 - 2.989 = 0.355 < 2
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"half_width_percent": "2.0"},  # a string
+        {"bits_per_element": 1.0},  # not a whole number of bits
+        {"seeds": 3.0},
+    ],
+)
+def test_a_malformed_cell_is_named(tmp_path: Path, change: dict[str, Any]) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"cells": [_cell("1bit", 1.0, 0.5), {**_cell("1bit", 1.0, 0.5), **change}]}))
+    with pytest.raises(ValueError, match=r"cell 1 of .*bad.json is not \{mode: str"):
+        read_evidence(path)
+
+
+def test_a_cell_without_half_width_or_spread_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    cell = {key: value for key, value in _cell("1bit", 1.0, 0.5).items() if key != "half_width_percent"}
+    path.write_text(json.dumps({"cells": [cell]}))
+    with pytest.raises(ValueError, match=r"cell 0 of .*\(or an older file's spread_percent\)"):
+        read_evidence(path)
 
 
 def test_the_shipped_evidence_is_what_the_documented_command_gives_from_the_shipped_runs() -> None:
-    # benchmarks/RESULTS.md: python -m benchmarks.study_convergence --report --evidence <the shipped file>,
-    # with the command's defaults; its main() passes evidence() the modes other than exact Lion.
-    args = study_convergence.parse_args(["--report", "--evidence", str(EVIDENCE_FILE)])
+    # benchmarks/RESULTS.md: python -m benchmarks.study_convergence --report --results
+    # benchmarks/results/convergence_study --evidence <the shipped file> (the first study's runs; the command's
+    # default results root is the pinned corpus's); its main() passes evidence() the modes other than exact Lion.
+    results = str(study_convergence.STDLIB_RESULTS)
+    args = study_convergence.parse_args(["--report", "--results", results, "--evidence", str(EVIDENCE_FILE)])
     directory = study_convergence.config_dir(args.results, args.task, args.steps)
     assert directory.name == "gpt-small_300steps" and any(directory.glob("N*_seed*.json"))
     regenerated = evidence(directory, args.workers, [m for m in args.modes if m != "exact"], args.beta2)

@@ -4,6 +4,7 @@ sets the bf16 residual beside the fp32 residual."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from benchmarks.study_report import load_runs, runs_on_other_data, storage_table
@@ -45,3 +46,7 @@ def test_the_storage_table_sets_the_bf16_residuals_gap_beside_the_fp32_residuals
     # gaps per seed: fp32 10, 5, 20 (mean 11.67); bf16 12, 5, 20 (mean 12.33); bf16 - fp32: 2, 0, 0 (mean 0.67)
     assert cells[:4] == ["0.99", "64", "2-bit L1 a2a + EF residual (bf16)", "3"]
     assert cells[4].startswith("+11.67") and cells[5].startswith("+12.33") and cells[6].startswith("+0.67"), cells
+    # bf16 - fp32: deviations 4/3, -2/3, -2/3 from the mean, sample sd sqrt(4/3); the 95% half-width
+    # t(2) x sd / sqrt 3 = 4.303 x 2/3 = 2.87 (t(2) = 0.95 sqrt(2 / (1 - 0.95^2)), its closed form).
+    t2 = 0.95 * math.sqrt(2 / (1 - 0.95**2))
+    assert cells[6] == f"+0.67 ± {t2 * math.sqrt(4 / 3) / math.sqrt(3):.2f}" == "+0.67 ± 2.87"

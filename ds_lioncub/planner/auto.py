@@ -10,14 +10,16 @@ communication dtype).
 
 The result is the fastest candidate of :func:`~ds_lioncub.planner.plan` at that ZeRO stage that the
 convergence study (:mod:`ds_lioncub.planner.convergence`) does not show losing more than 2% of exact
-Lion's loss at the voters' count and ``betas[1]``; passing over a faster mode is said in the sentence
-and logged as a warning. Under ZeRO stage 3 the candidates are exact Lion under ZeRO-3 and the ZeRO-3
-hybrid (:mod:`ds_lioncub.planner.zero3`). The
-options the user gave are kept, except that ``network`` is dropped (it served its purpose), and
-when exact Lion wins ``momentum_sync`` and ``hybrid`` too (they apply to compressed modes only), and
-``telemetry.vote_stats`` is turned off (exact Lion takes no vote to measure; the sentence says so);
-at stage 0 ``hybrid`` only gives the node size. One sentence says what was chosen and why; the
-caller logs it on rank 0, at warning level when compression was found not to pay.
+Lion's loss at the voters' count and ``betas[1]`` (the 95% interval of its gap above 2%); passing over
+a faster mode is said in the sentence and logged as a warning, and where the study cannot tell (the
+chosen mode's interval reaches 2%) the sentence gives the interval, as the planner prints it. Under
+ZeRO stage 3 the candidates are exact Lion under ZeRO-3 and the ZeRO-3 hybrid
+(:mod:`ds_lioncub.planner.zero3`). The options the user gave are kept, except that ``network`` is
+dropped (it served its purpose), and when exact Lion wins ``momentum_sync`` and ``hybrid`` too (they
+apply to compressed modes only), and ``telemetry.vote_stats`` is turned off (exact Lion takes no vote
+to measure; the sentence says so); at stage 0 ``hybrid`` only gives the node size. One sentence says
+what was chosen and why; the caller logs it on rank 0, at warning level when compression was found not
+to pay.
 """
 
 from __future__ import annotations
@@ -181,9 +183,10 @@ def resolve_auto(
             + _vote_stats_note(options)
         )
         return AutoResolution(_concrete(options, best.params, zero_stage), sentence, True, tuple(candidates))
+    caveat = f" {choice.caveat()}" if choice.caveat() else ""
     sentence = (
         f"LionCub auto: {best.label}, predicted {format_seconds(best.seconds_per_step)}/step vs "
-        f"{format_seconds(exact.seconds_per_step)} for exact Lion, for {where}.{skipped}"
+        f"{format_seconds(exact.seconds_per_step)} for exact Lion, for {where}.{caveat}{skipped}"
     )
     return AutoResolution(_concrete(options, best.params, zero_stage), sentence, bool(skipped), tuple(candidates))
 

@@ -11,12 +11,17 @@
 
 The default output is a table of every feasible candidate, fastest predicted step first, with what
 the convergence study says of each at its worker count and ``--beta2``
-(:mod:`ds_lioncub.planner.convergence`), and the ds_config blocks of the recommended one: the fastest
-that the study does not show losing more than 2% of Lion's loss (a faster one that does is named,
-with its gap). ``--json`` prints ``{"recommended": {"params", "zero_stage"}, "local_costs": {"device",
-"measured_on"}, "candidates": [{"params", "zero_stage", "seconds_per_step", "bytes_per_step_per_rank"},
-...]}``, plus ``"passed_over": [{"params", "zero_stage", "gap_percent", "spread_percent", "why"}, ...]``
-when faster candidates were passed over. Bad arguments exit with status 2 and argparse's message.
+(:mod:`ds_lioncub.planner.convergence`: the gap to Lion's loss and its 95% Student-t interval), and
+the ds_config blocks of the recommended one: the fastest that the study does not show losing more
+than 2% of Lion's loss (the interval above 2%; a faster one that does is named, with its gap), with
+its interval beside it where that reaches 2%. ``--json`` prints ``{"recommended": {"params",
+"zero_stage"}, "local_costs": {"device", "measured_on"}, "candidates": [{"params", "zero_stage",
+"seconds_per_step", "bytes_per_step_per_rank"}, ...]}``, plus ``"passed_over": [{"params",
+"zero_stage", "gap_percent", "half_width_percent", "seeds", "why"}, ...]`` when faster candidates
+were passed over, and ``"uncertain_loss": {"gap_percent", "half_width_percent", "seeds", "why"}`` in
+``"recommended"`` when the study cannot tell whether the recommended mode keeps within 2%
+(``half_width_percent``: the interval's half-width in points of %, null with one seed). Bad
+arguments exit with status 2 and argparse's message.
 
 The candidates are those of ZeRO stages 0 and 2 (stage 2 with more than one node); ``--zero-stage S``
 lists one stage's alone, for a job whose stage is fixed: 0, 2, or 3 (exact Lion under ZeRO-3 over the

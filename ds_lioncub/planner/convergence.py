@@ -3,15 +3,19 @@
 The study (benchmarks/study_convergence.py, benchmarks/RESULTS.md "Convergence at 4-64 workers")
 trains the example GPT in the virtual world (:mod:`ds_lioncub.simulate`) at 4-64 workers with each
 mode and with exact Lion, over several seeds, and records each mode's validation loss relative to
-exact Lion's at the same worker count (the gap, in %) with its seed spread. Its summary ships as
+exact Lion's at the same worker count (the gap, in %): the mean over seeds and the half-width of its
+two-sided 95% Student-t interval (:mod:`ds_lioncub.student_t`). Its summary ships as
 ``convergence_evidence.json`` beside this module, and this module reads it for the planner and
 ``compression="auto"``:
 
-- a mode *loses* at N workers and beta2 when the study measured its gap above
-  :data:`LOSS_THRESHOLD_PERCENT` (2%) and beyond its seed spread (a real gap, not seed noise), over at
-  least :data:`MIN_SEEDS` seeds (a cell of fewer is shown, with its seed count, but never loses);
+- a mode *loses* at N workers and beta2 only on evidence of harm: the interval's lower end (gap -
+  half-width) above :data:`LOSS_THRESHOLD_PERCENT` (2%), over at least :data:`MIN_SEEDS` seeds (a
+  cell of fewer is shown, with its seed count, but never loses);
 - the planner never recommends a losing mode without saying so, and ``"auto"`` skips it for the
-  fastest mode that does not lose (exact Lion at worst, which loses nothing by definition).
+  fastest mode that does not lose (exact Lion at worst, which loses nothing by definition);
+- where the interval is too wide to tell (its upper end reaches 2%, its lower end does not pass it),
+  the mode is recommended on speed as usual and the interval is printed beside the recommendation
+  (:meth:`Choice.caveat`): the study does not show it losing, nor keeping within 2%.
 
 Worker counts between the study's points take the next measured count above (more workers never
 made a vote more faithful in the study); beyond the largest, the largest, and the verdict says so.
@@ -31,10 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from ds_lioncub.planner.model import Candidate, Cluster
+from ds_lioncub.student_t import half_width_of
 
 #: A mode that loses more than this much of exact Lion's validation loss (in %) is not recommended silently.
 LOSS_THRESHOLD_PERCENT = 2.0
-#: Seeds a cell needs before its gap can count as a loss: a spread from fewer says too little.
+#: Seeds a cell needs before its gap can count as a loss: an interval from fewer says too little.
 MIN_SEEDS = 3
 EVIDENCE_FILE = Path(__file__).with_name("convergence_evidence.json")
 
@@ -48,26 +53,48 @@ class StudyCell:
         workers: N, the data-parallel workers (voters).
         beta2: Lion's beta2.
         gap_percent: mean over seeds of (mode's val loss - exact Lion's) / exact Lion's, in %.
-        spread_percent: twice the sample standard deviation of the per-seed gaps; None with one seed.
+        half_width_percent: half-width of the mean's two-sided 95% Student-t interval (t(seeds - 1) x the
+            per-seed gaps' sample sd / sqrt(seeds)), in points of %; None with one seed.
         seeds: how many seeds the mean is over.
+        bits_per_element: the mode's bits per gradient element in each rank's message (1 for the 1-bit vote
+            and its momentum-sync form, b for a b-bit vote); None where the file does not say.
     """
 
     mode: str
     workers: int
     beta2: float
     gap_percent: float
-    spread_percent: float | None
+    half_width_percent: float | None
     seeds: int
+    bits_per_element: int | None = None
+
+    @property
+    def low(self) -> float | None:
+        """The interval's lower end, in %; None with one seed."""
+        return None if self.half_width_percent is None else self.gap_percent - self.half_width_percent
+
+    @property
+    def high(self) -> float | None:
+        """The interval's upper end, in %; None with one seed."""
+        return None if self.half_width_percent is None else self.gap_percent + self.half_width_percent
 
     @property
     def loses(self) -> bool:
-        """A real gap (beyond the seed spread of at least :data:`MIN_SEEDS` seeds) above the threshold."""
-        return (
-            self.seeds >= MIN_SEEDS
-            and self.spread_percent is not None
-            and self.gap_percent > LOSS_THRESHOLD_PERCENT
-            and self.gap_percent > self.spread_percent
-        )
+        """Evidence of harm: the interval's lower end above the threshold, over at least :data:`MIN_SEEDS` seeds."""
+        return self.seeds >= MIN_SEEDS and self.low is not None and self.low > LOSS_THRESHOLD_PERCENT
+
+    @property
+    def undecided(self) -> bool:
+        """The study does not show the mode losing, nor keeping within the threshold: the interval's upper end
+        reaches the threshold, or there is no interval (one seed). A cell of fewer than :data:`MIN_SEEDS` seeds
+        whose whole interval lies above the threshold is undecided too: it never loses."""
+        return not self.loses and (self.high is None or self.high >= LOSS_THRESHOLD_PERCENT)
+
+    def interval_text(self) -> str:
+        """``"+3.3% (95% CI +0.3 to +6.3, 3 seeds)"``; ``"+1.0% (1 seed, no interval)"``."""
+        if self.low is None or self.high is None:
+            return f"{self.gap_percent:+.1f}% ({self.seeds} seed{'s' if self.seeds != 1 else ''}, no interval)"
+        return f"{self.gap_percent:+.1f}% (95% CI {self.low:+.1f} to {self.high:+.1f}, {self.seeds} seeds)"
 
 
 @dataclass(frozen=True)
@@ -104,27 +131,54 @@ def study_mode(params: Mapping[str, Any]) -> str | None:
     return "unmeasured"
 
 
+def _number_or_null(value: Any) -> bool:
+    return value is None or type(value) in (int, float)
+
+
 def read_evidence(path: str | Path) -> tuple[StudyCell, ...]:
-    """The cells of a study summary file (``{"cells": [{mode, workers, beta2, gap_percent, spread_percent,
-    seeds}, ...]}``, what benchmarks/study_convergence.py --report --evidence writes); raises ValueError
-    naming the first malformed cell."""
+    """The cells of a study summary file (``{"cells": [{mode, workers, beta2, gap_percent, half_width_percent,
+    seeds, bits_per_element}, ...]}``, what benchmarks/study_convergence.py --report --evidence writes);
+    raises ValueError naming the first malformed cell.
+
+    An older file gives ``spread_percent`` (2 x the sample sd of the per-seed gaps) instead of
+    ``half_width_percent`` and no ``bits_per_element``: its half-width is t(seeds - 1) x (spread / 2) /
+    sqrt(seeds), the same interval computed from the same sd.
+    """
     data = json.loads(Path(path).read_text())
     cells = []
     for index, cell in enumerate(data["cells"]):
-        spread = cell.get("spread_percent")
+        has_half_width = "half_width_percent" in cell
         well_formed = (
             isinstance(cell.get("mode"), str)
             and type(cell.get("workers")) is int
             and type(cell.get("seeds")) is int
             and all(type(cell.get(key)) in (int, float) for key in ("beta2", "gap_percent"))
-            and (spread is None or type(spread) in (int, float))
+            and (has_half_width or "spread_percent" in cell)
+            and _number_or_null(cell.get("half_width_percent" if has_half_width else "spread_percent"))
+            and (cell.get("bits_per_element") is None or type(cell["bits_per_element"]) is int)
         )
         if not well_formed:
             raise ValueError(
                 f"cell {index} of {path} is not {{mode: str, workers: int, beta2: number, gap_percent: number, "
-                f"spread_percent: number or null, seeds: int}}: {cell}"
+                f"half_width_percent: number or null (or an older file's spread_percent), seeds: int, "
+                f"bits_per_element: int (optional)}}: {cell}"
             )
-        cells.append(StudyCell(**cell))
+        if has_half_width:
+            half_width = cell["half_width_percent"]
+        else:
+            spread = cell["spread_percent"]
+            half_width = None if spread is None else half_width_of(spread / 2.0, cell["seeds"])
+        cells.append(
+            StudyCell(
+                mode=cell["mode"],
+                workers=cell["workers"],
+                beta2=cell["beta2"],
+                gap_percent=cell["gap_percent"],
+                half_width_percent=half_width,
+                seeds=cell["seeds"],
+                bits_per_element=cell.get("bits_per_element"),
+            )
+        )
     return tuple(cells)
 
 
@@ -150,9 +204,7 @@ def assess(
     above = [cell for cell in at_beta2 if cell.workers >= workers]
     cell = above[0] if above else at_beta2[-1]
     where = f"{cell.workers} workers" + ("" if above else f", the study's largest (you have {workers})")
-    spread = "n/a" if cell.spread_percent is None else f"{cell.spread_percent:.1f}"
-    note = f"{cell.gap_percent:+.1f}% ± {spread} vs Lion's loss ({where}, beta2 {cell.beta2}, {cell.seeds} seeds)"
-    return Verdict(cell, note)
+    return Verdict(cell, f"loss vs Lion {cell.interval_text()} at {where}, beta2 {cell.beta2}")
 
 
 def voters(candidate: Candidate, cluster: Cluster) -> int:
@@ -168,11 +220,13 @@ class Choice:
 
     Attributes:
         best: the fastest candidate the study does not show losing more than the threshold.
+        best_verdict: the study's verdict on ``best``.
         skipped: faster candidates the study shows losing, fastest first, with their verdicts.
         verdicts: every candidate's verdict, in the candidates' order.
     """
 
     best: Candidate
+    best_verdict: Verdict
     skipped: tuple[tuple[Candidate, Verdict], ...]
     verdicts: tuple[Verdict, ...]
 
@@ -183,9 +237,21 @@ class Choice:
         reasons = "; ".join(f"{c.label}: {verdict.note}" for c, verdict in self.skipped)
         return (
             f"Faster but not recommended, the convergence study shows them losing more than "
-            f"{LOSS_THRESHOLD_PERCENT:g}% of Lion's loss: {reasons} (benchmarks/RESULTS.md, "
-            f"'Convergence at 4-64 workers')."
+            f"{LOSS_THRESHOLD_PERCENT:g}% of Lion's loss (the 95% interval above it): {reasons} "
+            f"(benchmarks/RESULTS.md, 'Convergence at 4-64 workers')."
         )
+
+    def caveat(self) -> str:
+        """The recommendation's interval where the study cannot tell it keeps within the threshold ("" elsewhere):
+        it is recommended on speed, and the user sees how uncertain its loss is."""
+        cell = self.best_verdict.cell
+        if cell is None or not cell.undecided:
+            return ""
+        if cell.seeds < MIN_SEEDS:
+            why = f"{cell.seeds} seed{'s' if cell.seeds != 1 else ''}, too few to call a loss"
+        else:
+            why = f"not shown to exceed {LOSS_THRESHOLD_PERCENT:g}%, nor to stay below it"
+        return f"{self.best.label}: {self.best_verdict.note}: {why}."
 
 
 def choose(
@@ -208,7 +274,7 @@ def choose(
     skipped: list[tuple[Candidate, Verdict]] = []
     for candidate, verdict in zip(candidates, verdicts, strict=True):
         if not verdict.loses:
-            return Choice(candidate, tuple(skipped), verdicts)
+            return Choice(candidate, verdict, tuple(skipped), verdicts)
         skipped.append((candidate, verdict))
     raise ValueError("choose: no candidate keeps Lion's loss (exact Lion always does; was it left out?)")
 

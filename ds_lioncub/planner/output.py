@@ -31,8 +31,11 @@ def ds_config_blocks(candidate: Candidate) -> dict[str, Any]:
 
 def as_json(candidates: Sequence[Candidate], choice: Choice, costs: LocalCosts = DEFAULT_LOCAL_COSTS) -> dict[str, Any]:
     best = choice.best
+    recommended: dict[str, Any] = {"params": best.params, "zero_stage": best.zero_stage}
+    if choice.caveat():  # only then, as passed_over below: where the study cannot tell its loss
+        recommended["uncertain_loss"] = {**_interval_fields(choice.best_verdict.cell), "why": choice.caveat()}
     output: dict[str, Any] = {
-        "recommended": {"params": best.params, "zero_stage": best.zero_stage},
+        "recommended": recommended,
         "local_costs": {"device": costs.device, "measured_on": costs.measured_on},
         "candidates": [
             {
@@ -46,16 +49,18 @@ def as_json(candidates: Sequence[Candidate], choice: Choice, costs: LocalCosts =
     }
     if choice.skipped:  # only then: the schema is unchanged wherever the study passes nothing over
         output["passed_over"] = [
-            {
-                "params": c.params,
-                "zero_stage": c.zero_stage,
-                "gap_percent": verdict.cell.gap_percent if verdict.cell else None,
-                "spread_percent": verdict.cell.spread_percent if verdict.cell else None,
-                "why": verdict.note,
-            }
+            {"params": c.params, "zero_stage": c.zero_stage, **_interval_fields(verdict.cell), "why": verdict.note}
             for c, verdict in choice.skipped
         ]
     return output
+
+
+def _interval_fields(cell: StudyCell | None) -> dict[str, Any]:
+    """The study cell's gap, the half-width of its 95% interval (in points of %) and its seeds, for the JSON
+    (None each without a cell)."""
+    if cell is None:
+        return {"gap_percent": None, "half_width_percent": None, "seeds": None}
+    return {"gap_percent": cell.gap_percent, "half_width_percent": cell.half_width_percent, "seeds": cell.seeds}
 
 
 def describe_local_costs(costs: LocalCosts, source: str | None = None) -> str:
@@ -82,14 +87,14 @@ def as_table(
         describe_local_costs(costs, costs_source),
         "",
         f"{'mode':<44} {'ZeRO':>4} {'step':>9} {'comm':>9} {'local':>9} {'bytes/step/rank':>16} "
-        f"{'out of a node':>15} {'vs best':>8}  {'loss vs Lion':>13}",
+        f"{'out of a node':>15} {'vs best':>8}  {'loss vs Lion %':>21}",
     ]
     for c, verdict in zip(candidates, choice.verdicts, strict=True):
         lines.append(
             f"{c.label:<44} {c.zero_stage:>4} {format_seconds(c.seconds_per_step):>9} "
             f"{format_seconds(c.comm_seconds):>9} {format_seconds(c.local_seconds):>9} "
             f"{c.bytes_per_step_per_rank:>16,} {c.node_link_bytes_per_step:>15,} "
-            f"{c.seconds_per_step / best.seconds_per_step:>7.2f}x  {_loss_column(c, verdict.cell):>13}"
+            f"{c.seconds_per_step / best.seconds_per_step:>7.2f}x  {_loss_column(c, verdict.cell):>21}"
         )
     exact = [c for c in candidates if c.compression == "none"]
     lines += ["", f"Recommended: {best.label}, predicted {format_seconds(best.seconds_per_step)} per step"]
@@ -100,6 +105,8 @@ def as_table(
         )
     else:
         lines[-1] += ": compression does not pay here." if not choice.skipped else "."
+    if choice.caveat():
+        lines.append(choice.caveat())
     if choice.skipped:
         lines.append(choice.skipped_sentence())
     lines += [
@@ -107,8 +114,8 @@ def as_table(
         " step: comm and local, a compressed mode's votes overlapped with its local work over its buckets.",
         " bytes/step/rank: all a rank sends; out of a node: what crosses one node's link to the network.",
         " loss vs Lion: the convergence study's validation-loss gap to exact Lion at the mode's worker",
-        " count and beta2, mean ± seed spread in %, judged without momentum sync;",
-        f" '!': beyond {LOSS_THRESHOLD_PERCENT:g}% and the spread of {MIN_SEEDS}+ seeds; '(n)': only n seeds,"
+        " count and beta2, mean [95% Student-t interval] over seeds, judged without momentum sync;",
+        f" '!': the interval above {LOSS_THRESHOLD_PERCENT:g}% over {MIN_SEEDS}+ seeds, a loss; '(n)': only n seeds,"
         " too few to call a loss; '-': not studied.)",
         "",
         "ds_config:",
@@ -118,12 +125,13 @@ def as_table(
 
 
 def _loss_column(candidate: Candidate, cell: StudyCell | None) -> str:
-    """The study's gap in a table cell: ``+1.2±0.8%``, ``+3.4±1.0%!`` when it loses, ``-`` when not studied."""
+    """The study's gap in a table cell: ``+3.3 [+0.3, +6.3]``, ``+5.0 [+2.5, +7.5]!`` when it loses, ``+1.0(1)``
+    with one seed, ``-`` when not studied."""
     if cell is None:
         return "exact" if candidate.compression == "none" else "-"
-    spread = "?" if cell.spread_percent is None else f"{cell.spread_percent:.1f}"
+    interval = "" if cell.low is None or cell.high is None else f" [{cell.low:+.1f}, {cell.high:+.1f}]"
     few = "" if cell.seeds >= MIN_SEEDS else f"({cell.seeds})"
-    return f"{cell.gap_percent:+.1f}±{spread}%" + ("!" if cell.loses else few)
+    return f"{cell.gap_percent:+.1f}{interval}" + ("!" if cell.loses else few)
 
 
 __all__ = ["as_json", "as_table", "describe_local_costs", "ds_config_blocks"]

@@ -188,3 +188,26 @@ def test_planner_command_is_what_the_command_line_takes(capsys: pytest.CaptureFi
         _planner_cli(capsys, *LARGE_CLI, "--inter-node-bandwidth", "10gbit", "--zero-stage", "0", "--json")
     )
     assert by_report == by_hand
+
+
+@pytest.mark.parametrize(
+    ("half_width", "expected"),
+    [
+        # +3.3 [+0.3, +6.3]: recommended on speed, with its interval
+        (3.0, "Recommended at stage 0, though the study cannot tell whether within 2%: lioncub_1bit, loss vs Lion"),
+        # +3.3 [+2.3, +4.3]: above 2 %, passed over
+        (1.0, "Passed over at stage 0, though faster: lioncub_1bit, loss vs Lion +3.3% (95% CI +2.3 to +4.3"),
+    ],
+)
+def test_recommendations_name_the_stage0_mode_passed_over_or_not_cleared(
+    monkeypatch: pytest.MonkeyPatch, half_width: float, expected: str
+) -> None:
+    # The 1.3B model's 4 x 8 cluster votes over 32 ranks at stage 0; the study's one cell, the 1-bit vote's there.
+    from ds_lioncub.planner import convergence
+
+    cell = convergence.StudyCell("1bit", 32, 0.99, 3.3, half_width, 3)
+    monkeypatch.setattr(convergence, "load_evidence", lambda: (cell,))
+    found = compare_report.recommendations(compare_report.large_model_cluster(), link_rates=("1gbit",))
+    text = " ".join(line.strip() for line in compare_report.format_recommendations(found, RUNS))
+    assert expected in text
+    assert ("stage 0: 1-bit vote (" in text) is (half_width == 3.0)

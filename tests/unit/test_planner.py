@@ -462,14 +462,30 @@ def test_cli_json_matches_the_schema_and_the_model() -> None:
     output = json.loads(done.stdout)
     assert set(output) == {"recommended", "local_costs", "candidates"}
     assert output["local_costs"] == {"device": "cpu", "measured_on": DEFAULT_LOCAL_COSTS.measured_on}
-    assert set(output["recommended"]) == {"params", "zero_stage"}
+    # The recommendation (the 1-bit ZeRO-2 hybrid, 4 voters) with the shipped study's cell for it: its interval
+    # reaches 2 % (the study cannot tell), so the JSON carries it.
+    assert set(output["recommended"]) == {"params", "zero_stage", "uncertain_loss"}
+    shipped = json.loads(convergence.EVIDENCE_FILE.read_text())["cells"]
+    (study,) = [c for c in shipped if (c["mode"], c["workers"], c["beta2"]) == ("1bit", 4, 0.99)]
+    uncertain = output["recommended"]["uncertain_loss"]
+    assert (uncertain["gap_percent"], uncertain["half_width_percent"], uncertain["seeds"]) == (
+        study["gap_percent"],
+        study["half_width_percent"],
+        study["seeds"],
+    )
+    assert (
+        study["gap_percent"] - study["half_width_percent"] <= 2.0 <= study["gap_percent"] + study["half_width_percent"]
+    )
     rows = output["candidates"]
     for row in rows:
         assert set(row) == {"params", "zero_stage", "seconds_per_step", "bytes_per_step_per_rank"}
         parse_config(row["params"])
         assert row["zero_stage"] in (0, 2) and isinstance(row["bytes_per_step_per_rank"], int)
     assert [row["seconds_per_step"] for row in rows] == sorted(row["seconds_per_step"] for row in rows)
-    assert output["recommended"] == {"params": rows[0]["params"], "zero_stage": rows[0]["zero_stage"]}
+    assert {key: output["recommended"][key] for key in ("params", "zero_stage")} == {
+        "params": rows[0]["params"],
+        "zero_stage": rows[0]["zero_stage"],
+    }
     expected = plan(1_500_000_000, Cluster(4, 8), Network(GBIT, None, 50e-6))
     assert [(row["params"], row["zero_stage"], row["bytes_per_step_per_rank"]) for row in rows] == [
         (c.params, c.zero_stage, c.bytes_per_step_per_rank) for c in expected

@@ -166,7 +166,14 @@ def test_cli_zero_stage_3_lists_the_stage_3_candidates(capsys: pytest.CaptureFix
     assert main([*args, "--zero-stage", "3", "--json"]) == 0
     output = json.loads(capsys.readouterr().out)
     assert {row["zero_stage"] for row in output["candidates"]} == {3}
-    assert output["recommended"] == {"params": {"compression": "1bit", "hybrid": {"node_size": 2}}, "zero_stage": 3}
+    recommended = output["recommended"]
+    assert (recommended["params"], recommended["zero_stage"]) == (
+        {"compression": "1bit", "hybrid": {"node_size": 2}},
+        3,
+    )
+    # Its 2 voters take the study's 4-worker cell, whose 95% interval reaches 2 %: the JSON says so.
+    assert recommended["uncertain_loss"]["why"].startswith("1-bit vote, ZeRO-3 hybrid: loss vs Lion ")
+    assert "at 4 workers, beta2 0.99: not shown to exceed 2%" in recommended["uncertain_loss"]["why"]
     exact = [row for row in output["candidates"] if row["params"] == {"compression": "none"}]
     assert [row["bytes_per_step_per_rank"] for row in exact] == [3 * 3 * 3_228_800 * 4]
     # Without the flag the output is as before: stages 0 and 2 only.
