@@ -6,13 +6,19 @@
     python -m benchmarks.study_convergence --dry-run                 # list what is still to run
 
 Grid: workers {4, 8, 16, 32, 64} x modes (:data:`MODES`) x beta2 {0.95, 0.99} x seeds {0, 1, 2}, the
-example GPT (``--task small``, or ``large``) trained for ``--steps`` steps in the virtual world
-(:func:`ds_lioncub.simulate.train.train_virtual`): global batch 64 x 64 bytes, the same batches for
-every worker count and mode, lr 1e-3 peak (WarmupCosineLR, 10 warmup steps, ratios 0.1), beta1 0.9,
-weight decay 0.1, gradient clipping 1.0 by DeepSpeed's fp32 rule -- the examples' settings.
+example GPT (``--task small``, or ``large``) on the pinned corpus (DeepSpeed 0.19.8's sources) trained
+for ``--steps`` steps in the virtual world (:func:`ds_lioncub.simulate.train.train_virtual`), the same
+batches for every worker count and mode. The design (``--design``, :data:`DESIGNS`) sets the regime;
+``base`` is the examples' settings: global batch 64 x 64 bytes, lr 1e-3 peak (WarmupCosineLR, 10 warmup
+steps, ratios 0.1), gradient clipping 1.0 by DeepSpeed's fp32 rule; beta1 0.9 and weight decay 0.1 in
+every design. Each run also records its validation loss on 2,048 windows (``val_loss_wide``) and, for
+a compressed mode, its agreement with exact Lion and the drift of its sign errors
+(:mod:`ds_lioncub.simulate.drift`).
 
 Resumable: every finished run writes one JSON under
-``benchmarks/results/convergence_study/<task>_<steps>steps/`` and a run whose JSON exists is skipped.
+``benchmarks/results/convergence_pinned/gpt-<task>_<steps>steps[_<design>]/`` and a run whose JSON exists
+is skipped. The first study's runs, on Python 3.11's standard library, stay in
+``benchmarks/results/convergence_study/`` (``--results`` reads them).
 Runs go seed-major (every cell's seed 0 before any seed 1), so a grid stopped part-way is complete
 for its first seeds. ``--jobs J`` runs J processes of one torch thread each; ``--device cuda`` trains on
 the GPU (all J processes share it; the model and batches start on the CPU as always, so a CUDA run
@@ -31,8 +37,8 @@ all-reduce and all-to-all). It stays in the grid for completeness but is best ru
     python -m benchmarks.study_convergence --jobs 2                  # then the 4-bit sign runs left
 
 Report (``--report``, from whatever JSONs exist): per beta2, worker count and mode, the validation
-loss relative to exact Lion's at the same worker count and seed, in % (mean ± spread over the seeds
-that both have, spread = 2 x the sample std of the per-seed gaps; "real" only where |mean| > spread),
+loss relative to exact Lion's at the same worker count and seed, in % (mean ± the 95% Student-t
+half-width over the seeds that both have; "real" only where the interval excludes 0),
 exact Lion's own seed-to-seed spread (2 x std of its val loss, in % of its mean), and the applied
 update's sign agreement with exact Lion's (match / flip / tie, averaged over steps and seeds).
 """
