@@ -22,7 +22,7 @@ def device_noise_table(cpu_dir: Path, gpu_dir: Path, mode: str = "exact") -> str
     """Per (beta2, workers): the GPU run's val loss against the CPU run's of the same seed, in %."""
     cpu, gpu = load_runs(cpu_dir), load_runs(gpu_dir)
     lines = [
-        "| beta2 | workers | mode | seeds | GPU vs CPU val, % per seed | mean ± spread |",
+        "| beta2 | workers | mode | seeds | GPU vs CPU val, % per seed | mean ± 95% t half-width |",
         "|---|---|---|---|---|---|",
     ]
     for key in sorted(key for key in gpu if key[2] == mode):

@@ -11,10 +11,12 @@ each worker count trains the task twice per seed in the virtual world
 options with ``compression="none"``: the fp32 mean of the workers' gradients). Every run sees the
 same global batches, so the two differ only in the aggregation. It prints, per worker count, both
 validation losses, the gap (the mode's val loss relative to exact Lion's of the same seed, in %,
-mean ± spread over seeds, where spread is 2 x the sample std; "real" when |mean| > spread) and how
-often the applied update's sign matched, flipped against or tied exact Lion's. ``--plot PATH`` also
-draws the gap against the worker count (needs matplotlib); a bar on stderr shows the steps done and
-the time left (``--no-progress`` hides it).
+mean ± the half-width of the mean's two-sided 95% Student-t interval over the n seeds: t(n - 1) x the
+per-seed gaps' sample std / sqrt(n), t(2) = 4.303 for 3 seeds, the statistic of the planner and the
+convergence study, :mod:`ds_lioncub.student_t`; "real" when the interval excludes 0) and how often the
+applied update's sign matched, flipped against or tied exact Lion's. ``--plot PATH`` also draws the
+gap and its interval against the worker count (needs matplotlib); a bar on stderr shows the steps done
+and the time left (``--no-progress`` hides it).
 
 Everything is checked before the first run trains: the ds_config, every option, the task, and every
 run's optimizer (the mode's and exact Lion's at every worker count are built, so a k-bit all-reduce too

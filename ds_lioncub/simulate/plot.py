@@ -1,4 +1,4 @@
-"""``--plot PATH``: the gap to exact Lion against the worker count, with the seed spread as error bars.
+"""``--plot PATH``: the gap to exact Lion against the worker count, its 95% Student-t interval as error bars.
 
 matplotlib is optional (``pip install matplotlib``): :func:`check_plot_path` runs before any training,
 so a missing matplotlib or a format it cannot write is an error then, not after the runs.
@@ -35,8 +35,8 @@ def check_plot_path(path: Path) -> None:
 
 
 def gap_figure(rows: list[Row], title: str, xlabel: str = "workers") -> Any:
-    """The figure: gap % (mean over seeds) at each worker count, error bars the seed spread (2 x std, 0 with one
-    seed), a log2 worker axis and the zero line (exact Lion)."""
+    """The figure: gap % (mean over seeds) at each worker count, error bars the mean's 95% Student-t interval
+    (± its half-width, the table's; none with one seed), a log2 worker axis and the zero line (exact Lion)."""
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(6.5, 4.5))
@@ -45,7 +45,7 @@ def gap_figure(rows: list[Row], title: str, xlabel: str = "workers") -> Any:
     ax.errorbar(
         workers,
         [row.gap.mean for row in rows],
-        yerr=[row.gap.spread or 0.0 for row in rows],
+        yerr=[row.gap.half_width or 0.0 for row in rows],
         marker="o",
         capsize=3,
         label="mode vs exact Lion",
@@ -54,7 +54,7 @@ def gap_figure(rows: list[Row], title: str, xlabel: str = "workers") -> Any:
     ax.set_xscale("log", base=2)
     ax.set_xticks(workers, [str(n) for n in workers])
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("val loss vs exact Lion, % (mean ± 2 std over seeds)")
+    ax.set_ylabel("val loss vs exact Lion, % (mean, 95% t interval over seeds)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     figure.tight_layout()

@@ -1,4 +1,9 @@
-"""The comparison's results: one :class:`Row` per worker count, as a table and as JSON."""
+"""The comparison's results: one :class:`Row` per worker count, as a table and as JSON.
+
+Each quantity over seeds is a :class:`~ds_lioncub.student_t.MeanInterval`: the mean and the half-width of its
+two-sided 95% Student-t interval, t(n - 1) x the per-seed sample sd / sqrt(n) over n seeds; a gap is "real"
+where that interval excludes 0.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ds_lioncub.simulate.agreement import AgreementStats
-from ds_lioncub.simulate.train import SeedSummary
+from ds_lioncub.student_t import MeanInterval
 
 
 @dataclass(frozen=True)
@@ -16,29 +21,31 @@ class Row:
     Fields:
         workers: N (under the ZeRO hybrid: nodes).
         exact_val, mode_val: the validation losses over seeds.
-        gap: the per-seed gap in % (:func:`~ds_lioncub.simulate.train.gap_percent`) over seeds.
+        gap: the per-seed gap in % (:func:`~ds_lioncub.simulate.train.gap_percent`) over seeds, with its 95%
+            Student-t interval.
         agreement: the mode's agreement with exact Lion, averaged over steps and seeds (None for exact Lion).
     """
 
     workers: int
-    exact_val: SeedSummary
-    mode_val: SeedSummary
-    gap: SeedSummary
+    exact_val: MeanInterval
+    mode_val: MeanInterval
+    gap: MeanInterval
     agreement: AgreementStats | None
 
 
 def format_table(rows: list[Row]) -> str:
-    """The table: one line per worker count, gap with 3 decimals (mean ± spread, in %)."""
+    """The table: one line per worker count, gap with 3 decimals (mean ± 95% t half-width, in %; "real" where the
+    interval excludes 0, "no" with one seed)."""
     header = (
-        f"{'workers':>7}  {'exact Lion val':>14}  {'mode val':>8}  {'gap % (mean ± spread)':>22}  {'real':>4}  "
-        f"{'match':>6}  {'flip':>6}  {'tie':>6}"
+        f"{'workers':>7}  {'exact Lion val':>14}  {'mode val':>8}  {'gap % (mean ± 95% t half-width)':>31}  "
+        f"{'real':>4}  {'match':>6}  {'flip':>6}  {'tie':>6}"
     )
     lines = [header, "-" * len(header)]
     for row in rows:
         a = row.agreement
         rates = f"{a.match:>6.3f}  {a.flip:>6.3f}  {a.tie:>6.3f}" if a is not None else f"{'-':>6}  {'-':>6}  {'-':>6}"
         lines.append(
-            f"{row.workers:>7}  {row.exact_val.mean:>14.4f}  {row.mode_val.mean:>8.4f}  {row.gap.text(3):>22}  "
+            f"{row.workers:>7}  {row.exact_val.mean:>14.4f}  {row.mode_val.mean:>8.4f}  {row.gap.text(3):>31}  "
             f"{'yes' if row.gap.real else 'no':>4}  {rates}"
         )
     return "\n".join(lines)

@@ -23,9 +23,11 @@ Gradient clipping (``grad_clip``, the examples' 1.0; 0 disables it) follows ``cl
   wrappers do this). With ``compression="none"`` the engine averages before any clipping, so exact
   Lion clips the mean gradient by its norm under either rule.
 
-Seed statistics (:func:`seed_summary`): over S seeds, a quantity's ``spread`` is twice the sample
-standard deviation (ddof 1) of its per-seed values, about the band that holds 95% of single seeds;
-a gap is called real only when ``|mean| > spread`` (never with one seed).
+Seed statistics (:func:`seed_summary`): over S seeds, a quantity's mean and the half-width of the
+mean's two-sided 95% Student-t interval, t(S - 1) x the per-seed values' sample standard deviation
+(ddof 1) / sqrt(S) (:mod:`ds_lioncub.student_t`, the statistic the planner and the convergence study
+use); a gap is called real only when the interval excludes 0, ``|mean| > half_width`` (never with one
+seed).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from ds_lioncub.simulate.agreement import AgreementStats
 from ds_lioncub.simulate.drift import TensorDrift
 from ds_lioncub.simulate.gradients import Batch, GradientBuffers, Method, worker_gradients
 from ds_lioncub.simulate.world import VirtualLionCub
+from ds_lioncub.student_t import MeanInterval, mean_interval
 
 ClipRule = Literal["deepspeed", "per_worker"]
 
@@ -105,40 +108,15 @@ class TrainResult:
     drift: list[TensorDrift] | None = None
 
 
-@dataclass(frozen=True)
-class SeedSummary:
-    """A quantity over seeds (:func:`seed_summary`).
-
-    Fields:
-        values: the per-seed values, in seed order.
-        mean: their mean.
-        spread: 2 x their sample standard deviation (ddof 1); None with fewer than two seeds.
-    """
-
-    values: tuple[float, ...]
-    mean: float
-    spread: float | None
-
-    @property
-    def real(self) -> bool:
-        """Whether the mean lies outside the seed spread (a gap "real", not seed noise)."""
-        return self.spread is not None and abs(self.mean) > self.spread
-
-    def text(self, digits: int = 2) -> str:
-        """``"+1.23 ± 0.45"`` (``"+1.23 ± n/a"`` with one seed)."""
-        spread = "n/a" if self.spread is None else f"{self.spread:.{digits}f}"
-        return f"{self.mean:+.{digits}f} ± {spread}"
+#: A quantity over seeds (:func:`seed_summary`): :class:`ds_lioncub.student_t.MeanInterval`, i.e. ``values``
+#: (per seed, in seed order), ``mean``, ``half_width`` (of the 95% Student-t interval; None with one seed),
+#: ``real`` (the interval excludes 0) and ``text(digits)``.
+SeedSummary = MeanInterval
 
 
 def seed_summary(values: list[float]) -> SeedSummary:
-    """Mean and spread (2 x sample std) of per-seed values."""
-    if not values:
-        raise ValueError("seed_summary needs at least one value")
-    mean = sum(values) / len(values)
-    spread = None
-    if len(values) > 1:
-        spread = 2.0 * math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
-    return SeedSummary(values=tuple(values), mean=mean, spread=spread)
+    """Mean and 95% Student-t half-width of per-seed values (:func:`ds_lioncub.student_t.mean_interval`)."""
+    return mean_interval(values)
 
 
 def gap_percent(mode_val: float, exact_val: float) -> float:

@@ -2,8 +2,10 @@
 
 The expected gaps are computed here from train_virtual calls made by the test (exact Lion's options
 written out by hand) and the arithmetic of the definition (100 x (mode - exact) / exact per seed,
-mean, 2 x sample std), not by the CLI's helpers. A config the command must refuse is refused before
-any run trains: the tests count the task's model builds and look for the per-run lines.
+mean, and the half-width of the mean's 95% Student-t interval: over 2 seeds t(1) x sd / sqrt(2) with
+t(1) = tan(0.95 pi / 2) = 12.706 in closed form and sd = |g0 - g1| / sqrt(2)), not by the CLI's helpers.
+A config the command must refuse is refused before any run trains: the tests count the task's model
+builds and look for the per-run lines.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from typing import Any
 import pytest
 
 from ds_lioncub.simulate.cli import main
+from ds_lioncub.simulate.table import Row, format_table
 from ds_lioncub.simulate.tasks import GPTTask
 from ds_lioncub.simulate.tasks.gpt import GPTConfig
-from ds_lioncub.simulate.train import train_virtual
+from ds_lioncub.simulate.train import seed_summary, train_virtual
 
 TASK = "tests.unit.test_simulate_cli:tiny_task"
 MODE = {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1, "compression": "1bit"}
@@ -63,7 +66,7 @@ def write_config(path: Path, optimizer: dict, **extra: Any) -> Path:
 
 
 def table_rows(out: str) -> dict[int, list[str]]:
-    """workers -> the cells of its table line (gap mean and spread split out)."""
+    """workers -> the cells of its table line (gap mean and half-width split out)."""
     rows = {}
     for line in out.splitlines():
         match = re.match(
@@ -79,7 +82,9 @@ def test_cli_table_equals_separate_runs(tmp_path: Path, capsys: pytest.CaptureFi
     config = write_config(tmp_path / "ds.json", {"type": "LionCub", "params": MODE})
     argv = [str(config), "--workers", "2", "4", "--steps", "4", "--seeds", "0", "1", "--task", TASK]
     assert main(argv) == 0
-    rows = table_rows(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert "gap % (mean ± 95% t half-width)" in out
+    rows = table_rows(out)
     assert sorted(rows) == [2, 4]
 
     task = tiny_task()
@@ -95,12 +100,31 @@ def test_cli_table_equals_separate_runs(tmp_path: Path, capsys: pytest.CaptureFi
             assert m.agreement is not None
             matches.append(m.agreement.match)
         mean = (gaps[0] + gaps[1]) / 2
-        spread = 2 * math.sqrt(sum((g - mean) ** 2 for g in gaps))  # ddof 1 with two seeds
+        sd = math.sqrt(sum((g - mean) ** 2 for g in gaps))  # ddof 1 with two seeds
+        half_width = math.tan(0.95 * math.pi / 2) * sd / math.sqrt(2)
         assert float(cells[0]) == pytest.approx(sum(exact_vals) / 2, abs=5e-5)
         assert float(cells[1]) == pytest.approx(sum(mode_vals) / 2, abs=5e-5)
-        assert cells[2] == f"{mean:+.3f}" and cells[3] == f"{spread:.3f}"
-        assert cells[4] == ("yes" if abs(mean) > spread else "no")
+        assert cells[2] == f"{mean:+.3f}" and float(cells[3]) == pytest.approx(half_width, abs=5e-4 + 1e-9)
+        assert cells[4] == ("yes" if abs(mean) > half_width else "no")
         assert float(cells[5]) == pytest.approx(sum(matches) / 2, abs=5e-4)
+
+
+def test_the_table_gives_the_t_interval_and_calls_real_by_it() -> None:
+    # 3 seeds, gaps mean 2.2 and sd 1: beyond 2 sd (2.0), inside t(2) x sd / sqrt(3) = 2.484: not real.
+    # t(2) in closed form: P(|T| < t) = t / sqrt(2 + t^2) = 0.95 at 2 degrees of freedom.
+    t2 = 0.95 * math.sqrt(2 / (1 - 0.95**2))
+    vals = seed_summary([5.0, 5.1, 5.2])
+    rows = [
+        Row(8, vals, vals, seed_summary([1.2, 2.2, 3.2]), None),
+        Row(16, vals, vals, seed_summary([2.0, 3.0, 4.0]), None),  # mean 3 > 2.484: real
+        Row(32, vals, vals, seed_summary([4.0]), None),  # one seed: no interval, never real
+    ]
+    text = format_table(rows)
+    assert "gap % (mean ± 95% t half-width)" in text.splitlines()[0]
+    cells = table_rows(text)
+    assert cells[8][2:5] == ["+2.200", f"{t2 / math.sqrt(3):.3f}", "no"]
+    assert cells[16][2:5] == ["+3.000", f"{t2 / math.sqrt(3):.3f}", "yes"]
+    assert cells[32][2:5] == ["+4.000", "n/a", "no"]
 
 
 def test_cli_refuses_another_optimizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
