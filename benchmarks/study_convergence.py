@@ -106,12 +106,17 @@ def mode_options(mode: str, workers: int) -> dict[str, Any]:
             return {**mode_options(base, workers), "error_feedback": {"kind": "residual", "feed_back": "rounding"}}
         if mode == f"{base}_ef21":
             return {**mode_options(base, workers), "error_feedback": {"kind": "ef21"}}
+    if mode.startswith("1bit_syncall"):  # every layer's momentum averaged in bf16 every K steps: 1 + 32/K bits
+        interval = int(mode.removeprefix("1bit_syncall"))
+        return {"compression": "1bit", "momentum_sync": {"interval": interval, "layers": "all", "dtype": "bf16"}}
     if mode == "8bit_l1":
         return {"compression": "kbit", "bits": 8, "quantizer": "l1", "kbit_algorithm": "allreduce"}
     raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
 
 
 MODES = ("exact", "1bit", "1bit_sync", "4bit_sign", "2bit_l1_a2a", "4bit_l1_a2a", "8bit_l1")
+#: The 1-bit vote with every layer's momentum averaged (bf16) every 32 or 128 steps (not in the default grid).
+SYNC_ALL_MODES = ("1bit_syncall32", "1bit_syncall128")
 #: The error-feedback variants (not in the default grid: run them with ``--modes``).
 EF_MODES = ("2bit_l1_a2a_ef_residual", "2bit_l1_a2a_ef21", "4bit_l1_a2a_ef_residual", "4bit_l1_a2a_ef21")
 #: The residual form with its residual stored in bf16 (against the fp32 default above).
@@ -358,7 +363,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     p.add_argument("--workers", type=int, nargs="+", default=list(WORKERS))
     p.add_argument(
-        "--modes", nargs="+", choices=MODES + EF_MODES + EF_STORAGE_MODES + EF_ROUNDING_MODES, default=list(MODES)
+        "--modes",
+        nargs="+",
+        choices=MODES + EF_MODES + EF_STORAGE_MODES + EF_ROUNDING_MODES + SYNC_ALL_MODES,
+        default=list(MODES),
     )
     p.add_argument("--beta2", type=float, nargs="+", default=list(BETA2))
     p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))

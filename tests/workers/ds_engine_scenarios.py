@@ -56,7 +56,7 @@ class AllReduceCounter:
 
 
 def corpus() -> torch.Tensor:
-    """The Python standard library's sources (the main job's corpus), the same whatever this repository holds.
+    """The pinned DeepSpeed sources (the main job's corpus), the same whatever this repository holds.
 
     The checks compare runs bit for bit, while ZeRO and the unsharded engine sum the clipping norm
     (DeepSpeed clips at 1.0 by default) in different orders: a coordinate whose ``c`` lies within that
