@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.study_report import evidence, write_report
+from benchmarks.study_report import evidence, merge_evidence, write_report
 
 #: Runs on the pinned corpus (DeepSpeed 0.19.8's sources: the same bytes on every machine and Python).
 RESULTS = Path(__file__).resolve().parent / "results" / "convergence_pinned"
@@ -394,6 +394,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --report: also write the planner's summary there (ship it as "
         "ds_lioncub/planner/convergence_evidence.json)",
     )
+    p.add_argument(
+        "--evidence-base",
+        type=Path,
+        help="with --evidence: keep this summary's cells where these runs have none (each cell names its study)",
+    )
     return p.parse_args(argv)
 
 
@@ -408,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
             print(write_report(design_dir, args.workers, modes, args.beta2))
         if args.evidence is not None:
             summary = evidence(directory, args.workers, modes, args.beta2)
+            if args.evidence_base is not None:
+                summary = merge_evidence(json.loads(args.evidence_base.read_text()), summary)
             args.evidence.write_text(json.dumps(summary, indent=1) + "\n")
             print(f"[study] {len(summary['cells'])} cells -> {args.evidence}")
         return 0

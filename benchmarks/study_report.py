@@ -389,3 +389,24 @@ def evidence(directory: Path, workers: list[int], modes: list[str], beta2s: list
         "source": f"benchmarks/study_convergence.py, results {directory.name} (benchmarks/RESULTS.md)",
         "cells": out,
     }
+
+
+def merge_evidence(base: dict[str, Any], newer: dict[str, Any]) -> dict[str, Any]:
+    """``base``'s cells with ``newer``'s in place of those of the same (mode, workers, beta2), and ``newer``'s
+    others added; every cell names its study in ``source`` (a cell of a file without one takes its file's).
+
+    A sharper study of a few cells (say, more seeds at 32 and 64 workers) then updates the planner's evidence
+    for those cells and keeps the rest of the grid.
+    """
+
+    def sourced(summary: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{**cell, "source": cell.get("source", summary["source"])} for cell in summary["cells"]]
+
+    def key(cell: dict[str, Any]) -> tuple[str, int, float]:
+        return (cell["mode"], cell["workers"], cell["beta2"])
+
+    replacing = {key(cell): cell for cell in sourced(newer)}
+    cells = [replacing.pop(key(cell), cell) for cell in sourced(base)]
+    cells += list(replacing.values())
+    cells.sort(key=lambda cell: (cell["beta2"], cell["workers"], cell["mode"]))
+    return {"source": f"{newer['source']}; other cells: {base['source']}", "cells": cells}

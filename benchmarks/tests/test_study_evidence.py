@@ -16,7 +16,16 @@ from typing import Any
 import pytest
 
 from benchmarks import study_convergence
-from benchmarks.study_report import bits_per_element, ef_table, ef_target, evidence, load_runs, paired_gaps, summarise
+from benchmarks.study_report import (
+    bits_per_element,
+    ef_table,
+    ef_target,
+    evidence,
+    load_runs,
+    merge_evidence,
+    paired_gaps,
+    summarise,
+)
 from ds_lioncub.planner import Candidate, Cluster
 from ds_lioncub.planner.convergence import EVIDENCE_FILE, LOSS_THRESHOLD_PERCENT, Choice, choose, read_evidence
 
@@ -452,3 +461,34 @@ def test_the_shipped_evidence_is_what_the_documented_command_gives_from_the_ship
     differing = [(a, b) for a, b in zip(shipped["cells"], regenerated["cells"], strict=False) if a != b]
     assert not differing, f"shipped vs regenerated: {differing}"
     assert shipped == regenerated, f"{len(shipped['cells'])} cells shipped, {len(regenerated['cells'])} regenerated"
+
+
+def test_merged_evidence_takes_the_newer_cells_and_keeps_the_rest(tmp_path: Path) -> None:
+    def cell(mode: str, workers: int, beta2: float, gap: float) -> dict:
+        return {
+            "mode": mode,
+            "workers": workers,
+            "beta2": beta2,
+            "gap_percent": gap,
+            "half_width_percent": 1.0,
+            "seeds": 3,
+            "bits_per_element": 1,
+        }
+
+    base = {
+        "source": "first",
+        "cells": [cell("1bit", 32, 0.99, 3.3), cell("1bit", 64, 0.99, 4.4), cell("4bit-l1-alltoall", 64, 0.99, 2.3)],
+    }
+    newer = {"source": "second", "cells": [cell("1bit", 64, 0.99, 8.5), cell("1bit", 64, 0.95, 1.0)]}
+    merged = merge_evidence(base, newer)
+    by_key = {(c["mode"], c["workers"], c["beta2"]): c for c in merged["cells"]}
+    assert len(merged["cells"]) == 4
+    assert by_key[("1bit", 64, 0.99)]["gap_percent"] == 8.5 and by_key[("1bit", 64, 0.99)]["source"] == "second"
+    assert by_key[("1bit", 32, 0.99)]["gap_percent"] == 3.3 and by_key[("1bit", 32, 0.99)]["source"] == "first"
+    assert by_key[("1bit", 64, 0.95)]["source"] == "second"
+    assert by_key[("4bit-l1-alltoall", 64, 0.99)]["source"] == "first"
+    assert merged["source"] == "second; other cells: first"
+    # The planner reads the merged file (the cells' "source" is not in its way).
+    path = tmp_path / "merged.json"
+    path.write_text(json.dumps(merged))
+    assert sorted(c.gap_percent for c in read_evidence(path)) == [1.0, 2.3, 3.3, 8.5]
