@@ -386,7 +386,9 @@ def evidence(directory: Path, workers: list[int], modes: list[str], beta2s: list
             }
         )
     return {
-        "source": f"benchmarks/study_convergence.py, results {directory.name} (benchmarks/RESULTS.md)",
+        # The root's name too: the first study and the pinned corpus's both hold a gpt-small_300steps.
+        "source": f"benchmarks/study_convergence.py, results {directory.parent.name}/{directory.name} "
+        "(benchmarks/RESULTS.md)",
         "cells": out,
     }
 
