@@ -154,6 +154,8 @@ DESIGNS: dict[str, Design] = {
     "lr5e-4": Design(lr=5e-4),
     "noclip": Design(grad_clip=0.0),
     "batch128": Design(global_batch=128),
+    # The calm design with 4 windows per voter at 64 voters: does the gap follow the voters or their batch?
+    "lr5e-4_batch256": Design(lr=5e-4, global_batch=256),
 }
 
 
