@@ -399,7 +399,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--evidence-base",
         type=Path,
-        help="with --evidence: keep this summary's cells where these runs have none (each cell names its study)",
+        help="with --evidence: this summary's cells, with each (workers, beta2) point of these runs in place of its "
+        "own (every mode of the point needed; each cell names its study)",
     )
     return p.parse_args(argv)
 

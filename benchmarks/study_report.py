@@ -394,21 +394,32 @@ def evidence(directory: Path, workers: list[int], modes: list[str], beta2s: list
 
 
 def merge_evidence(base: dict[str, Any], newer: dict[str, Any]) -> dict[str, Any]:
-    """``base``'s cells with ``newer``'s in place of those of the same (mode, workers, beta2), and ``newer``'s
-    others added; every cell names its study in ``source`` (a cell of a file without one takes its file's).
+    """``base``'s cells, with each (workers, beta2) point that ``newer`` measured taken whole from ``newer``;
+    every cell names its study in ``source`` (a cell of a file without one takes its file's).
 
-    A sharper study of a few cells (say, more seeds at 32 and 64 workers) then updates the planner's evidence
-    for those cells and keeps the rest of the grid.
+    A sharper study of a few points (say, 64 workers at beta2 0.99) then updates the planner's evidence
+    there and keeps the rest of the grid. A point is replaced whole, never cell by cell: the planner
+    compares the modes of a point with one another, and a sharp cell beside noisy ones would lose to
+    them on width alone. So ``newer`` must measure every mode ``base`` has at each of its points;
+    raises ValueError naming the missing ones otherwise.
     """
 
     def sourced(summary: dict[str, Any]) -> list[dict[str, Any]]:
         return [{**cell, "source": cell.get("source", summary["source"])} for cell in summary["cells"]]
 
-    def key(cell: dict[str, Any]) -> tuple[str, int, float]:
-        return (cell["mode"], cell["workers"], cell["beta2"])
+    def point(cell: dict[str, Any]) -> tuple[int, float]:
+        return (cell["workers"], cell["beta2"])
 
-    replacing = {key(cell): cell for cell in sourced(newer)}
-    cells = [replacing.pop(key(cell), cell) for cell in sourced(base)]
-    cells += list(replacing.values())
+    newer_cells = sourced(newer)
+    replaced = {point(cell) for cell in newer_cells}
+    for workers, beta2 in sorted(replaced):
+        have = {cell["mode"] for cell in newer_cells if point(cell) == (workers, beta2)}
+        missing = sorted({cell["mode"] for cell in base["cells"] if point(cell) == (workers, beta2)} - have)
+        if missing:
+            raise ValueError(
+                f"the newer study lacks {missing} at {workers} workers, beta2 {beta2}: run those modes there "
+                "too, or leave the point out of its report (--workers, --beta2)"
+            )
+    cells = [cell for cell in sourced(base) if point(cell) not in replaced] + newer_cells
     cells.sort(key=lambda cell: (cell["beta2"], cell["workers"], cell["mode"]))
     return {"source": f"{newer['source']}; other cells: {base['source']}", "cells": cells}

@@ -450,11 +450,12 @@ def test_a_cell_without_half_width_or_spread_is_named(tmp_path: Path) -> None:
 
 
 #: benchmarks/RESULTS.md's two commands for the shipped evidence: the first study's cells, then the pinned
-#: corpus's sharper cells (design lr5e-4) in place of theirs.
+#: corpus's sharper cells (design lr5e-4) in place of theirs at the points it measured whole.
 FIRST_STUDY_COMMAND = ["--report", "--results", str(study_convergence.STDLIB_RESULTS), "--evidence", "first.json"]
 PINNED_COMMAND = [
-    "--report", "--design", "lr5e-4", "--workers", "32", "64", "--modes", "exact", "1bit",
-    "--beta2", "0.95", "0.99", "--evidence", str(EVIDENCE_FILE), "--evidence-base", "first.json",
+    "--report", "--design", "lr5e-4", "--workers", "64", "--beta2", "0.99",
+    "--modes", "exact", "1bit", "1bit_sync", "2bit_l1_a2a", "4bit_l1_a2a", "8bit_l1",
+    "--evidence", str(EVIDENCE_FILE), "--evidence-base", "first.json",
 ]  # fmt: skip
 
 
@@ -475,7 +476,7 @@ def test_the_shipped_evidence_is_what_the_documented_commands_give_from_the_ship
     assert shipped == regenerated, f"{len(shipped['cells'])} cells shipped, {len(regenerated['cells'])} regenerated"
 
 
-def test_merged_evidence_takes_the_newer_cells_and_keeps_the_rest(tmp_path: Path) -> None:
+def test_merged_evidence_takes_the_newer_points_whole_and_keeps_the_rest(tmp_path: Path) -> None:
     def cell(mode: str, workers: int, beta2: float, gap: float) -> dict:
         return {
             "mode": mode,
@@ -491,16 +492,24 @@ def test_merged_evidence_takes_the_newer_cells_and_keeps_the_rest(tmp_path: Path
         "source": "first",
         "cells": [cell("1bit", 32, 0.99, 3.3), cell("1bit", 64, 0.99, 4.4), cell("4bit-l1-alltoall", 64, 0.99, 2.3)],
     }
-    newer = {"source": "second", "cells": [cell("1bit", 64, 0.99, 8.5), cell("1bit", 64, 0.95, 1.0)]}
+    newer = {
+        "source": "second",
+        "cells": [cell("1bit", 64, 0.99, 8.5), cell("4bit-l1-alltoall", 64, 0.99, 6.0), cell("1bit", 64, 0.95, 1.0)],
+    }
     merged = merge_evidence(base, newer)
-    by_key = {(c["mode"], c["workers"], c["beta2"]): c for c in merged["cells"]}
-    assert len(merged["cells"]) == 4
-    assert by_key[("1bit", 64, 0.99)]["gap_percent"] == 8.5 and by_key[("1bit", 64, 0.99)]["source"] == "second"
-    assert by_key[("1bit", 32, 0.99)]["gap_percent"] == 3.3 and by_key[("1bit", 32, 0.99)]["source"] == "first"
-    assert by_key[("1bit", 64, 0.95)]["source"] == "second"
-    assert by_key[("4bit-l1-alltoall", 64, 0.99)]["source"] == "first"
+    by_key = {(c["mode"], c["workers"], c["beta2"]): (c["gap_percent"], c["source"]) for c in merged["cells"]}
+    assert by_key == {
+        ("1bit", 32, 0.99): (3.3, "first"),
+        ("1bit", 64, 0.99): (8.5, "second"),
+        ("4bit-l1-alltoall", 64, 0.99): (6.0, "second"),
+        ("1bit", 64, 0.95): (1.0, "second"),
+    }
     assert merged["source"] == "second; other cells: first"
     # The planner reads the merged file (the cells' "source" is not in its way).
     path = tmp_path / "merged.json"
     path.write_text(json.dumps(merged))
-    assert sorted(c.gap_percent for c in read_evidence(path)) == [1.0, 2.3, 3.3, 8.5]
+    assert sorted(c.gap_percent for c in read_evidence(path)) == [1.0, 3.3, 6.0, 8.5]
+    # A point the newer study measured only in part is refused: its other modes would keep noisier cells.
+    partial = {"source": "second", "cells": [cell("1bit", 64, 0.99, 8.5)]}
+    with pytest.raises(ValueError, match=r"lacks \['4bit-l1-alltoall'\] at 64 workers, beta2 0.99"):
+        merge_evidence(base, partial)
