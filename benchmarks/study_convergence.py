@@ -277,7 +277,15 @@ def execute(run: Run, root: Path, device: str = "cpu", claim: bool = False) -> s
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     result = train_virtual(
-        task, run.options(), run.workers, run.steps, run.seed, grad_clip=design.grad_clip, device=device
+        task,
+        run.options(),
+        run.workers,
+        run.steps,
+        run.seed,
+        grad_clip=design.grad_clip,
+        drift_stats=True,
+        keep_model=True,
+        device=device,
     )
     wall = time.perf_counter() - t0
     assert result.model is not None

@@ -1,9 +1,10 @@
 """How the applied update's sign errors against exact Lion's add up over steps: drift and persistence.
 
 :mod:`ds_lioncub.simulate.agreement` counts, step by step, how often the applied sign differs from exact
-Lion's ``sign(mean_i c_i)``. The same flip rate can do very different harm. Errors that land on other
-coordinates every step average out in the weights; errors that keep the same coordinates wrong for many
-steps push those weights steadily away from exact Lion's path. This module measures which one happens,
+Lion's ``sign(mean_i c_i)``. The same flip rate can do very different harm. Errors that change direction
+from step to step cancel in the weights; errors that keep the same coordinates wrong for many steps push
+those weights steadily away from exact Lion's path (for the aggregations that apply signs, every vote;
+one that applies magnitudes moves the weights by more or less than its signs say). This module measures which one happens,
 per tensor, over windows of ``window`` steps. With ``e_t = sign(applied_t) - sign(exact_t)`` and
 ``s_t = sign(exact_t)`` per element (both in {-1, 0, 1}):
 
@@ -23,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from ds_lioncub.step.bucket_plan import Piece
 
 DEFAULT_WINDOW = 50
 
@@ -86,12 +89,14 @@ class TensorDrift:
 
 @dataclass
 class _TensorState:
+    """Counts kept on the tensors' device (no host sync per step) until a window closes."""
+
     err_sum: torch.Tensor  # int32: sum of e_t over the open window
     exact_sum: torch.Tensor  # int32: sum of s_t over the open window
     run: torch.Tensor  # int32: the current flip run's length, 0 when not flipped
-    err_l1: int = 0
-    flips: int = 0
-    flip_runs: int = 0
+    err_l1: torch.Tensor  # int64 scalar: the open window's sum of |e_t|
+    flips: torch.Tensor  # int64 scalar
+    flip_runs: torch.Tensor  # int64 scalar
     windows: list[WindowDrift] = field(default_factory=list)
 
 
@@ -99,7 +104,8 @@ class DriftTally:
     """Per-element sums of the sign errors of a run's compressed steps, closed into windows of steps.
 
     Call :meth:`add` for each piece of a step's buckets, then :meth:`end_step` once per step;
-    :meth:`stats` gives each tensor's :class:`TensorDrift`. Costs three int32 tensors per parameter.
+    :meth:`stats` gives each tensor's :class:`TensorDrift`. Costs three int32 tensors per parameter; the
+    counts stay on the tensors' device until a window closes.
     """
 
     def __init__(self, window: int = DEFAULT_WINDOW) -> None:
@@ -114,18 +120,31 @@ class DriftTally:
         state = self._tensors.get(name)
         if state is None:
             zeros = torch.zeros(numel, dtype=torch.int32, device=exact.device)
-            state = self._tensors[name] = _TensorState(zeros, zeros.clone(), zeros.clone())
+            count = torch.zeros((), dtype=torch.int64, device=exact.device)
+            state = _TensorState(zeros, zeros.clone(), zeros.clone(), count, count.clone(), count.clone())
+            self._tensors[name] = state
         end = start + exact.numel()
         exact_sign = torch.sign(exact).to(torch.int32)
         error = torch.sign(applied).to(torch.int32) - exact_sign
         state.err_sum[start:end] += error
         state.exact_sum[start:end] += exact_sign
-        state.err_l1 += int(error.abs().sum())
+        state.err_l1 += error.abs().sum()
         flipped = (error.abs() == 2).to(torch.int32)
         run = state.run[start:end]
-        state.flips += int(flipped.sum())
-        state.flip_runs += int(((run == 0) & (flipped == 1)).sum())  # a run starts
+        state.flips += flipped.sum()
+        state.flip_runs += ((run == 0) & (flipped == 1)).sum()  # a run starts
         run.add_(flipped).mul_(flipped)
+
+    def add_bucket(
+        self, bucket: list[Piece], names: list[str], numels: list[int], exact: torch.Tensor, applied: torch.Tensor
+    ) -> None:
+        """A bucket's pieces (concatenated in ``exact`` and ``applied``), piece k under tensor ``names[k]`` of
+        ``numels[k]`` elements."""
+        sizes = [piece.length for piece in bucket]
+        for piece, name, numel, exact_piece, applied_piece in zip(
+            bucket, names, numels, exact.split(sizes), applied.split(sizes), strict=True
+        ):
+            self.add(name, numel, piece.start, exact_piece, applied_piece)
 
     def end_step(self) -> None:
         """Count the step; close the window when it is full."""
@@ -135,14 +154,14 @@ class DriftTally:
         for state in self._tensors.values():
             state.windows.append(
                 WindowDrift(
-                    err_l1=state.err_l1,
+                    err_l1=int(state.err_l1),
                     drift_l1=int(state.err_sum.abs().sum()),
                     exact_l1=int(state.exact_sum.abs().sum()),
                 )
             )
             state.err_sum.zero_()
             state.exact_sum.zero_()
-            state.err_l1 = 0
+            state.err_l1.zero_()
 
     def stats(self) -> list[TensorDrift]:
         return [
@@ -150,8 +169,8 @@ class DriftTally:
                 name=name,
                 numel=state.err_sum.numel(),
                 steps=self.steps,
-                flips=state.flips,
-                flip_runs=state.flip_runs,
+                flips=int(state.flips),
+                flip_runs=int(state.flip_runs),
                 windows=tuple(state.windows),
             )
             for name, state in self._tensors.items()

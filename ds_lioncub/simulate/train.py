@@ -92,9 +92,9 @@ class TrainResult:
         gradient_seconds, optimizer_seconds: wall time of the per-worker gradients and of the optimizer
             steps (clipping included), summed over the steps.
         lrs: the learning rate each step applied.
-        model: the trained model, for evaluations beyond the task's own.
+        model: the trained model, for evaluations beyond the task's own (``keep_model=True``), else None.
         drift: per tensor, how the compressed steps' sign errors added up over windows of steps
-            (:mod:`ds_lioncub.simulate.drift`); None where ``agreement`` is.
+            (:mod:`ds_lioncub.simulate.drift`); None unless asked for (``drift_stats``) and compressed.
     """
 
     train_losses: list[float]
@@ -174,6 +174,8 @@ def train_virtual(
     clip_rule: ClipRule = "deepspeed",
     gradient_method: Method = "auto",
     agreement_stats: bool = True,
+    drift_stats: bool = False,
+    keep_model: bool = False,
     device: torch.device | str = "cpu",
     on_step: Callable[[int, float], None] | None = None,
 ) -> TrainResult:
@@ -189,6 +191,9 @@ def train_virtual(
         grad_clip, clip_rule: gradient clipping (module docstring).
         gradient_method: how the per-worker gradients are computed ("auto": the fused pass where it can).
         agreement_stats: record the compressed steps' agreement with exact Lion.
+        drift_stats: record how their sign errors add up over steps (``TrainResult.drift``).
+        keep_model: return the trained model (``TrainResult.model``); off, so that runs kept in a list
+            do not keep their models alive.
         device: where the model, the workers' momenta and the aggregation run ("cuda" for a GPU). The
             model is initialised and the batches are drawn on the CPU, as on any device, then moved, so
             runs on two devices start alike and differ only by their devices' rounding.
@@ -202,7 +207,12 @@ def train_virtual(
     params = [p for _, p in named]
     exact = options.get("compression", "1bit") == "none"
     optimizer = VirtualLionCub(
-        named, workers=workers, module=model, agreement_stats=agreement_stats and not exact, **options
+        named,
+        workers=workers,
+        module=model,
+        agreement_stats=agreement_stats and not exact,
+        drift_stats=drift_stats and not exact,
+        **options,
     )
     peak = float(optimizer.param_groups[0]["lr"])
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -237,8 +247,8 @@ def train_virtual(
     model.eval()
     with torch.no_grad():
         result.val_loss = float(task.validation_loss(model))
-    result.model = model
-    if tallies and optimizer.drift is not None:
+    result.model = model if keep_model else None
+    if optimizer.drift is not None:
         result.drift = optimizer.drift.stats()
     if tallies:
         means = torch.tensor(tallies, dtype=torch.float64).mean(dim=0).tolist()

@@ -71,7 +71,9 @@ class VirtualLionCub(torch.optim.Optimizer):
         lr, betas, weight_decay: Lion's hyper-parameters (a learning-rate scheduler changes the groups').
         module: the model, for ``momentum_sync.layers="auto"`` and names.
         agreement_stats: record :attr:`last_agreement` each compressed step (one more pass over every
-            worker's ``c`` and one over the result), and the sign errors' drift in :attr:`drift`.
+            worker's ``c`` and one over the result).
+        drift_stats: record how the compressed steps' sign errors add up over steps in :attr:`drift`
+            (:mod:`ds_lioncub.simulate.drift`; the same pass over ``c``, three int32 tensors per parameter).
         **options: LionCub's options (compression, bits, quantizer, aggregation, kbit_algorithm,
             tie_break, l1_clip, comm_dtype, bucket_size, check_finite, momentum_sync), validated as
             LionCub validates them (a k-bit all-reduce too narrow for N workers raises LionCub's error).
@@ -92,6 +94,7 @@ class VirtualLionCub(torch.optim.Optimizer):
         *,
         module: nn.Module | None = None,
         agreement_stats: bool = False,
+        drift_stats: bool = False,
         **options: Any,
     ) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -116,8 +119,8 @@ class VirtualLionCub(torch.optim.Optimizer):
         self.agreement_stats = agreement_stats
         #: What the last compressed step's update agreed with exact Lion (``agreement_stats=True``), else None.
         self.last_agreement: AgreementStats | None = None
-        #: How the compressed steps' sign errors add up over steps, per tensor (``agreement_stats=True``), else None.
-        self.drift: DriftTally | None = DriftTally() if agreement_stats else None
+        #: How the compressed steps' sign errors add up over steps, per tensor (``drift_stats=True``), else None.
+        self.drift: DriftTally | None = DriftTally() if drift_stats else None
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
         self._ready = False
         super().__init__(params, defaults)
@@ -213,8 +216,10 @@ class VirtualLionCub(torch.optim.Optimizer):
         else:
             if self.options.check_finite:
                 self._require_finite_gradients(entries, step)
-            names = names_by_position(self.param_groups, self.module) if self.drift is not None else None
-            labels = [names[j] if names else f"param{j}" for j in taking_part]
+            labels = None
+            if self.drift is not None:
+                names = names_by_position(self.param_groups, self.module)
+                labels = [names[j] if names else f"param{j}" for j in taking_part]
             self._compressed_step(entries, plan, tie_sign(step, self.options.tie_break) > 0, labels)
         for group in self.param_groups:
             group["step"] = step
@@ -240,11 +245,11 @@ class VirtualLionCub(torch.optim.Optimizer):
             exact_lion_bucket(entries[0], bucket, grads)
 
     def _compressed_step(
-        self, entries: list[list[Entry]], plan: list[list[Piece]], positive_ties: bool, labels: list[str]
+        self, entries: list[list[Entry]], plan: list[list[Piece]], positive_ties: bool, labels: list[str] | None
     ) -> None:
         """Every bucket through each worker's local work and aggregation stages, stage by stage across workers.
 
-        ``labels[n]`` names the tensor of ``entries[i][n]`` in :attr:`drift`.
+        ``labels[n]`` names the tensor of ``entries[i][n]`` in :attr:`drift` (None without drift).
 
         The same work per worker as LionCub's serial bucket schedule (the schedule never changes a bit);
         the update is applied once, to the shared parameters, from worker 0's copy of the result.
@@ -257,9 +262,10 @@ class VirtualLionCub(torch.optim.Optimizer):
         scratch = BucketBuffers(plan)
         packed_signs = aggregators[0].votes_packed_signs  # every worker's aggregation is built alike
         tally = AgreementTally() if self.agreement_stats else None
+        compared = tally is not None or self.drift is not None  # exact Lion's direction is needed
         for bucket in plan:
             numel = sum(piece.length for piece in bucket)
-            exact_c = summed_directions(entries, bucket) if tally is not None else None
+            exact_c = summed_directions(entries, bucket) if compared else None
             pending: list[object] = []
             prepared_buckets = []
             for i, aggregator in enumerate(aggregators):
@@ -285,13 +291,16 @@ class VirtualLionCub(torch.optim.Optimizer):
             voted = aggregators[0].complete_packed(results[0]) if packed_signs else None
             if voted is None:
                 applied = aggregators[0].complete(results[0], scratch.for_bucket(entries[0], bucket))
-            if tally is not None and exact_c is not None:
+            if exact_c is not None:
                 # Recorded before the update is applied, from the update's signs as applied.
                 if voted is not None:
                     applied = unpack_signs(voted, numel)
-                tally.add(exact_c, applied, aggregators, pending)
-                if self.drift is not None:
-                    self._record_drift(entries[0], bucket, labels, exact_c, applied)
+                if tally is not None:
+                    tally.add(exact_c, applied, aggregators, pending)
+                if self.drift is not None and labels is not None:
+                    numels = [entries[0][piece.tensor_index].param.numel() for piece in bucket]
+                    names = [labels[piece.tensor_index] for piece in bucket]
+                    self.drift.add_bucket(bucket, names, numels, exact_c, applied)
             if voted is not None:
                 apply_voted_signs(entries[0], bucket, voted)
             else:
@@ -300,20 +309,6 @@ class VirtualLionCub(torch.optim.Optimizer):
             self.last_agreement = tally.stats()
         if self.drift is not None:
             self.drift.end_step()
-
-    def _record_drift(
-        self, mine: list[Entry], bucket: list[Piece], labels: list[str], exact_c: torch.Tensor, applied: torch.Tensor
-    ) -> None:
-        """The bucket's pieces into :attr:`drift`, each under its tensor's label."""
-        assert self.drift is not None
-        for piece, exact_piece, applied_piece in zip(
-            bucket,
-            exact_c.split([piece.length for piece in bucket]),
-            applied.split([piece.length for piece in bucket]),
-            strict=True,
-        ):
-            param = mine[piece.tensor_index].param
-            self.drift.add(labels[piece.tensor_index], param.numel(), piece.start, exact_piece, applied_piece)
 
     def _sync_momentum(self) -> None:
         """Average the selected parameters' momenta over the workers, as LionCub's momentum sync does: every

@@ -3,8 +3,6 @@ and inside the virtual world against its own per-step agreement counts."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import nn
@@ -110,26 +108,48 @@ def test_persistent_errors_score_one_and_alternating_errors_zero() -> None:
         {"compression": "kbit", "bits": 4, "quantizer": "l1", "kbit_algorithm": "alltoall"},  # the delta path
     ],
 )
-def test_the_virtual_worlds_drift_counts_the_flips_its_agreement_counts(options: dict) -> None:
+def test_the_virtual_worlds_drift_equals_a_loop_over_its_momenta_and_updates(options: dict) -> None:
+    """Each step's reference, from outside the world: exact Lion's direction from the workers' momenta and
+    gradients (worker-order fp32 sum of beta1 m_i + (1 - beta1) g_i, as exact Lion sums them), and the applied
+    direction from the parameters' change (weight decay 0: the change is -lr x the applied update)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(40, 64), nn.Tanh(), nn.Linear(64, 3))  # 2,819 elements: cut into 3 buckets
     optimizer = VirtualLionCub(
-        model.named_parameters(), workers=4, lr=1e-2, module=model, agreement_stats=True, bucket_size=1024, **options
-    )
-    numel = sum(p.numel() for p in model.parameters())
-    flips_by_agreement = 0.0
-    for step in range(12):
+        model.named_parameters(), workers=4, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.0, module=model,
+        drift_stats=True, bucket_size=1024, **options,
+    )  # fmt: skip
+    assert optimizer.drift is not None
+    optimizer.drift = DriftTally(window=3)
+    names = [name for name, _ in model.named_parameters()]
+    params = list(model.parameters())
+    steps: list[dict[str, tuple[list[float], list[float]]]] = []
+    for step in range(8):
         grads = [
-            [torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i)) for p in model.parameters()]
+            [torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i)) for p in params]
             for i in range(4)
         ]
+        momenta = [optimizer.worker_momentum(i) for i in range(4)]
+        exact = []
+        for j, param in enumerate(params):
+            total = torch.zeros(param.numel())
+            for i in range(4):
+                total.add_(momenta[i][j].reshape(-1).clone().mul_(0.9).add_(grads[i][j].reshape(-1), alpha=0.1))
+            exact.append(total)
+        before = [p.detach().clone() for p in params]
         optimizer.step(grads)
-        assert optimizer.last_agreement is not None
-        flips_by_agreement += optimizer.last_agreement.flip * numel
-    assert optimizer.drift is not None
-    drifts = optimizer.drift.stats()
-    assert {d.name for d in drifts} == {name for name, _ in model.named_parameters()}
-    assert sum(d.numel for d in drifts) == numel and all(d.steps == 12 for d in drifts)
-    assert sum(d.flips for d in drifts) == round(flips_by_agreement)
-    assert math.isclose(sum(d.flips for d in drifts), flips_by_agreement, rel_tol=1e-9)
-    assert all(len(d.windows) == 0 for d in drifts)  # 12 steps: no complete window of 50
+        applied = [(b - p.detach()).reshape(-1) for b, p in zip(before, params, strict=True)]
+        steps.append({n: (e.tolist(), a.tolist()) for n, e, a in zip(names, exact, applied, strict=True)})
+    expected = brute_force(steps, window=3)
+    stats = {d.name: d for d in optimizer.drift.stats()}
+    assert set(stats) == set(names)
+    for name, want in expected.items():
+        got = stats[name]
+        assert got.steps == 8
+        assert (got.flips, got.flip_runs) == (want["flips"], want["runs"]), name
+        assert [(w.err_l1, w.drift_l1, w.exact_l1) for w in got.windows] == want["windows"], name  # 2 windows
+    assert sum(d.flips for d in stats.values()) > 0  # the check saw errors to count
+
+
+def test_drift_is_off_unless_asked_for() -> None:
+    model = nn.Linear(4, 2)
+    assert VirtualLionCub(model.parameters(), workers=2, agreement_stats=True).drift is None
