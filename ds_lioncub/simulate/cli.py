@@ -34,7 +34,7 @@ the real hybrid refuses (overlap, MPI, momentum_sync by layer) are refused here 
 The task: ``--task module:function``, a function taking no arguments that returns a
 :class:`ds_lioncub.simulate.train.Task` (build a model from a seed, the global batch of step t, the
 mean loss of a batch, a validation loss). The default, ``ds_lioncub.simulate.tasks:small_gpt`` (the
-example byte-level GPT on the Python standard library's sources, global batch 64 x 64), ships with the
+example byte-level GPT on DeepSpeed 0.19.8's pinned sources, global batch 64 x 64), ships with the
 package. The learning rate follows DeepSpeed's WarmupCosineLR over ``--steps`` (``--warmup-steps``,
 ratios 0.1), peaking at the config's lr.
 """

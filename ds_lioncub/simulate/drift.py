@@ -4,8 +4,8 @@
 Lion's ``sign(mean_i c_i)``. The same flip rate can do very different harm. Errors that change direction
 from step to step cancel in the weights; errors that keep the same coordinates wrong for many steps push
 those weights steadily away from exact Lion's path (for the aggregations that apply signs, every vote;
-one that applies magnitudes moves the weights by more or less than its signs say). This module measures which one happens,
-per tensor, over windows of ``window`` steps. With ``e_t = sign(applied_t) - sign(exact_t)`` and
+one that applies magnitudes moves the weights by more or less than its signs say). This module measures
+which one happens, per tensor, over windows of ``window`` steps. With ``e_t = sign(applied_t) - sign(exact_t)`` and
 ``s_t = sign(exact_t)`` per element (both in {-1, 0, 1}):
 
 - ``err_l1``: the window's summed ``|e_t|`` (how much error the steps made);

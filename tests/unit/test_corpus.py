@@ -63,7 +63,12 @@ def test_the_build_generated_file_is_left_out() -> None:
 
 def test_edited_sources_are_refused_with_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     copy = tmp_path / "deepspeed"
-    shutil.copytree(corpus.pinned_root(), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    # Only the .py files (and the folders): the corpus reads nothing else.
+    root = corpus.pinned_root()
+    for path in corpus.pinned_sources(root):
+        destination = copy / path.relative_to(root)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, destination)
     monkeypatch.setattr(corpus, "pinned_root", lambda: copy)
     assert corpus.build_corpus(max_bytes=1000)[0].numel() == 1000  # the untouched copy passes
     target = copy / "constants.py"
@@ -86,9 +91,13 @@ def test_a_user_file_replaces_the_pinned_sources(tmp_path: Path) -> None:
     assert str(text) in source
 
 
-def test_the_cache_holds_the_same_bytes(tmp_path: Path) -> None:
+def test_the_cache_holds_the_checked_bytes_and_a_damaged_cache_is_rebuilt(tmp_path: Path) -> None:
+    expected = b"".join(path.read_bytes() + b"\n\n" for path in corpus.pinned_sources())[:5000]
     first, _ = corpus.build_corpus(max_bytes=5000, cache_dir=tmp_path)
-    [cached] = tmp_path.iterdir()
-    assert corpus.PINNED_SHA256[:16] in cached.name and cached.read_bytes() == first.numpy().tobytes()
-    again, _ = corpus.build_corpus(max_bytes=5000, cache_dir=tmp_path)
-    assert again.numpy().tobytes() == first.numpy().tobytes()
+    cached = next(tmp_path.glob("*.bin"))
+    assert corpus.PINNED_SHA256[:16] in cached.name and cached.read_bytes() == expected
+    assert first.numpy().tobytes() == expected
+    assert corpus.build_corpus(max_bytes=5000, cache_dir=tmp_path)[0].numpy().tobytes() == expected
+    cached.write_bytes(b"x" + expected[1:])  # a damaged cache
+    assert corpus.build_corpus(max_bytes=5000, cache_dir=tmp_path)[0].numpy().tobytes() == expected
+    assert cached.read_bytes() == expected  # rebuilt

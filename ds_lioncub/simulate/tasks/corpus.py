@@ -99,6 +99,23 @@ def _cache_path(cache_dir: Path, max_bytes: int) -> Path:
     return cache_dir / f"pinned_corpus_{PINNED_SHA256[:16]}_{max_bytes}.bin"
 
 
+def _read_cache(cached: Path) -> bytes | None:
+    """The cached bytes if their sha256 is the one written beside them, else None (then they are rebuilt)."""
+    digest_file = cached.with_suffix(".sha256")
+    if not (cached.exists() and digest_file.exists()):
+        return None
+    blob = cached.read_bytes()
+    return blob if hashlib.sha256(blob).hexdigest() == digest_file.read_text().strip() else None
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    # Write then rename: several ranks may build the same cache at the same time.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
 def build_corpus(
     path: str | Path | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
@@ -107,7 +124,8 @@ def build_corpus(
     """Return (uint8 tensor of bytes, description).
 
     path: a user file to read instead of the pinned sources. max_bytes <= 0 means no cap.
-    cache_dir: where the default corpus may be cached (nothing is written anywhere else).
+    cache_dir: where the default corpus may be cached with its sha256 (nothing is written anywhere else); a
+        cache whose bytes do not match their digest is rebuilt from the checked sources.
     """
     if path is not None:
         path = Path(path)
@@ -117,18 +135,17 @@ def build_corpus(
         source = f"file {path} ({len(blob)} bytes)"
     else:
         cached = _cache_path(Path(cache_dir), max_bytes) if cache_dir is not None else None
-        if cached is not None and cached.exists():
-            blob = cached.read_bytes()
+        from_cache = _read_cache(cached) if cached is not None else None
+        if from_cache is not None:
+            blob = from_cache
         else:
             blob = _read_pinned_bytes()
             blob = blob[:max_bytes] if max_bytes > 0 else blob
             if cached is not None:
                 cached.parent.mkdir(parents=True, exist_ok=True)
-                # Write then rename: several ranks may build the same cache at the same time.
-                fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
-                with os.fdopen(fd, "wb") as f:
-                    f.write(blob)
-                os.replace(tmp, cached)
+                # The bytes first, then their digest: a reader that finds the digest finds the bytes it covers.
+                _write_atomically(cached, blob)
+                _write_atomically(cached.with_suffix(".sha256"), hashlib.sha256(blob).hexdigest().encode())
         source = f"{PINNED_PACKAGE} {PINNED_VERSION} sources ({len(blob)} bytes, sha256 {PINNED_SHA256[:12]}...)"
     if len(blob) == 0:
         raise ValueError(f"empty corpus from {path or PINNED_PACKAGE}")
