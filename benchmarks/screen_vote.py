@@ -8,32 +8,45 @@ the direction every worker applies. Everything else is the convergence study's r
 (:mod:`benchmarks.study_convergence`, same task, design, per-worker gradients, clipping and lr
 schedule) and the package's own Lion arithmetic (``lion_direction``, ``update_momentum``,
 ``apply_update``, ``sign_with_tie``), so the ``vote`` candidate trains bit for bit like
-``VirtualLionCub(compression="1bit")`` (benchmarks/tests/test_screen_vote.py checks it). Candidates
-work per tensor in blocks of ``B`` elements; the study's exact-Lion runs of the same design, worker
-count, beta2 and seed are the reference (run them first with the study).
+``VirtualLionCub(compression="1bit")`` (benchmarks/tests/test_screen_vote.py checks it). The settings
+are read from where the study keeps them, never copied: beta1 and weight decay from
+:meth:`benchmarks.study_convergence.Run.options` (the lr from the design, as there), the lr schedule's
+warm-up and floor and the clipping rule from the defaults of
+:func:`ds_lioncub.simulate.train.train_virtual`, which the study's runs use. Candidates work per tensor
+in blocks of ``B`` elements; the study's exact-Lion runs of the same design, worker count, beta2 and
+seed are the reference (run them first with the study).
 
 Candidates (``name`` or ``name:B``):
 
-- ``vote``: the majority vote of the signs (the 1-bit vote).
+- ``vote``: the majority vote of the signs (the 1-bit vote); it has no blocks, so ``vote:B`` is refused.
 - ``scaled_sign:B``: each worker sends ``sign(c_i)`` and one scale per block, ``s_i = mean |c_i|``;
   the direction is ``sign(sum_i s_i sign(c_i))``. 1 + 32/B bits per element.
 - ``ef_scaled_sign:B``: the same on ``x_i = c_i + e_i``, each worker keeping ``e_i <- x_i - s_i sign(x_i)``
   (error feedback on what is summed, never around the final sign). 1 + 32/B bits per element.
-- ``dither_max:B``: each worker votes ``sign(c_i + D u_i)``, ``u_i`` uniform in [-1, 1] from a generator
-  seeded by (seed, step, tensor, worker), ``D`` the block's largest ``|c_i|`` over every worker (one
-  max all-reduce of a scale per block), so that ``E[vote_i] = c_i / D`` and the vote tends to
-  ``sign(mean c_i)``. 1 bit per element plus the shared scale.
+- ``dither_max:B``: each worker votes ``sign(c_i + D u_i)``, ``u_i`` uniform in [-1, 1], ``D`` the block's
+  largest ``|c_i|`` over every worker (one max all-reduce of a scale per block), so that
+  ``E[vote_i] = c_i / D`` and the vote tends to ``sign(mean c_i)``. 1 bit per element plus the shared
+  scale. The noise of one tensor at one step is one ``(N, numel)`` draw from one generator seeded by
+  (seed, step, tensor) (:func:`dither_seed`; no worker in the seed): worker i's ``u_i`` is row i of that
+  draw, so every worker's noise differs from every other's, as independent generators per worker would
+  make it, but from one stream.
 - ``dither_mean:B``: as ``dither_max`` with ``D`` the workers' mean of ``mean |c_i|`` (a smaller dither:
   biased where ``|c_i| > D``, less noisy).
 
 Each run writes ``benchmarks/results/vote_screen/<design dir>/N<workers>_<candidate>_b2-<beta2>_seed<seed>.json``
 (resumable: a run whose JSON exists is skipped) with its validation losses and its flip rate against
-``sign(mean_i c_i)``.
+``sign(mean_i c_i)``. The dither runs written before :func:`dither_seed` lost a trailing ``* 7`` drew
+their noise from generators seeded 7 times larger: the same kind of draw, other numbers.
+
+The report pairs each run with the study's exact-Lion run of its worker count, beta2 and seed by
+:func:`benchmarks.study_report.pair_with_exact`, which leaves out a pair on other data (their first
+training losses differ) with a warning on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -46,17 +59,51 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.study_convergence import DESIGNS, RESULTS, WIDE_EVAL_WINDOWS, Design, config_dir
+from benchmarks.study_convergence import DESIGNS, RESULTS, WIDE_EVAL_WINDOWS, Design, Run, config_dir
+from benchmarks.study_report import pair_with_exact
 from ds_lioncub.comm.quantize import sign_with_tie
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
 from ds_lioncub.simulate.gradients import GradientBuffers, worker_gradients
 from ds_lioncub.simulate.tasks.gpt_task import GPTTask, small_gpt
-from ds_lioncub.simulate.train import clip_worker_gradients, lr_ratio
+from ds_lioncub.simulate.train import ClipRule, clip_worker_gradients, lr_ratio, train_virtual
 from ds_lioncub.student_t import mean_interval
 
 SCREEN_RESULTS = Path(__file__).resolve().parent / "results" / "vote_screen"
-WEIGHT_DECAY = 0.1
-BETA1 = 0.9
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    """What the study's runs train with besides the design: Lion's beta1 and weight decay, the lr
+    schedule's warm-up steps, warm-up start ratio and cosine floor ratio, and the clipping rule."""
+
+    beta1: float
+    weight_decay: float
+    warmup_steps: int
+    warmup_min_ratio: float
+    cos_min_ratio: float
+    clip_rule: ClipRule
+
+
+def study_settings(beta2: float) -> StudySettings:
+    """The study's settings, read where the study takes them: beta1 and weight decay from
+    :meth:`benchmarks.study_convergence.Run.options` (exact Lion's run: these two do not depend on the mode),
+    the schedule and the clipping rule from :func:`ds_lioncub.simulate.train.train_virtual`'s defaults, which
+    the study's runs do not override."""
+    options = Run("small", 1, 1, "exact", beta2, 0).options()
+    defaults = inspect.signature(train_virtual).parameters
+    return StudySettings(
+        beta1=float(options["betas"][0]),
+        weight_decay=float(options["weight_decay"]),
+        warmup_steps=int(defaults["warmup_steps"].default),
+        warmup_min_ratio=float(defaults["warmup_min_ratio"].default),
+        cos_min_ratio=float(defaults["cos_min_ratio"].default),
+        clip_rule=defaults["clip_rule"].default,
+    )
+
+
+def dither_seed(seed: int, step: int, tensor: int) -> int:
+    """The seed of the dither's generator of tensor ``tensor`` at 0-based ``step`` of a run of ``seed``."""
+    return (seed * 100_003 + step) * 1_009 + tensor
 
 
 @dataclass
@@ -89,7 +136,11 @@ Candidate = Callable[[torch.Tensor, TensorState, int, torch.Generator], torch.Te
 def make_candidate(spec: str) -> Candidate:
     """The direction function of ``spec`` (``name`` or ``name:B``, module docstring)."""
     name, _, size = spec.partition(":")
+    if name == "vote" and size:
+        raise ValueError(f"candidate {spec!r}: the vote has no blocks; write 'vote'")
     block = int(size) if size else 256
+    if block < 1:
+        raise ValueError(f"candidate {spec!r}: the block size must be >= 1")
 
     def vote(c: torch.Tensor, state: TensorState, step: int, gen: torch.Generator) -> torch.Tensor:
         return sign_with_tie(sign_with_tie(c, step, "alternate").sum(dim=0), step, "alternate")
@@ -123,6 +174,7 @@ def train_candidate(
 ) -> dict[str, object]:
     """One run of a candidate on ``task`` (its global batch as it is; the study sets it from the design)."""
     candidate = make_candidate(spec)
+    settings = study_settings(beta2)
     torch.manual_seed(seed)
     model = task.build_model(seed)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -135,20 +187,20 @@ def train_candidate(
     model.train()
     for step in range(steps):
         computed = worker_gradients(model, task.loss, task.batch(step, seed), workers, params, "auto", buffers)
-        clip_worker_gradients(computed.grads, design.grad_clip, "deepspeed", exact=False)
-        lr = design.lr * lr_ratio(step, steps, 10, 0.1, 0.1)
+        clip_worker_gradients(computed.grads, design.grad_clip, settings.clip_rule, exact=False)
+        lr = design.lr * lr_ratio(step, steps, settings.warmup_steps, settings.warmup_min_ratio, settings.cos_min_ratio)
         losses.append(computed.loss)
         with torch.no_grad():
             for j, param in enumerate(params):
                 grads = torch.stack([computed.grads[i][j].reshape(-1) for i in range(workers)])
-                c = lion_direction(momenta[j], grads, BETA1)
+                c = lion_direction(momenta[j], grads, settings.beta1)
                 update_momentum(momenta[j], grads, beta2)
-                gen = torch.Generator().manual_seed(((seed * 100_003 + step) * 1_009 + j) * 7)
+                gen = torch.Generator().manual_seed(dither_seed(seed, step, j))
                 direction = candidate(c, states[j], step + 1, gen)
                 exact_sign = torch.sign(c.sum(dim=0))
                 flips += int((direction == -exact_sign).sum())
                 elements += c.shape[1]
-                apply_update(param.view(-1), direction, lr, WEIGHT_DECAY)
+                apply_update(param.view(-1), direction, lr, settings.weight_decay)
         if not math.isfinite(computed.loss):
             raise FloatingPointError(f"{spec}: loss {computed.loss} at step {step}")
     model.eval()
@@ -172,8 +224,8 @@ def train_candidate(
 
 
 def run_path(root: Path, design: str, steps: int, workers: int, spec: str, beta2: float, seed: int) -> Path:
-    folder = config_dir(root, "small", steps, design).name
-    return root / folder / f"N{workers:02d}_{spec.replace(':', '-')}_b2-{beta2}_seed{seed}.json"
+    name = f"N{workers:02d}_{spec.replace(':', '-')}_b2-{beta2}_seed{seed}.json"
+    return config_dir(root, "small", steps, design) / name
 
 
 def _execute(spec: str, workers: int, beta2: float, seed: int, steps: int, design: str, root: str) -> str:
@@ -189,19 +241,19 @@ def _execute(spec: str, workers: int, beta2: float, seed: int, steps: int, desig
 
 
 def report(root: Path, study_root: Path, steps: int, design: str) -> str:
-    """Per worker count, beta2 and candidate: the gap to exact Lion in % (mean and 95% t half-width)."""
-    folder = root / config_dir(root, "small", steps, design).name
+    """Per worker count, beta2 and candidate: the gap to exact Lion in % (mean and 95% t half-width), over the
+    runs paired with the study's exact-Lion run of the same data (:func:`benchmarks.study_report.pair_with_exact`)."""
+    folder = config_dir(root, "small", steps, design)
     exact_dir = config_dir(study_root, "small", steps, design)
     rows: dict[tuple[int, float, str], list[float]] = {}
     flips: dict[tuple[int, float, str], list[float]] = {}
     for path in sorted(folder.glob("N*_seed*.json")):
         record = json.loads(path.read_text())
-        exact_path = exact_dir / f"N{record['workers']:02d}_exact_b2-{record['beta2']}_seed{record['seed']}.json"
-        if not exact_path.exists():
+        pair = pair_with_exact(exact_dir, record)
+        if pair is None:
             continue
-        exact = json.loads(exact_path.read_text())["val_loss"]
         key = (record["workers"], record["beta2"], record["candidate"])
-        rows.setdefault(key, []).append(100.0 * (record["val_loss"] - exact) / exact)
+        rows.setdefault(key, []).append(pair[1])
         flips.setdefault(key, []).append(record["flip_rate"])
     lines = [
         f"Screen ({design}, {steps} steps): validation loss vs exact Lion's (same seed), %, mean ± 95% t half-width",

@@ -1,14 +1,17 @@
-"""Which study design measures a gap most sharply per CPU second: the instrument pilot's report.
+"""Which study design measures a gap most sharply per second of wall time: the instrument pilot's report.
 
     python -m benchmarks.study_designs --workers 64 --beta2 0.99 --mode 1bit
 
 For each design of :data:`benchmarks.study_convergence.DESIGNS` with runs present, from the paired runs
-(the mode and exact Lion, same design, worker count, beta2 and seed): the per-seed gaps in % of exact
-Lion's validation loss (the task's 320 windows and the wide 2,048), their sample standard deviation,
-the 95% Student-t half-width with the seeds present, the seeds a half-width of 1 point would take at
-that standard deviation (the smallest n with t(n-1) * sd / sqrt(n) <= 1), exact Lion's own loss and
-seed-to-seed sd, and the CPU seconds of a pair of runs. A design is calm when its paired sd is small;
-the cheapest design to reach the goal minimises seeds x seconds per pair.
+(the mode and exact Lion, same design, worker count, beta2 and seed, paired by
+:func:`benchmarks.study_report.pair_with_exact`, which leaves out a pair on other data with a warning on
+stderr): the per-seed gaps in % of exact Lion's validation loss (the task's 320 windows and the wide
+2,048), their sample standard deviation, the 95% Student-t half-width with the seeds present, the seeds
+a half-width of 1 point would take at that standard deviation (the smallest n with
+t(n-1) * sd / sqrt(n) <= 1), exact Lion's own loss and seed-to-seed sd, and the wall seconds of a pair of
+runs (the two runs' ``wall_s`` added, their mean over the pairs). That is wall time, not CPU time, measured
+while other study processes shared the machine: a rough cost that moves with the load. A design is calm
+when its paired sd is small; the cheapest design to reach the goal minimises seeds x seconds per pair.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ import argparse
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 from benchmarks.study_convergence import DESIGNS, RESULTS, config_dir
+from benchmarks.study_report import pair_with_exact
+from ds_lioncub.simulate.train import gap_percent
 from ds_lioncub.student_t import mean_interval, sample_sd, t_quantile
 
 
@@ -30,34 +36,38 @@ def seeds_for(sd: float, goal: float = 1.0, most: int = 1000) -> int | None:
     return None
 
 
-def paired(directory: Path, workers: int, beta2: float, mode: str) -> list[tuple[int, dict, dict]]:
-    """(seed, exact record, mode record) for every seed with both runs."""
+def paired(
+    directory: Path, workers: int, beta2: float, mode: str
+) -> list[tuple[dict[str, Any], dict[str, Any], float]]:
+    """(mode record, exact record, gap %) for every seed with both runs on the same data, in seed order
+    (:func:`benchmarks.study_report.pair_with_exact`)."""
     pairs = []
-    for path in sorted(directory.glob(f"N{workers:02d}_{mode}_b2-{beta2}_seed*.json")):
-        seed = int(path.stem.rsplit("seed", 1)[1])
-        exact = directory / f"N{workers:02d}_exact_b2-{beta2}_seed{seed}.json"
-        if exact.exists():
-            pairs.append((seed, json.loads(exact.read_text()), json.loads(path.read_text())))
-    return pairs
+    for path in directory.glob(f"N{workers:02d}_{mode}_b2-{beta2}_seed*.json"):
+        run = json.loads(path.read_text())
+        pair = pair_with_exact(directory, run)
+        if pair is not None:
+            pairs.append((run, *pair))
+    return sorted(pairs, key=lambda pair: int(pair[0]["seed"]))
 
 
 def design_rows(root: Path, task: str, steps: int, workers: int, beta2: float, mode: str) -> list[str]:
     lines = [
         f"Designs at {workers} workers, beta2 {beta2}, {mode} vs exact Lion ({steps} steps): gap % per seed, "
-        "mean ± 95% t half-width, paired sd, seeds for ±1 at that sd",
+        "mean ± 95% t half-width, paired sd, seeds for ±1 at that sd; wall s per pair: the two runs' wall time "
+        "(wall_s, measured under load), not CPU time",
         "",
         "| design | lr, clip, global batch | seeds | gaps (320 windows) | mean ± hw | sd | seeds for ±1 "
-        "| sd, 2,048 windows | exact val (sd) | CPU s per pair |",
+        "| sd, 2,048 windows | exact val (sd) | wall s per pair |",
         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, design in DESIGNS.items():
         pairs = paired(config_dir(root, task, steps, name), workers, beta2, mode)
         if not pairs:
             continue
-        gaps = [100 * (m["val_loss"] - e["val_loss"]) / e["val_loss"] for _, e, m in pairs]
-        wide = [100 * (m["val_loss_wide"] - e["val_loss_wide"]) / e["val_loss_wide"] for _, e, m in pairs]
+        gaps = [gap for _, _, gap in pairs]
+        wide = [gap_percent(m["val_loss_wide"], e["val_loss_wide"]) for m, e, _ in pairs]
         exact = [e["val_loss"] for _, e, _ in pairs]
-        seconds = sum(e["wall_s"] + m["wall_s"] for _, e, m in pairs) / len(pairs)
+        seconds = sum(e["wall_s"] + m["wall_s"] for m, e, _ in pairs) / len(pairs)
         if len(gaps) > 1:
             sd, sd_wide = sample_sd(gaps), sample_sd(wide)
             needed = seeds_for(sd)

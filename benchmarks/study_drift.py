@@ -3,12 +3,18 @@
     python -m benchmarks.study_drift --workers 64 --mode 1bit --beta2 0.95 0.99
 
 Reads the ``drift`` of each run JSON of the study (:mod:`ds_lioncub.simulate.drift`: per tensor and window
-of 50 steps, the sign error made, the error accumulated, exact Lion's accumulated movement, flip runs)
-and prints, per beta2 and seed, the whole model's flip rate, persistence (accumulated over made error:
-1 when the same coordinates err the same way all window, ``sqrt(2 / (pi k))`` for ``k`` errors in
-independent directions), drift ratio (accumulated error over exact Lion's accumulated movement) and
-mean flip-run length, over all windows and over the last three (late training), beside the run's gap
-to exact Lion; then the same per tensor for the first seed of each beta2.
+of 50 steps, the sign error made, the error accumulated, exact Lion's accumulated movement; per tensor and
+whole run, the flips and flip runs) and prints, per beta2 and seed, beside the run's gap to exact Lion
+(paired by :func:`benchmarks.study_report.pair_with_exact`, "n/a" without an exact run of the same data):
+
+- over the whole run: the whole model's flip rate and mean flip-run length (the record keeps these per
+  run, not per window);
+- over all complete windows and over the last :data:`LATE_WINDOWS` (late training), from the windows'
+  sums (:func:`windowed`): persistence (accumulated over made error: 1 when the same coordinates err the
+  same way all window, ``sqrt(2 / (pi k))`` for ``k`` errors in independent directions) and drift ratio
+  (accumulated error over exact Lion's accumulated movement);
+
+then the same per tensor for the first seed of each beta2.
 """
 
 from __future__ import annotations
@@ -16,29 +22,49 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from benchmarks.study_convergence import RESULTS, config_dir
+from benchmarks.study_report import pair_with_exact
 from ds_lioncub.simulate.drift import TensorDrift, WindowDrift, overall
 
+#: The windows that stand for late training.
+LATE_WINDOWS = 3
 
-def drifts_of(record: dict) -> list[TensorDrift]:
+
+def drifts_of(record: dict[str, Any]) -> list[TensorDrift]:
     return [
         TensorDrift(**{**tensor, "windows": tuple(WindowDrift(**w) for w in tensor["windows"])})
         for tensor in record["drift"]
     ]
 
 
-def late(drift: TensorDrift, windows: int = 3) -> TensorDrift:
-    """The same tensor over its last ``windows`` windows only."""
-    return TensorDrift(drift.name, drift.numel, drift.steps, drift.flips, drift.flip_runs, drift.windows[-windows:])
+class Windowed(NamedTuple):
+    """Persistence and drift ratio over some of a tensor's windows."""
+
+    persistence: float
+    drift_ratio: float
+
+
+def windowed(drift: TensorDrift, windows: int | None = None) -> Windowed:
+    """Over ``drift``'s last ``windows`` complete windows (every window for None; all it has if fewer):
+    persistence = sum of ``drift_l1`` / sum of ``err_l1`` and drift ratio = sum of ``drift_l1`` / sum of
+    ``exact_l1``, each 0 where its denominator is (the definitions of :class:`TensorDrift`'s properties, on
+    those windows alone; the whole-run counts, flips and flip runs, play no part)."""
+    kept = drift.windows if windows is None else drift.windows[-windows:]
+    drifted = sum(w.drift_l1 for w in kept)
+    err = sum(w.err_l1 for w in kept)
+    exact = sum(w.exact_l1 for w in kept)
+    return Windowed(drifted / err if err else 0.0, drifted / exact if exact else 0.0)
 
 
 def rows(directory: Path, workers: int, mode: str, beta2s: list[float]) -> list[str]:
+    late = LATE_WINDOWS
     lines = [
         f"Drift of the sign errors, {mode} at {workers} workers ({directory.name})",
         "",
-        "| beta2 | seed | gap % | flip rate | persistence (all / last 3 windows) | drift ratio (all / last 3) "
-        "| mean flip run, steps |",
+        f"| beta2 | seed | gap % | flip rate (whole run) | persistence (all windows / last {late}) "
+        f"| drift ratio (all windows / last {late}) | mean flip run, steps (whole run) |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     firsts: dict[float, list[TensorDrift]] = {}
@@ -47,29 +73,29 @@ def rows(directory: Path, workers: int, mode: str, beta2s: list[float]) -> list[
             record = json.loads(path.read_text())
             if not record.get("drift"):
                 continue
-            exact_path = directory / path.name.replace(f"_{mode}_", "_exact_")
-            gap = "n/a"
-            if exact_path.exists():
-                exact = json.loads(exact_path.read_text())["val_loss"]
-                gap = f"{100 * (record['val_loss'] - exact) / exact:+.1f}"
+            pair = pair_with_exact(directory, record)
+            gap = "n/a" if pair is None else f"{pair[1]:+.1f}"
             tensors = drifts_of(record)
             firsts.setdefault(beta2, tensors)
-            whole, last = overall(tensors), overall([late(t) for t in tensors])
+            whole = overall(tensors)
+            every, last = windowed(whole), windowed(whole, late)
             lines.append(
                 f"| {beta2} | {record['seed']} | {gap} | {whole.flip_rate:.3f} | "
-                f"{whole.persistence:.3f} / {last.persistence:.3f} | {whole.drift_ratio:.3f} / {last.drift_ratio:.3f} "
+                f"{every.persistence:.3f} / {last.persistence:.3f} | {every.drift_ratio:.3f} / {last.drift_ratio:.3f} "
                 f"| {whole.mean_flip_run:.2f} |"
             )
     for beta2, tensors in firsts.items():
         lines += [
             "",
-            f"Per tensor, beta2 {beta2} (first seed with drift): last 3 windows",
+            f"Per tensor, beta2 {beta2} (first seed with drift): persistence and drift ratio over the last {late} "
+            "windows; flip rate and mean flip run over the whole run",
             "",
-            "| tensor | elements | flip rate | persistence | drift ratio | mean flip run |",
+            f"| tensor | elements | flip rate (whole run) | persistence (last {late}) | drift ratio (last {late}) "
+            "| mean flip run (whole run) |",
             "|---|---:|---:|---:|---:|---:|",
         ]
         for tensor in tensors:
-            last = late(tensor)
+            last = windowed(tensor, late)
             lines.append(
                 f"| {tensor.name} | {tensor.numel:,} | {tensor.flip_rate:.3f} | {last.persistence:.3f} | "
                 f"{last.drift_ratio:.3f} | {tensor.mean_flip_run:.2f} |"

@@ -16,6 +16,7 @@ with exact Lion's runs of the same worker count and seed, and summarises over th
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,6 +81,36 @@ def runs_on_other_data(directory: Path) -> list[str]:
         usual = Counter(runs.values()).most_common(1)[0][0]
         outliers += [name for name, loss in runs.items() if loss != usual]
     return sorted(outliers)
+
+
+def pair_with_exact(exact_dir: Path, run: dict[str, Any]) -> tuple[dict[str, Any], float] | None:
+    """Exact Lion's run of ``run``'s worker count, beta2 and seed in ``exact_dir`` and ``run``'s gap to it:
+    (exact record, :func:`gap_percent` of the two ``val_loss``), or None when there is no such exact run.
+
+    ``run`` needs ``workers``, ``beta2``, ``seed``, ``val_loss`` and ``train_losses``: a study run's JSON or
+    any run trained like one (benchmarks/screen_vote.py's). Exact Lion's run is
+    ``N<workers:02d>_exact_b2-<beta2>_seed<seed>.json``, as benchmarks/study_convergence.py names it.
+
+    A pair whose first training losses differ is refused: None, and a warning line on stderr naming
+    both. The first loss is measured before any update, so two runs of one seed on the same data and
+    initial model start from the same loss (the criterion of :func:`runs_on_other_data`, here applied to
+    the pair alone); a pair that does not trained two tasks and its gap means nothing. The callers are
+    reports, which leave such a pair out of their tables and go on.
+    """
+    path = exact_dir / f"N{run['workers']:02d}_exact_b2-{run['beta2']}_seed{run['seed']}.json"
+    if not path.exists():
+        return None
+    exact = json.loads(path.read_text())
+    if run["train_losses"][0] != exact["train_losses"][0]:
+        label = run.get("name") or run.get("candidate") or run.get("mode")
+        print(
+            f"warning: left out {label} at {run['workers']} workers, beta2 {run['beta2']}, seed {run['seed']}: "
+            f"its first training loss {run['train_losses'][0]} differs from {path}'s {exact['train_losses'][0]} "
+            "(trained on other data)",
+            file=sys.stderr,
+        )
+        return None
+    return exact, gap_percent(run["val_loss"], exact["val_loss"])
 
 
 def _mean(values: list[float]) -> float:

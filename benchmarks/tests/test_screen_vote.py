@@ -1,5 +1,6 @@
-"""The vote screen's harness: its plain-torch ``vote`` trains bit for bit like the virtual world's 1-bit vote,
-and its block helpers and candidates equal element-by-element loops."""
+"""The vote screen's harness: its plain-torch ``vote`` trains bit for bit like the virtual world's 1-bit vote
+with the study's options, and its block helpers and candidates equal element-by-element loops or sums worked
+out by hand."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks.screen_vote import TensorState, block_max_abs, block_mean_abs, make_candidate, train_candidate
-from benchmarks.study_convergence import Design
+from benchmarks.study_convergence import Design, Run
 from ds_lioncub.simulate.tasks.gpt import GPTConfig
 from ds_lioncub.simulate.tasks.gpt_task import GPTTask
 from ds_lioncub.simulate.train import train_virtual
@@ -25,8 +26,10 @@ TINY = GPTTask(
 def test_the_screens_vote_is_the_virtual_worlds_one_bit_vote() -> None:
     design = Design(lr=3e-3, grad_clip=1.0, global_batch=8)
     screened = train_candidate("vote", TINY, design, workers=4, beta2=0.99, seed=3, steps=6)
-    options = {"lr": 3e-3, "betas": (0.9, 0.99), "weight_decay": 0.1, "compression": "1bit"}
-    reference = train_virtual(TINY, options, 4, 6, 3, grad_clip=1.0)
+    # What the study trains for its 1-bit cell (its options, the design's lr, train_virtual's schedule).
+    options = {**Run("small", 6, 4, "1bit", 0.99, 3).options(), "lr": design.lr}
+    assert options["compression"] == "1bit"
+    reference = train_virtual(TINY, options, 4, 6, 3, grad_clip=design.grad_clip)
     assert screened["train_losses"] == reference.train_losses
     assert screened["val_loss"] == reference.val_loss
 
@@ -50,11 +53,51 @@ def test_error_feedback_keeps_what_the_scaled_sign_rounded_off() -> None:
     assert state.residual is not None
     assert state.residual.tolist() == [[1.0, 1.0, 0.0, 0.0], [-0.5, -0.5, 0.0, 0.0]]
     # Without feedback the same sums, and no memory.
+    plain = make_candidate("scaled_sign:2")
     plain_state = TensorState()
-    assert make_candidate("scaled_sign:2")(c, plain_state, 1, torch.Generator()).tolist() == direction.tolist()
+    assert plain(c, plain_state, 1, torch.Generator()).tolist() == direction.tolist()
     assert plain_state.residual is None
+
+    # Step 2: the residual is added first, x = c2 + e = [[2, 2, -1, 2], [1, -1.5, 2, -2]]. Worker 0 blocks:
+    # mean|x| 2 and 1.5, sent [2, 2, -1.5, 1.5]; worker 1: 1.25 and 2, sent [1.25, -1.25, 2, -2]. Sum
+    # [3.25, 0.75, 0.5, -0.5]; the new residual x - sent = [[0, 0, 0.5, 0.5], [-0.25, -0.25, 0, 0]].
+    c2 = torch.tensor([[1.0, 1.0, -1.0, 2.0], [1.5, -1.0, 2.0, -2.0]])
+    second = make_candidate("ef_scaled_sign:2")(c2, state, 2, torch.Generator())
+    assert second.tolist() == [1.0, 1.0, 1.0, -1.0]
+    assert state.residual.tolist() == [[0.0, 0.0, 0.5, 0.5], [-0.25, -0.25, 0.0, 0.0]]
+    # Without the residual, c2 alone: worker 0 sends [1, 1, -1.5, 1.5], worker 1 as above, sum
+    # [2.25, -0.25, 0.5, -0.5]: the feedback turned element 1.
+    assert plain(c2, TensorState(), 2, torch.Generator()).tolist() == [1.0, -1.0, 1.0, -1.0]
+
+
+@pytest.mark.parametrize("name", ["dither_max", "dither_mean"])
+def test_the_dithered_votes_equal_a_loop_over_the_same_draw(name: str) -> None:
+    workers, numel, block, seed = 3, 10, 4, 7  # odd workers: a sum of signs is never 0
+    c = torch.randn(workers, numel, generator=torch.Generator().manual_seed(1))
+    candidate = make_candidate(f"{name}:{block}")
+    direction = candidate(c, TensorState(), 1, torch.Generator().manual_seed(seed))
+    # Same seed, same result.
+    assert candidate(c, TensorState(), 1, torch.Generator().manual_seed(seed)).tolist() == direction.tolist()
+    # The noise: one (workers, numel) draw of uniforms in [0, 1) from a generator of that seed, to [-1, 1).
+    u = torch.rand((workers, numel), generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    x = c.tolist()
+    turned = 0  # elements where the noise turned the plain vote of sign(c_i)
+    for k in range(numel):
+        start, end = block * (k // block), min(numel, block * (k // block) + block)
+        if name == "dither_max":  # the block's largest |c| over every worker
+            scale = max(abs(x[i][m]) for i in range(workers) for m in range(start, end))
+        else:  # the workers' mean of their block's mean |c|
+            scale = sum(sum(abs(x[i][m]) for m in range(start, end)) / (end - start) for i in range(workers)) / workers
+        votes = sum(1 if x[i][k] + scale * float(u[i, k]) > 0 else -1 for i in range(workers))
+        assert direction[k] == (1.0 if votes > 0 else -1.0), k
+        turned += (votes > 0) != (sum(1 if x[i][k] > 0 else -1 for i in range(workers)) > 0)
+    assert turned > 0  # so the check above sees the noise and its scale, not only the signs of c
 
 
 def test_unknown_candidates_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown candidate"):
         make_candidate("median")
+    with pytest.raises(ValueError, match="no blocks"):
+        make_candidate("vote:64")
+    with pytest.raises(ValueError, match="block size"):
+        make_candidate("scaled_sign:0")
