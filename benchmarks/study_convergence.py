@@ -211,10 +211,9 @@ def plan(args: argparse.Namespace) -> list[Run]:
 
 
 def task_corpus_source(task: Any) -> str:
-    """Where the task's bytes came from (the corpus module's description, with the pinned hash)."""
-    from ds_lioncub.simulate.tasks.corpus import load_corpus
-
-    return load_corpus(None, max_bytes=task.corpus_bytes).source
+    """Where the task's bytes came from (the corpus module's description, with the pinned hash): the corpus
+    the task itself read, once per process."""
+    return str(task.corpus().source)
 
 
 def _init_worker(threads: int) -> None:
@@ -415,6 +414,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.evidence is not None and len(args.design) > 1:
+        raise SystemExit(f"--evidence summarises one design; got {args.design}: name one with --design")
+    if args.evidence_base is not None and args.evidence is None:
+        raise SystemExit("--evidence-base needs --evidence (the file to write the merged summary to)")
     directory = config_dir(args.results, args.task, args.steps, args.design[0])
     if args.report:
         modes = [m for m in args.modes if m != "exact"]

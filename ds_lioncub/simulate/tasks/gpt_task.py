@@ -60,6 +60,10 @@ class GPTTask:
     corpus_bytes: int = DEFAULT_MAX_BYTES
     eval_batch: int = 64
 
+    def corpus(self) -> Corpus:
+        """The bytes this task trains and validates on (read once per process)."""
+        return _corpus(self.corpus_bytes)
+
     def build_model(self, seed: int) -> nn.Module:
         torch.manual_seed(seed)
         return GPT(self.config)
