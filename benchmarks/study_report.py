@@ -157,10 +157,6 @@ def summarised_cells(
                     yield beta2, n, mode, row
 
 
-def _cell_text(summary: MeanInterval) -> str:
-    return summary.text(2)
-
-
 def report_table(
     cells: dict[tuple[float, int, str], dict[int, dict[str, Any]]],
     workers: list[int],
@@ -178,7 +174,7 @@ def report_table(
         exact_spread = "n/a" if row["exact_spread_percent"] is None else f"{row['exact_spread_percent']:.2f}"
         lines.append(
             f"| {beta2} | {n} | {MODE_LABELS.get(mode, mode)} | {len(row['seeds'])} | "
-            f"{row['exact_val'].mean:.4f} | {row['mode_val'].mean:.4f} | {_cell_text(row['gap'])} | "
+            f"{row['exact_val'].mean:.4f} | {row['mode_val'].mean:.4f} | {row['gap'].text(2)} | "
             f"{'**yes**' if row['gap'].real else 'no'} | {exact_spread} | {rate_text} |"
         )
     return "\n".join(lines)
@@ -281,7 +277,7 @@ def ef_table(cells: dict[tuple[float, int, str], dict[int, dict[str, Any]]], bet
         devices = sorted({str(ef_runs[s].get("device", "cpu")) for s in seeds})
         lines.append(
             f"| {beta2} | {n} | {MODE_LABELS.get(base, base)} | {EF_FORMS[suffix]} | {len(seeds)} | "
-            f"{_cell_text(no_ef_gap)} | {_cell_text(ef_gap)} | {better}/{len(seeds)} | {ef_rate_text} | "
+            f"{no_ef_gap.text(2)} | {ef_gap.text(2)} | {better}/{len(seeds)} | {ef_rate_text} | "
             f"{base_match} | {'**met**' if met else 'missed'} | {', '.join(devices)} |"
         )
     if total == 0:
@@ -310,8 +306,8 @@ def storage_table(cells: dict[tuple[float, int, str], dict[int, dict[str, Any]]]
         difference = mean_interval([b - f for b, f in zip(bf16_gaps, fp32_gaps, strict=True)])
         lines.append(
             f"| {beta2} | {n} | {MODE_LABELS.get(mode, mode)} | {len(seeds)} | "
-            f"{_cell_text(mean_interval(fp32_gaps))} | {_cell_text(mean_interval(bf16_gaps))} | "
-            f"{_cell_text(difference)} |"
+            f"{mean_interval(fp32_gaps).text(2)} | {mean_interval(bf16_gaps).text(2)} | "
+            f"{difference.text(2)} |"
         )
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
@@ -399,7 +395,10 @@ def evidence(directory: Path, workers: list[int], modes: list[str], beta2s: list
     for beta2, n, mode, row in summarised_cells(cells, workers, modes, beta2s):
         options = next(iter(cells[(beta2, n, mode)].values()))["options"]
         key = study_mode(options)
-        if key is None or key == "unmeasured" or (key, n, beta2) in seen:
+        # A momentum sync other than the study's recipe reads as the plain vote to the planner (it only moves
+        # the workers toward exact Lion), but its runs are not the plain vote's evidence.
+        other_sync = key == "1bit" and bool(options.get("momentum_sync"))
+        if key is None or key == "unmeasured" or other_sync or (key, n, beta2) in seen:
             continue
         seen.add((key, n, beta2))
         gap: MeanInterval = row["gap"]
@@ -430,9 +429,9 @@ def merge_evidence(base: dict[str, Any], newer: dict[str, Any]) -> dict[str, Any
 
     A sharper study of a few points (say, 64 workers at beta2 0.99) then updates the planner's evidence
     there and keeps the rest of the grid. A point is replaced whole, never cell by cell: the planner
-    compares the modes of a point with one another, and a sharp cell beside noisy ones would lose to
-    them on width alone. So ``newer`` must measure every mode ``base`` has at each of its points;
-    raises ValueError naming the missing ones otherwise.
+    passes over a mode only when its interval lies above 2%, so a sharp cell beside noisy ones of the
+    same point would be passed over where they, as bad or worse, are not. So ``newer`` must measure every
+    mode ``base`` has at each of its points; raises ValueError naming the missing ones otherwise.
     """
 
     def sourced(summary: dict[str, Any]) -> list[dict[str, Any]]:
