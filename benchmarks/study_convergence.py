@@ -111,12 +111,16 @@ def mode_options(mode: str, workers: int) -> dict[str, Any]:
         return {"compression": "1bit", "momentum_sync": {"interval": interval, "layers": "all", "dtype": "bf16"}}
     if mode == "8bit_l1":
         return {"compression": "kbit", "bits": 8, "quantizer": "l1", "kbit_algorithm": "allreduce"}
+    if mode == "8bit_l1_a2a":  # its levels stay 127 at any count (the all-reduce's shrink with the workers)
+        return {"compression": "kbit", "bits": 8, "quantizer": "l1", "kbit_algorithm": "alltoall"}
     raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
 
 
 MODES = ("exact", "1bit", "1bit_sync", "4bit_sign", "2bit_l1_a2a", "4bit_l1_a2a", "8bit_l1")
 #: The 1-bit vote with every layer's momentum averaged (bf16) every 32 or 128 steps (not in the default grid).
 SYNC_ALL_MODES = ("1bit_syncall32", "1bit_syncall128")
+#: 8-bit L1 all-to-all, the planner's pick where every other compressed mode loses (not in the default grid).
+EXTRA_MODES = ("8bit_l1_a2a",)
 #: The error-feedback variants (not in the default grid: run them with ``--modes``).
 EF_MODES = ("2bit_l1_a2a_ef_residual", "2bit_l1_a2a_ef21", "4bit_l1_a2a_ef_residual", "4bit_l1_a2a_ef21")
 #: The residual form with its residual stored in bf16 (against the fp32 default above).
@@ -374,7 +378,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--modes",
         nargs="+",
-        choices=MODES + EF_MODES + EF_STORAGE_MODES + EF_ROUNDING_MODES + SYNC_ALL_MODES,
+        choices=MODES + EF_MODES + EF_STORAGE_MODES + EF_ROUNDING_MODES + SYNC_ALL_MODES + EXTRA_MODES,
         default=list(MODES),
     )
     p.add_argument("--beta2", type=float, nargs="+", default=list(BETA2))

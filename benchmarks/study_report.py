@@ -32,6 +32,7 @@ from ds_lioncub.student_t import MeanInterval, mean_interval, sample_sd
 MODE_LABELS = {
     "1bit": "1-bit vote",
     "1bit_sync": "1-bit + emb/head sync /10",
+    "8bit_l1_a2a": "8-bit L1 all-to-all",
     "1bit_syncall32": "1-bit + all momentum sync /32 (bf16)",
     "1bit_syncall128": "1-bit + all momentum sync /128 (bf16)",
     "4bit_sign": "4-bit sign (a-r <=15, else a2a)",
