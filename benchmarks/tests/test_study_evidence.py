@@ -454,7 +454,7 @@ def test_a_cell_without_half_width_or_spread_is_named(tmp_path: Path) -> None:
 FIRST_STUDY_COMMAND = ["--report", "--results", str(study_convergence.STDLIB_RESULTS), "--evidence", "first.json"]
 PINNED_COMMAND = [
     "--report", "--design", "lr5e-4", "--workers", "64", "--beta2", "0.99",
-    "--modes", "exact", "1bit", "1bit_sync", "2bit_l1_a2a", "4bit_l1_a2a", "8bit_l1",
+    "--modes", "exact", "1bit", "1bit_sync", "2bit_l1_a2a", "4bit_l1_a2a", "8bit_l1", "8bit_l1_a2a",
     "--evidence", str(EVIDENCE_FILE), "--evidence-base", "first.json",
 ]  # fmt: skip
 
