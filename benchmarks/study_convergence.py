@@ -372,6 +372,18 @@ def run_grid(
     return len([r for r in pending if not r.path(root).exists()])
 
 
+def reader_parser(description: str | None) -> argparse.ArgumentParser:
+    """A parser for a script that reads the study's runs: ``--results``, ``--task``, ``--steps``, ``--workers``
+    (one count, default 64) and ``--mode`` (default the 1-bit vote), as this module's runs are filed."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", type=Path, default=RESULTS, help="results root (default: %(default)s)")
+    p.add_argument("--task", choices=("small", "large"), default="small")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--workers", type=int, default=64)
+    p.add_argument("--mode", default="1bit")
+    return p
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", choices=("small", "large"), default="small", help="examples.simulate_gpt configuration")

@@ -16,13 +16,12 @@ when its paired sd is small; the cheapest design to reach the goal minimises see
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
 from typing import Any
 
-from benchmarks.study_convergence import DESIGNS, RESULTS, config_dir
+from benchmarks.study_convergence import DESIGNS, config_dir, reader_parser
 from benchmarks.study_report import pair_with_exact
 from ds_lioncub.simulate.train import gap_percent
 from ds_lioncub.student_t import mean_interval, sample_sd, t_quantile
@@ -86,13 +85,8 @@ def design_rows(root: Path, task: str, steps: int, workers: int, beta2: float, m
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results", type=Path, default=RESULTS)
-    p.add_argument("--task", default="small")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--workers", type=int, default=64)
+    p = reader_parser(__doc__)
     p.add_argument("--beta2", type=float, default=0.99)
-    p.add_argument("--mode", default="1bit")
     args = p.parse_args(argv)
     print("\n".join(design_rows(args.results, args.task, args.steps, args.workers, args.beta2, args.mode)))
     return 0

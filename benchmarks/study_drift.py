@@ -19,12 +19,11 @@ then the same per tensor for the first seed of each beta2.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from benchmarks.study_convergence import RESULTS, config_dir
+from benchmarks.study_convergence import config_dir, reader_parser
 from benchmarks.study_report import pair_with_exact
 from ds_lioncub.simulate.drift import TensorDrift, WindowDrift, overall
 
@@ -104,13 +103,8 @@ def rows(directory: Path, workers: int, mode: str, beta2s: list[float]) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results", type=Path, default=RESULTS)
-    p.add_argument("--task", default="small")
-    p.add_argument("--steps", type=int, default=300)
+    p = reader_parser(__doc__)
     p.add_argument("--design", default="base")
-    p.add_argument("--workers", type=int, default=64)
-    p.add_argument("--mode", default="1bit")
     p.add_argument("--beta2", type=float, nargs="+", default=[0.95, 0.99])
     args = p.parse_args(argv)
     directory = config_dir(args.results, args.task, args.steps, args.design)
