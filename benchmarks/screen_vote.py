@@ -59,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.study_convergence import DESIGNS, RESULTS, WIDE_EVAL_WINDOWS, Design, Run, config_dir
+from benchmarks.study_convergence import DESIGNS, RESULTS, WIDE_EVAL_WINDOWS, Design, Run, config_dir, write_record
 from benchmarks.study_report import pair_with_exact
 from ds_lioncub.comm.quantize import sign_with_tie
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
@@ -233,10 +233,7 @@ def _execute(spec: str, workers: int, beta2: float, seed: int, steps: int, desig
     task = replace(small_gpt(), global_batch_size=DESIGNS[design].global_batch)
     record = {"design": design, **train_candidate(spec, task, DESIGNS[design], workers, beta2, seed, steps)}
     path = run_path(Path(root), design, steps, workers, spec, beta2, seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record) + "\n")
-    os.replace(tmp, path)
+    write_record(path, record)
     return f"{path.name}: val {record['val_loss']:.4f} flip {record['flip_rate']:.3f} in {record['wall_s']:.0f} s"
 
 

@@ -216,10 +216,13 @@ def plan(args: argparse.Namespace) -> list[Run]:
     return runs
 
 
-def task_corpus_source(task: Any) -> str:
-    """Where the task's bytes came from (the corpus module's description, with the pinned hash): the corpus
-    the task itself read, once per process."""
-    return str(task.corpus().source)
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """One run's JSON, written whole or not at all: a run killed mid-write leaves no JSON, so it runs again
+    on resume (a grid's runs each have their own file, so one writer per path)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 def _init_worker(threads: int) -> None:
@@ -319,13 +322,9 @@ def execute(run: Run, root: Path, device: str = "cpu", claim: bool = False) -> s
         "load_average_after": os.getloadavg()[0],
         "code": code,
         "settings": design.settings(),
-        "corpus": task_corpus_source(task),
+        "corpus": task.corpus().source,
     }
-    path = run.path(root)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, path)  # a run killed mid-write leaves no JSON, so it runs again on resume
+    write_record(run.path(root), record)
     if claim:
         claim_path.unlink(missing_ok=True)
     return f"{run.name}: val {result.val_loss:.4f} in {wall:.0f} s ({wall / run.steps:.2f} s/step)"

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 from benchmarks.study_convergence import config_dir, reader_parser
 from benchmarks.study_report import pair_with_exact
-from ds_lioncub.simulate.drift import TensorDrift, WindowDrift, overall
+from ds_lioncub.simulate.drift import TensorDrift, WindowDrift, drift_ratio_of, overall, persistence_of
 
 #: The windows that stand for late training.
 LATE_WINDOWS = 3
@@ -51,10 +51,7 @@ def windowed(drift: TensorDrift, windows: int | None = None) -> Windowed:
     ``exact_l1``, each 0 where its denominator is (the definitions of :class:`TensorDrift`'s properties, on
     those windows alone; the whole-run counts, flips and flip runs, play no part)."""
     kept = drift.windows if windows is None else drift.windows[-windows:]
-    drifted = sum(w.drift_l1 for w in kept)
-    err = sum(w.err_l1 for w in kept)
-    exact = sum(w.exact_l1 for w in kept)
-    return Windowed(drifted / err if err else 0.0, drifted / exact if exact else 0.0)
+    return Windowed(persistence_of(kept), drift_ratio_of(kept))
 
 
 def rows(directory: Path, workers: int, mode: str, beta2s: list[float]) -> list[str]:

@@ -21,6 +21,7 @@ is the opposite of exact Lion's; its mean length says how long a flip persists.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -77,14 +78,24 @@ class TensorDrift:
     @property
     def persistence(self) -> float:
         """Accumulated over made error, over the complete windows (0 without error)."""
-        err = sum(w.err_l1 for w in self.windows)
-        return sum(w.drift_l1 for w in self.windows) / err if err else 0.0
+        return persistence_of(self.windows)
 
     @property
     def drift_ratio(self) -> float:
         """Accumulated error over exact Lion's accumulated movement, over the complete windows."""
-        exact = sum(w.exact_l1 for w in self.windows)
-        return sum(w.drift_l1 for w in self.windows) / exact if exact else 0.0
+        return drift_ratio_of(self.windows)
+
+
+def persistence_of(windows: Sequence[WindowDrift]) -> float:
+    """Sum of ``drift_l1`` over sum of ``err_l1`` across ``windows``; 0 without error."""
+    err = sum(w.err_l1 for w in windows)
+    return sum(w.drift_l1 for w in windows) / err if err else 0.0
+
+
+def drift_ratio_of(windows: Sequence[WindowDrift]) -> float:
+    """Sum of ``drift_l1`` over sum of ``exact_l1`` across ``windows``; 0 when exact Lion did not move."""
+    exact = sum(w.exact_l1 for w in windows)
+    return sum(w.drift_l1 for w in windows) / exact if exact else 0.0
 
 
 @dataclass
@@ -197,4 +208,12 @@ def overall(drifts: list[TensorDrift]) -> TensorDrift:
     )
 
 
-__all__ = ["DEFAULT_WINDOW", "DriftTally", "TensorDrift", "WindowDrift", "overall"]
+__all__ = [
+    "DEFAULT_WINDOW",
+    "DriftTally",
+    "TensorDrift",
+    "WindowDrift",
+    "drift_ratio_of",
+    "overall",
+    "persistence_of",
+]

@@ -69,7 +69,7 @@ class GPTTask:
         return GPT(self.config)
 
     def batch(self, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        data = _corpus(self.corpus_bytes).train
+        data = self.corpus().train
         # A generator per (seed, step): step t's batch does not depend on what ran before it.
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
         starts = torch.randint(0, len(data) - self.seq_len - 1, (self.global_batch_size,), generator=gen)
@@ -83,7 +83,7 @@ class GPTTask:
 
     @torch.no_grad()
     def validation_loss(self, model: nn.Module) -> float:
-        val = _corpus(self.corpus_bytes).val
+        val = self.corpus().val
         starts = torch.linspace(0, len(val) - self.seq_len - 1, self.eval_windows).long()
         offsets = torch.arange(self.seq_len + 1)
         total = 0.0
