@@ -10,7 +10,7 @@ schedule) and the package's own Lion arithmetic (``lion_direction``, ``update_mo
 ``apply_update``, ``sign_with_tie``), so the ``vote`` candidate trains bit for bit like
 ``VirtualLionCub(compression="1bit")`` (benchmarks/tests/test_screen_vote.py checks it). The settings
 are read from where the study keeps them, never copied: beta1 and weight decay from
-:meth:`benchmarks.study_convergence.Run.options` (the lr from the design, as there), the lr schedule's
+:meth:`benchmarks.study_grid.Run.options` (the lr from the design, as there), the lr schedule's
 warm-up and floor and the clipping rule from the defaults of
 :func:`ds_lioncub.simulate.train.train_virtual`, which the study's runs use. Candidates work per tensor
 in blocks of ``B`` elements; the study's exact-Lion runs of the same design, worker count, beta2 and
@@ -59,7 +59,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.study_convergence import DESIGNS, RESULTS, WIDE_EVAL_WINDOWS, Design, Run, config_dir, write_record
+from benchmarks.study_convergence import write_record
+from benchmarks.study_grid import DESIGNS, RESULTS, WIDE_EVAL_WINDOWS, Design, Run, config_dir
 from benchmarks.study_report import pair_with_exact
 from ds_lioncub.comm.quantize import sign_with_tie
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
@@ -86,7 +87,7 @@ class StudySettings:
 
 def study_settings(beta2: float) -> StudySettings:
     """The study's settings, read where the study takes them: beta1 and weight decay from
-    :meth:`benchmarks.study_convergence.Run.options` (exact Lion's run: these two do not depend on the mode),
+    :meth:`benchmarks.study_grid.Run.options` (exact Lion's run: these two do not depend on the mode),
     the schedule and the clipping rule from :func:`ds_lioncub.simulate.train.train_virtual`'s defaults, which
     the study's runs do not override."""
     options = Run("small", 1, 1, "exact", beta2, 0).options()

@@ -2,7 +2,7 @@
 
     python -m benchmarks.study_designs --workers 64 --beta2 0.99 --mode 1bit
 
-For each design of :data:`benchmarks.study_convergence.DESIGNS` with runs present, from the paired runs
+For each design of :data:`benchmarks.study_grid.DESIGNS` with runs present, from the paired runs
 (the mode and exact Lion, same design, worker count, beta2 and seed, paired by
 :func:`benchmarks.study_report.pair_with_exact`, which leaves out a pair on other data with a warning on
 stderr): the per-seed gaps in % of exact Lion's validation loss (the task's 320 windows and the wide
@@ -21,7 +21,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from benchmarks.study_convergence import DESIGNS, config_dir, reader_parser
+from benchmarks.study_convergence import reader_parser
+from benchmarks.study_grid import DESIGNS, config_dir
 from benchmarks.study_report import pair_with_exact
 from ds_lioncub.simulate.train import gap_percent
 from ds_lioncub.student_t import mean_interval, sample_sd, t_quantile

@@ -23,7 +23,8 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from benchmarks.study_convergence import config_dir, reader_parser
+from benchmarks.study_convergence import reader_parser
+from benchmarks.study_grid import config_dir
 from benchmarks.study_report import pair_with_exact
 from ds_lioncub.simulate.drift import TensorDrift, WindowDrift, drift_ratio_of, overall, persistence_of
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks.screen_vote import TensorState, block_max_abs, block_mean_abs, make_candidate, train_candidate
-from benchmarks.study_convergence import Design, Run
+from benchmarks.study_grid import Design, Run
 from ds_lioncub.simulate.tasks.gpt import GPTConfig
 from ds_lioncub.simulate.tasks.gpt_task import GPTTask
 from ds_lioncub.simulate.train import train_virtual

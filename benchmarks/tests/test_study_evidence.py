@@ -1,10 +1,11 @@
-"""From the convergence study's runs to the planner's decision: the report's verdicts (summarise, paired_gaps,
-ef_target, ef_table, evidence) on run sets written here with losses chosen so that every gap, mean and 95%
-Student-t half-width is worked out by hand below (with the t quantiles' closed forms at 1 and 2 degrees of
-freedom, T1 and T2); the shipped ds_lioncub/planner/convergence_evidence.json against what the
-documented command (benchmarks/RESULTS.md, ``python -m benchmarks.study_convergence --report --results
-benchmarks/results/convergence_study --evidence ...``) gives from the shipped runs; and the planner's choice on
-evidence files written here, in the current form and in the older one with ``spread_percent``."""
+"""From the convergence study's runs to the planner's decision: the report's verdicts (study_report's
+summarise, paired_gaps, ef_target, ef_table; study_evidence's evidence) on run sets written here with losses
+chosen so that every gap, mean and 95% Student-t half-width is worked out by hand below (with the t
+quantiles' closed forms at 1 and 2 degrees of freedom, T1 and T2); the shipped
+ds_lioncub/planner/convergence_evidence.json against what the documented command (benchmarks/RESULTS.md,
+``python -m benchmarks.study_convergence --report --results benchmarks/results/convergence_study --evidence
+...``) gives from the shipped runs; and the planner's choice on evidence files written here, in the current
+form and in the older one with ``spread_percent``."""
 
 from __future__ import annotations
 
@@ -15,17 +16,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks import study_convergence
-from benchmarks.study_report import (
-    bits_per_element,
-    ef_table,
-    ef_target,
-    evidence,
-    load_runs,
-    merge_evidence,
-    paired_gaps,
-    summarise,
-)
+from benchmarks import study_convergence, study_grid
+from benchmarks.study_evidence import bits_per_element, evidence, merge_evidence
+from benchmarks.study_report import ef_table, ef_target, load_runs, paired_gaps, summarise
 from ds_lioncub.planner import Candidate, Cluster
 from ds_lioncub.planner.convergence import EVIDENCE_FILE, LOSS_THRESHOLD_PERCENT, Choice, choose, read_evidence
 
@@ -451,7 +444,7 @@ def test_a_cell_without_half_width_or_spread_is_named(tmp_path: Path) -> None:
 
 #: benchmarks/RESULTS.md's two commands for the shipped evidence: the first study's cells, then the pinned
 #: corpus's sharper cells (design lr5e-4) in place of theirs at the points it measured whole.
-FIRST_STUDY_COMMAND = ["--report", "--results", str(study_convergence.STDLIB_RESULTS), "--evidence", "first.json"]
+FIRST_STUDY_COMMAND = ["--report", "--results", str(study_grid.STDLIB_RESULTS), "--evidence", "first.json"]
 PINNED_COMMAND = [
     "--report", "--design", "lr5e-4", "--workers", "64", "--beta2", "0.99",
     "--modes", "exact", "1bit", "1bit_sync", "2bit_l1_a2a", "4bit_l1_a2a", "8bit_l1", "8bit_l1_a2a",
@@ -462,7 +455,7 @@ PINNED_COMMAND = [
 def summary_of(argv: list[str]) -> dict[str, Any]:
     """What ``study_convergence.main(argv)`` writes to ``--evidence``, without writing the reports."""
     args = study_convergence.parse_args(argv)
-    directory = study_convergence.config_dir(args.results, args.task, args.steps, args.design[0])
+    directory = study_grid.config_dir(args.results, args.task, args.steps, args.design[0])
     assert any(directory.glob("N*_seed*.json")), directory
     return evidence(directory, args.workers, [m for m in args.modes if m != "exact"], args.beta2)
 

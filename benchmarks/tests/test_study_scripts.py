@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks.study_convergence import config_dir
 from benchmarks.study_designs import design_rows, paired, seeds_for
 from benchmarks.study_drift import rows, windowed
+from benchmarks.study_grid import config_dir
 from benchmarks.study_report import pair_with_exact
 from ds_lioncub.simulate.drift import TensorDrift, WindowDrift
 
