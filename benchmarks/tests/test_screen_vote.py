@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.screen_vote import TensorState, block_max_abs, block_mean_abs, make_candidate, train_candidate
+from benchmarks.screen_vote import (
+    TensorState,
+    block_max_abs,
+    block_mean_abs,
+    make_candidate,
+    tail_kept,
+    train_candidate,
+)
 from benchmarks.study_grid import Design, Run
 from ds_lioncub.simulate.tasks.gpt import GPTConfig
 from ds_lioncub.simulate.tasks.gpt_task import GPTTask
@@ -101,3 +108,27 @@ def test_unknown_candidates_are_refused() -> None:
         make_candidate("vote:64")
     with pytest.raises(ValueError, match="block size"):
         make_candidate("scaled_sign:0")
+
+
+def test_the_sparse_tail_keeps_each_workers_largest_and_scales_the_rest_like_a_loop() -> None:
+    workers, numel, block = 3, 600, 256  # blocks of 256, 256 and 88 elements, 2 kept in each
+    c = torch.randn(workers, numel, generator=torch.Generator().manual_seed(2))
+    c[1, 5] = c[1, 6] = c[1, 7] = -9.0  # a tie among the largest: the lower indices are kept
+    keep = 2  # 256 // 128
+    expected = torch.zeros(workers, numel)
+    for i in range(workers):
+        for start in range(0, numel, block):
+            indices = list(range(start, min(numel, start + block)))
+            ranked = sorted(indices, key=lambda k: (-abs(float(c[i, k])), k))
+            kept = set(ranked[:keep])
+            others = [k for k in indices if k not in kept]
+            scale = sum(abs(float(c[i, k])) for k in others) / len(others)
+            for k in indices:
+                value = float(c[i, k])
+                expected[i, k] = value if k in kept else scale * (1.0 if value > 0 else -1.0 if value < 0 else 0.0)
+    assert expected[1, 5] == expected[1, 6] == -9.0 and expected[1, 7] != -9.0
+    torch.testing.assert_close(tail_kept(c, block), expected)
+    direction = make_candidate(f"sparse_tail:{block}")(c, TensorState(), 1, torch.Generator())
+    total = expected.sum(dim=0)
+    assert bool((total != 0).all())  # no tie: the direction is the sum's sign
+    assert direction.tolist() == torch.sign(total).tolist()
