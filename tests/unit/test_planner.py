@@ -694,7 +694,9 @@ def test_auto_falls_back_to_exact_lion_loudly_when_compression_does_not_pay() ->
 
 
 @pytest.mark.parametrize(("world", "node_size", "stage"), [(16, 8, 0), (1, 1, 0), (8, 4, 3)])
-def test_auto_turns_vote_stats_off_when_it_chooses_exact_lion(world: int, node_size: int, stage: int) -> None:
+def test_auto_turns_vote_stats_off_when_it_chooses_exact_lion(
+    world: int, node_size: int, stage: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # 400 Gbit/s and 1e5 parameters: compression does not pay (at stage 3 the ZeRO-3 hybrid neither); a world of
     # one runs exact Lion too.
     options = auto_options("400gbit", "5us", telemetry={"vote_stats": True})
@@ -702,7 +704,9 @@ def test_auto_turns_vote_stats_off_when_it_chooses_exact_lion(world: int, node_s
     assert resolution.fell_back and resolution.options.compression == "none"
     assert resolution.options.telemetry.vote_stats is False
     assert "telemetry.vote_stats is turned off" in resolution.sentence
-    # Where compression pays, the statistics stay on and the sentence does not mention them.
+    # Where compression pays, the statistics stay on and the sentence does not mention them (the speed ranking
+    # alone: with the shipped study every compressed mode is passed over at 32 voters and beta2 0.99).
+    monkeypatch.setattr(convergence, "load_evidence", lambda: ())
     paying = resolve_auto(auto_options("1gbit", "50us", telemetry={"vote_stats": True}), 1_500_000_000, 32, 8, 0)
     assert paying.options.compression != "none" and paying.options.telemetry.vote_stats is True
     assert "vote_stats" not in paying.sentence
