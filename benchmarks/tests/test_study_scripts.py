@@ -1,7 +1,7 @@
 """The scripts that read the convergence study's runs: the pairing with exact Lion they share
 (benchmarks/study_report.py's pair_with_exact), study_designs' seeds for a +-1 point interval and its
-paired table, and study_drift's windowed persistence and drift ratio. Every expected value is worked out
-by hand below."""
+paired table, study_drift's windowed persistence and drift ratio, and study_horizon's gap per window of
+training. Every expected value is worked out by hand below."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import pytest
 from benchmarks.study_designs import design_rows, paired, seeds_for
 from benchmarks.study_drift import rows, windowed
 from benchmarks.study_grid import config_dir
+from benchmarks.study_horizon import rows as horizon_rows
+from benchmarks.study_horizon import window_gaps
 from benchmarks.study_report import pair_with_exact
 from ds_lioncub.simulate.drift import TensorDrift, WindowDrift
 
@@ -126,3 +128,31 @@ def test_the_drift_table_sets_whole_run_flips_beside_windowed_persistence(tmp_pa
         "| b | 4 | 0.015 | 0.333 | 0.167 | 2.40 |",
     ]
     assert "whole run" in lines[-4] and "last 3" in lines[-4]
+
+
+def test_the_horizon_gap_is_the_window_means_relative_gap() -> None:
+    exact = [4.0, 2.0, 1.0, 1.0, 9.0]  # windows of 2: means 3 and 1; the last step is no complete window
+    mode = [4.5, 2.7, 1.2, 1.0, 0.0]  # means 3.6 and 1.1
+    assert window_gaps(mode, exact, 2) == pytest.approx([20.0, 10.0])
+    with pytest.raises(ValueError, match="runs of 4 and 5 steps"):
+        window_gaps(mode[:4], exact, 2)
+
+
+def test_the_horizon_table_pairs_each_seed_and_averages_the_windows(tmp_path: Path) -> None:
+    for seed, (exact_losses, mode_losses, mode_val) in enumerate(
+        [([5.5, 1.0, 2.0, 2.0], [5.5, 1.5, 2.2, 2.2], 2.2), ([5.5, 1.5, 1.0, 1.0], [5.5, 1.5, 1.1, 1.1], 2.1)]
+    ):
+        for mode, losses, val in (("exact", exact_losses, 2.0), ("1bit", mode_losses, mode_val)):
+            record = {"workers": 64, "mode": mode, "beta2": 0.99, "seed": seed, "val_loss": val}
+            (tmp_path / f"N64_{mode}_b2-0.99_seed{seed}.json").write_text(
+                json.dumps({**record, "train_losses": losses})
+            )
+    lines = horizon_rows(tmp_path, 64, "1bit", 0.99, 2)
+    # Seed 0: window means 3.25 vs 3.5 (+7.69%), 2.0 vs 2.2 (+10%); val +10%. Seed 1: 3.5 vs 3.5 (0), 1.0 vs 1.1
+    # (+10%); val +5%. Means: +3.85, +10, +7.5.
+    assert lines[4:] == [
+        "| 0 | +7.69 | +10.00 | +10.00 |",
+        "| 1 | +0.00 | +10.00 | +5.00 |",
+        "| mean | +3.85 | +10.00 | +7.50 |",
+    ]
+    assert "| seed | 0-2 | 2-4 | val |" in lines
