@@ -19,6 +19,10 @@ seed are the reference (run them first with the study).
 Candidates (``name`` or ``name:B``):
 
 - ``vote``: the majority vote of the signs (the 1-bit vote); it has no blocks, so ``vote:B`` is refused.
+- ``mean``: ``sign(sum_i c_i)``, exact Lion's direction, from the workers' own momenta and gradients
+  clipped as a compressed mode's are (one coefficient from the workers' mean norm, where exact Lion's
+  comes from the norm of their mean: :func:`ds_lioncub.simulate.train.clip_worker_gradients`): what is
+  left of the vote's gap once the vote is out of it. No blocks either.
 - ``scaled_sign:B``: each worker sends ``sign(c_i)`` and one scale per block, ``s_i = mean |c_i|``;
   the direction is ``sign(sum_i s_i sign(c_i))``. 1 + 32/B bits per element.
 - ``ef_scaled_sign:B``: the same on ``x_i = c_i + e_i``, each worker keeping ``e_i <- x_i - s_i sign(x_i)``
@@ -164,14 +168,17 @@ Candidate = Callable[[torch.Tensor, TensorState, int, torch.Generator], torch.Te
 def make_candidate(spec: str) -> Candidate:
     """The direction function of ``spec`` (``name`` or ``name:B``, module docstring)."""
     name, _, size = spec.partition(":")
-    if name == "vote" and size:
-        raise ValueError(f"candidate {spec!r}: the vote has no blocks; write 'vote'")
+    if name in ("vote", "mean") and size:
+        raise ValueError(f"candidate {spec!r}: it has no blocks; write {name!r}")
     block = int(size) if size else 256
     if block < 1:
         raise ValueError(f"candidate {spec!r}: the block size must be >= 1")
 
     def vote(c: torch.Tensor, state: TensorState, step: int, gen: torch.Generator) -> torch.Tensor:
         return sign_with_tie(sign_with_tie(c, step, "alternate").sum(dim=0), step, "alternate")
+
+    def mean(c: torch.Tensor, state: TensorState, step: int, gen: torch.Generator) -> torch.Tensor:
+        return sign_with_tie(c.sum(dim=0), step, "alternate")
 
     def scaled(c: torch.Tensor, state: TensorState, step: int, gen: torch.Generator, feedback: bool) -> torch.Tensor:
         x = c if not feedback or state.residual is None else c + state.residual
@@ -190,6 +197,7 @@ def make_candidate(spec: str) -> Candidate:
 
     candidates: dict[str, Candidate] = {
         "vote": vote,
+        "mean": mean,
         "scaled_sign": lambda c, s, t, g: scaled(c, s, t, g, feedback=False),
         "ef_scaled_sign": lambda c, s, t, g: scaled(c, s, t, g, feedback=True),
         "dither_max": lambda c, s, t, g: dither(c, s, t, g, widest=True),

@@ -16,6 +16,7 @@ from benchmarks.screen_vote import (
     train_candidate,
 )
 from benchmarks.study_grid import Design, Run
+from ds_lioncub.comm.quantize import sign_with_tie
 from ds_lioncub.simulate.tasks.gpt import GPTConfig
 from ds_lioncub.simulate.tasks.gpt_task import GPTTask
 from ds_lioncub.simulate.train import train_virtual
@@ -132,3 +133,15 @@ def test_the_sparse_tail_keeps_each_workers_largest_and_scales_the_rest_like_a_l
     total = expected.sum(dim=0)
     assert bool((total != 0).all())  # no tie: the direction is the sum's sign
     assert direction.tolist() == torch.sign(total).tolist()
+
+
+def test_the_mean_candidate_is_the_sign_of_the_workers_sum_with_the_tie_rule() -> None:
+    c = torch.tensor([[1.0, -3.0, 2.0, 0.5], [-2.0, 1.0, -2.0, 0.25], [0.5, 1.0, 0.0, -1.0]])
+    # Column sums -0.5, -1, 0 (a tie), -0.25; the vote of the same signs would say +1 for column 0 (2 of 3).
+    for step in (1, 2):
+        direction = make_candidate("mean")(c, TensorState(), step, torch.Generator())
+        tie = sign_with_tie(torch.zeros(1), step, "alternate")
+        assert direction.tolist() == [-1.0, -1.0, float(tie), -1.0]
+    assert make_candidate("vote")(c, TensorState(), 1, torch.Generator())[0] == 1.0
+    with pytest.raises(ValueError, match="it has no blocks; write 'mean'"):
+        make_candidate("mean:64")
