@@ -44,6 +44,11 @@ Candidates (``name`` or ``name:B``):
   as one voice). At ``B = 1024``: 1 + 8 x (10 + 16) / 1024 + 32 / 1024 = 1.23 bits per element with
   bf16 values (the screen keeps them in fp32).
 
+A candidate written ``name+exactclip`` (say ``vote+exactclip``) clips the workers' gradients as exact Lion's
+engine does, by one coefficient from the norm of their mean gradient: an oracle no compressed mode has
+(it needs every gradient), which tells how much of a gap is the clipping's. ``mean+exactclip`` is exact
+Lion up to the order of its sums.
+
 Each run writes ``benchmarks/results/vote_screen/<design dir>/N<workers>_<candidate>_b2-<beta2>_seed<seed>.json``
 (resumable: a run whose JSON exists is skipped) with its validation losses and its flip rate against
 ``sign(mean_i c_i)``. The dither runs written before :func:`dither_seed` lost a trailing ``* 7`` drew
@@ -165,9 +170,18 @@ def tail_kept(x: torch.Tensor, block: int) -> torch.Tensor:
 Candidate = Callable[[torch.Tensor, TensorState, int, torch.Generator], torch.Tensor]
 
 
+#: The suffix of a candidate that clips as exact Lion does (module docstring).
+EXACT_CLIP = "+exactclip"
+
+
+def clips_exactly(spec: str) -> bool:
+    """Whether ``spec`` clips its workers' gradients by the norm of their mean (``name+exactclip``)."""
+    return spec.endswith(EXACT_CLIP)
+
+
 def make_candidate(spec: str) -> Candidate:
-    """The direction function of ``spec`` (``name`` or ``name:B``, module docstring)."""
-    name, _, size = spec.partition(":")
+    """The direction function of ``spec`` (``name``, ``name:B``, either with ``+exactclip``: module docstring)."""
+    name, _, size = spec.removesuffix(EXACT_CLIP).partition(":")
     if name in ("vote", "mean") and size:
         raise ValueError(f"candidate {spec!r}: it has no blocks; write {name!r}")
     block = int(size) if size else 256
@@ -205,7 +219,7 @@ def make_candidate(spec: str) -> Candidate:
         "sparse_tail": sparse_tail,
     }
     if name not in candidates:
-        raise ValueError(f"unknown candidate {spec!r}; choose from {sorted(candidates)} (optionally :B)")
+        raise ValueError(f"unknown candidate {spec!r}; choose from {sorted(candidates)} (optionally :B, +exactclip)")
     return candidates[name]
 
 
@@ -227,7 +241,7 @@ def train_candidate(
     model.train()
     for step in range(steps):
         computed = worker_gradients(model, task.loss, task.batch(step, seed), workers, params, "auto", buffers)
-        clip_worker_gradients(computed.grads, design.grad_clip, settings.clip_rule, exact=False)
+        clip_worker_gradients(computed.grads, design.grad_clip, settings.clip_rule, exact=clips_exactly(spec))
         lr = design.lr * lr_ratio(step, steps, settings.warmup_steps, settings.warmup_min_ratio, settings.cos_min_ratio)
         losses.append(computed.loss)
         with torch.no_grad():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks import screen_vote
 from benchmarks.screen_vote import (
     TensorState,
     block_max_abs,
@@ -145,3 +146,20 @@ def test_the_mean_candidate_is_the_sign_of_the_workers_sum_with_the_tie_rule() -
     assert make_candidate("vote")(c, TensorState(), 1, torch.Generator())[0] == 1.0
     with pytest.raises(ValueError, match="it has no blocks; write 'mean'"):
         make_candidate("mean:64")
+
+
+def test_exactclip_clips_by_the_norm_of_the_workers_mean(monkeypatch: pytest.MonkeyPatch) -> None:
+    # clip_worker_gradients' two rules are tested against plain norms in tests/unit; here: which one each spec uses.
+    used: list[bool] = []
+
+    def record(grads: list[list[torch.Tensor]], max_norm: float, rule: str, exact: bool) -> None:
+        used.append(exact)
+
+    monkeypatch.setattr(screen_vote, "clip_worker_gradients", record)
+    design = Design(lr=3e-3, grad_clip=1.0, global_batch=8)
+    for spec, exact in (("vote", False), ("vote+exactclip", True), ("sparse_tail:256+exactclip", True)):
+        used.clear()
+        train_candidate(spec, TINY, design, workers=4, beta2=0.99, seed=3, steps=2)
+        assert used == [exact, exact], spec
+    with pytest.raises(ValueError, match=r"unknown candidate 'vote\+clip'"):
+        make_candidate("vote+clip")
