@@ -47,7 +47,12 @@ Candidates (``name`` or ``name:B``):
 A candidate written ``name+exactclip`` (say ``vote+exactclip``) clips the workers' gradients as exact Lion's
 engine does, by one coefficient from the norm of their mean gradient: an oracle no compressed mode has
 (it needs every gradient), which tells how much of a gap is the clipping's. ``mean+exactclip`` is exact
-Lion up to the order of its sums.
+Lion up to the order of its sums. ``name+sketchclipK`` (say ``vote+sketchclip4096``) clips by an estimate
+of that norm that a compressed mode can afford: each worker adds its gradient into a CountSketch of ``K``
+floats (every element into one of ``K`` bins, with a sign; bins and signs drawn once from a generator
+every worker seeds alike), the workers average their sketches (an all-reduce of ``K`` floats per step),
+and the norm of the mean sketch, whose square is an unbiased estimate of ``|mean_i g_i|^2`` (relative sd
+about ``sqrt(2 / K)``), sets the common coefficient (:class:`SketchClip`).
 
 Each run writes ``benchmarks/results/vote_screen/<design dir>/N<workers>_<candidate>_b2-<beta2>_seed<seed>.json``
 (resumable: a run whose JSON exists is skipped) with its validation losses and its flip rate against
@@ -172,16 +177,61 @@ Candidate = Callable[[torch.Tensor, TensorState, int, torch.Generator], torch.Te
 
 #: The suffix of a candidate that clips as exact Lion does (module docstring).
 EXACT_CLIP = "+exactclip"
+#: The suffix of a candidate that clips by a sketched norm of the mean gradient, followed by the sketch's width.
+SKETCH_CLIP = "+sketchclip"
 
 
-def clips_exactly(spec: str) -> bool:
-    """Whether ``spec`` clips its workers' gradients by the norm of their mean (``name+exactclip``)."""
-    return spec.endswith(EXACT_CLIP)
+def clip_of(spec: str) -> tuple[str, int]:
+    """``spec`` without its clipping suffix, and the sketch width: -1 for ``+exactclip``, 0 for none (the
+    compressed modes' clipping), ``K`` for ``+sketchclipK``."""
+    if spec.endswith(EXACT_CLIP):
+        return spec.removesuffix(EXACT_CLIP), -1
+    base, found, width = spec.rpartition(SKETCH_CLIP)
+    if found:
+        if not width.isdigit() or int(width) < 1:
+            raise ValueError(
+                f"candidate {spec!r}: write the sketch's width after {SKETCH_CLIP}, e.g. {SKETCH_CLIP}4096"
+            )
+        return base, int(width)
+    return spec, 0
+
+
+class SketchClip:
+    """Clipping by the norm of a CountSketch of the workers' mean gradient (module docstring).
+
+    Element e of parameter j goes to bin ``bins[j][e]`` with sign ``signs[j][e]``, drawn once from a generator
+    seeded with ``seed``; worker i's sketch is ``s_i[b] = sum over e in bin b of sign * g_i[e]``; the
+    coefficient is ``min(1, max_norm / (|mean_i s_i| + 1e-6))``, DeepSpeed's formula with the estimate in
+    place of the norm.
+    """
+
+    def __init__(self, params: list[torch.Tensor], width: int, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.width = width
+        self.bins = [torch.randint(0, width, (p.numel(),), generator=gen) for p in params]
+        self.signs = [torch.randint(0, 2, (p.numel(),), generator=gen).float().mul_(2).sub_(1) for p in params]
+
+    def norm_estimate(self, grads: list[list[torch.Tensor]]) -> float:
+        """``|mean_i s_i|`` for ``grads[i][j]``, worker i's gradient of parameter j."""
+        total = torch.zeros(self.width, dtype=torch.float32)
+        for worker in grads:
+            for g, bins, signs in zip(worker, self.bins, self.signs, strict=True):
+                total.index_add_(0, bins, g.reshape(-1).float() * signs)
+        return float(torch.linalg.vector_norm(total / len(grads)))
+
+    def clip(self, grads: list[list[torch.Tensor]], max_norm: float) -> None:
+        """Scale every worker's gradients in place by the common coefficient."""
+        if max_norm <= 0:
+            return
+        coef = min(1.0, max_norm / (self.norm_estimate(grads) + 1e-6))
+        if coef < 1.0:
+            for worker in grads:
+                torch._foreach_mul_(worker, coef)
 
 
 def make_candidate(spec: str) -> Candidate:
     """The direction function of ``spec`` (``name``, ``name:B``, either with ``+exactclip``: module docstring)."""
-    name, _, size = spec.removesuffix(EXACT_CLIP).partition(":")
+    name, _, size = clip_of(spec)[0].partition(":")
     if name in ("vote", "mean") and size:
         raise ValueError(f"candidate {spec!r}: it has no blocks; write {name!r}")
     block = int(size) if size else 256
@@ -234,6 +284,8 @@ def train_candidate(
     params = [p for p in model.parameters() if p.requires_grad]
     momenta = [torch.zeros((workers, p.numel()), dtype=torch.float32) for p in params]
     states = [TensorState() for _ in params]
+    width = clip_of(spec)[1]
+    sketch = SketchClip(params, width) if width > 0 else None
     buffers = GradientBuffers()
     flips = elements = 0
     losses: list[float] = []
@@ -241,7 +293,10 @@ def train_candidate(
     model.train()
     for step in range(steps):
         computed = worker_gradients(model, task.loss, task.batch(step, seed), workers, params, "auto", buffers)
-        clip_worker_gradients(computed.grads, design.grad_clip, settings.clip_rule, exact=clips_exactly(spec))
+        if sketch is not None:
+            sketch.clip(computed.grads, design.grad_clip)
+        else:
+            clip_worker_gradients(computed.grads, design.grad_clip, settings.clip_rule, exact=width < 0)
         lr = design.lr * lr_ratio(step, steps, settings.warmup_steps, settings.warmup_min_ratio, settings.cos_min_ratio)
         losses.append(computed.loss)
         with torch.no_grad():
