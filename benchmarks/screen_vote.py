@@ -52,7 +52,7 @@ of that norm that a compressed mode can afford: each worker adds its gradient in
 floats (every element into one of ``K`` bins, with a sign; bins and signs drawn once from a generator
 every worker seeds alike), the workers average their sketches (an all-reduce of ``K`` floats per step),
 and the norm of the mean sketch, whose square is an unbiased estimate of ``|mean_i g_i|^2`` (relative sd
-about ``sqrt(2 / K)``), sets the common coefficient (:class:`SketchClip`).
+about ``sqrt(2 / K)``), sets the common coefficient (:class:`benchmarks.screen_clipping.SketchClip`).
 
 Each run writes ``benchmarks/results/vote_screen/<design dir>/N<workers>_<candidate>_b2-<beta2>_seed<seed>.json``
 (resumable: a run whose JSON exists is skipped) with its validation losses and its flip rate against
@@ -80,6 +80,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.screen_clipping import SketchClip, clip_of
 from benchmarks.study_convergence import write_record
 from benchmarks.study_grid import DESIGNS, RESULTS, WIDE_EVAL_WINDOWS, Design, Run, config_dir
 from benchmarks.study_report import pair_with_exact
@@ -175,62 +176,8 @@ def tail_kept(x: torch.Tensor, block: int) -> torch.Tensor:
 Candidate = Callable[[torch.Tensor, TensorState, int, torch.Generator], torch.Tensor]
 
 
-#: The suffix of a candidate that clips as exact Lion does (module docstring).
-EXACT_CLIP = "+exactclip"
-#: The suffix of a candidate that clips by a sketched norm of the mean gradient, followed by the sketch's width.
-SKETCH_CLIP = "+sketchclip"
-
-
-def clip_of(spec: str) -> tuple[str, int]:
-    """``spec`` without its clipping suffix, and the sketch width: -1 for ``+exactclip``, 0 for none (the
-    compressed modes' clipping), ``K`` for ``+sketchclipK``."""
-    if spec.endswith(EXACT_CLIP):
-        return spec.removesuffix(EXACT_CLIP), -1
-    base, found, width = spec.rpartition(SKETCH_CLIP)
-    if found:
-        if not width.isdigit() or int(width) < 1:
-            raise ValueError(
-                f"candidate {spec!r}: write the sketch's width after {SKETCH_CLIP}, e.g. {SKETCH_CLIP}4096"
-            )
-        return base, int(width)
-    return spec, 0
-
-
-class SketchClip:
-    """Clipping by the norm of a CountSketch of the workers' mean gradient (module docstring).
-
-    Element e of parameter j goes to bin ``bins[j][e]`` with sign ``signs[j][e]``, drawn once from a generator
-    seeded with ``seed``; worker i's sketch is ``s_i[b] = sum over e in bin b of sign * g_i[e]``; the
-    coefficient is ``min(1, max_norm / (|mean_i s_i| + 1e-6))``, DeepSpeed's formula with the estimate in
-    place of the norm.
-    """
-
-    def __init__(self, params: list[torch.Tensor], width: int, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.width = width
-        self.bins = [torch.randint(0, width, (p.numel(),), generator=gen) for p in params]
-        self.signs = [torch.randint(0, 2, (p.numel(),), generator=gen).float().mul_(2).sub_(1) for p in params]
-
-    def norm_estimate(self, grads: list[list[torch.Tensor]]) -> float:
-        """``|mean_i s_i|`` for ``grads[i][j]``, worker i's gradient of parameter j."""
-        total = torch.zeros(self.width, dtype=torch.float32)
-        for worker in grads:
-            for g, bins, signs in zip(worker, self.bins, self.signs, strict=True):
-                total.index_add_(0, bins, g.reshape(-1).float() * signs)
-        return float(torch.linalg.vector_norm(total / len(grads)))
-
-    def clip(self, grads: list[list[torch.Tensor]], max_norm: float) -> None:
-        """Scale every worker's gradients in place by the common coefficient."""
-        if max_norm <= 0:
-            return
-        coef = min(1.0, max_norm / (self.norm_estimate(grads) + 1e-6))
-        if coef < 1.0:
-            for worker in grads:
-                torch._foreach_mul_(worker, coef)
-
-
 def make_candidate(spec: str) -> Candidate:
-    """The direction function of ``spec`` (``name``, ``name:B``, either with ``+exactclip``: module docstring)."""
+    """The direction function of ``spec`` (``name`` or ``name:B``, either with a clipping suffix: module docstring)."""
     name, _, size = clip_of(spec)[0].partition(":")
     if name in ("vote", "mean") and size:
         raise ValueError(f"candidate {spec!r}: it has no blocks; write {name!r}")
@@ -269,7 +216,9 @@ def make_candidate(spec: str) -> Candidate:
         "sparse_tail": sparse_tail,
     }
     if name not in candidates:
-        raise ValueError(f"unknown candidate {spec!r}; choose from {sorted(candidates)} (optionally :B, +exactclip)")
+        raise ValueError(
+            f"unknown candidate {spec!r}; choose from {sorted(candidates)} (optionally :B, +exactclip or +sketchclipK)"
+        )
     return candidates[name]
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from benchmarks import screen_vote
+from benchmarks.screen_clipping import SketchClip
 from benchmarks.screen_vote import (
-    SketchClip,
     TensorState,
     block_max_abs,
     block_mean_abs,
