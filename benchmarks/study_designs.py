@@ -16,14 +16,12 @@ when its paired sd is small; the cheapest design to reach the goal minimises see
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
-from typing import Any
 
 from benchmarks.study_convergence import reader_parser
 from benchmarks.study_grid import DESIGNS, config_dir
-from benchmarks.study_report import pair_with_exact
+from benchmarks.study_report import paired
 from ds_lioncub.simulate.train import gap_percent
 from ds_lioncub.student_t import mean_interval, sample_sd, t_quantile
 
@@ -34,20 +32,6 @@ def seeds_for(sd: float, goal: float = 1.0, most: int = 1000) -> int | None:
         if t_quantile(n - 1) * sd / math.sqrt(n) <= goal:
             return n
     return None
-
-
-def paired(
-    directory: Path, workers: int, beta2: float, mode: str
-) -> list[tuple[dict[str, Any], dict[str, Any], float]]:
-    """(mode record, exact record, gap %) for every seed with both runs on the same data, in seed order
-    (:func:`benchmarks.study_report.pair_with_exact`)."""
-    pairs = []
-    for path in directory.glob(f"N{workers:02d}_{mode}_b2-{beta2}_seed*.json"):
-        run = json.loads(path.read_text())
-        pair = pair_with_exact(directory, run)
-        if pair is not None:
-            pairs.append((run, *pair))
-    return sorted(pairs, key=lambda pair: int(pair[0]["seed"]))
 
 
 def design_rows(root: Path, task: str, steps: int, workers: int, beta2: float, mode: str) -> list[str]:

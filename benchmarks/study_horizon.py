@@ -2,10 +2,10 @@
 
     python -m benchmarks.study_horizon --design lr5e-4 --steps 1000 --workers 64 --mode 1bit --beta2 0.99
 
-For each seed with both runs (paired by :func:`benchmarks.study_report.pair_with_exact`, which leaves out
-a pair on other data), the gap of the mode's mean training loss to exact Lion's over consecutive windows
-of ``--window`` steps, in % of exact Lion's (:func:`window_gaps`), then the final validation gap; and the
-mean over the seeds of each window's gap. The training loss of a step is measured on that step's global
+For each seed with both runs (:func:`benchmarks.study_report.paired`, which leaves out a pair on other
+data), the gap of the mode's mean training loss to exact Lion's over consecutive windows of ``--window``
+steps, in % of exact Lion's (:func:`window_gaps`), then the final validation gap; and the mean over the
+seeds of each window's gap. The training loss of a step is measured on that step's global
 batch before its update, the same batch for both runs, so a window's gap compares the two models on the
 same data; a window mean of 100 steps smooths the per-batch noise. Both runs follow one lr schedule over
 ``--steps`` (cosine decay to the end), so window k of a 1,000-step run is not the same point of training
@@ -14,13 +14,11 @@ as window k of a 300-step run.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 from benchmarks.study_convergence import reader_parser
 from benchmarks.study_grid import config_dir
-from benchmarks.study_report import pair_with_exact
+from benchmarks.study_report import paired
 
 
 def window_gaps(mode_losses: list[float], exact_losses: list[float], window: int) -> list[float]:
@@ -36,13 +34,10 @@ def window_gaps(mode_losses: list[float], exact_losses: list[float], window: int
 
 
 def rows(directory: Path, workers: int, mode: str, beta2: float, window: int) -> list[str]:
-    pairs: list[tuple[int, list[float], float]] = []
-    for path in sorted(directory.glob(f"N{workers:02d}_{mode}_b2-{beta2}_seed*.json")):
-        record: dict[str, Any] = json.loads(path.read_text())
-        paired = pair_with_exact(directory, record)
-        if paired is not None:
-            exact, val_gap = paired
-            pairs.append((record["seed"], window_gaps(record["train_losses"], exact["train_losses"], window), val_gap))
+    pairs = [
+        (run["seed"], window_gaps(run["train_losses"], exact["train_losses"], window), val_gap)
+        for run, exact, val_gap in paired(directory, workers, beta2, mode)
+    ]
     if not pairs:
         return [f"no {mode} run at {workers} workers, beta2 {beta2} with an exact-Lion run of its seed in {directory}"]
     windows = min(len(gaps) for _, gaps, _ in pairs)

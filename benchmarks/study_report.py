@@ -113,6 +113,20 @@ def pair_with_exact(exact_dir: Path, run: dict[str, Any]) -> tuple[dict[str, Any
     return exact, gap_percent(run["val_loss"], exact["val_loss"])
 
 
+def paired(
+    directory: Path, workers: int, beta2: float, mode: str
+) -> list[tuple[dict[str, Any], dict[str, Any], float]]:
+    """(mode record, exact record, gap %) for every seed with both runs on the same data, in seed order
+    (:func:`pair_with_exact`)."""
+    pairs = []
+    for path in directory.glob(f"N{workers:02d}_{mode}_b2-{beta2}_seed*.json"):
+        run = json.loads(path.read_text())
+        pair = pair_with_exact(directory, run)
+        if pair is not None:
+            pairs.append((run, *pair))
+    return sorted(pairs, key=lambda pair: int(pair[0]["seed"]))
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from benchmarks.study_designs import design_rows, paired, seeds_for
+from benchmarks.study_designs import design_rows, seeds_for
 from benchmarks.study_drift import rows, windowed
 from benchmarks.study_grid import config_dir
 from benchmarks.study_horizon import rows as horizon_rows
 from benchmarks.study_horizon import window_gaps
-from benchmarks.study_report import pair_with_exact
+from benchmarks.study_report import pair_with_exact, paired
 from ds_lioncub.simulate.drift import TensorDrift, WindowDrift
 
 
