@@ -77,6 +77,7 @@ from benchmarks.study_grid import (
     WIDE_EVAL_WINDOWS,
     WORKERS,
     Run,
+    clip_of_run,
     config_dir,
 )
 from benchmarks.study_report import write_report
@@ -171,7 +172,7 @@ def execute(run: Run, root: Path, device: str = "cpu", claim: bool = False) -> s
         run.workers,
         run.steps,
         run.seed,
-        grad_clip=design.grad_clip,
+        grad_clip=clip_of_run(run.options(), design.grad_clip),
         drift_stats=True,
         keep_model=True,
         device=device,

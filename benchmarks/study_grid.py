@@ -63,14 +63,34 @@ def mode_options(mode: str, workers: int) -> dict[str, Any]:
         return {"compression": "kbit", "bits": 8, "quantizer": "l1", "kbit_algorithm": "alltoall"}
     if mode == "8bit_l1_a2a_clip8":  # the same, saturating at 8 x mean |c| instead of 2 x: less of the tails cut
         return {**mode_options("8bit_l1_a2a", workers), "l1_clip": 8.0}
+    if mode.endswith(SKETCH_CLIP_SUFFIX):  # LionCub's option clip in place of DeepSpeed's rule (the run's grad_clip)
+        return {**mode_options(mode.removesuffix(SKETCH_CLIP_SUFFIX), workers), "clip": {"max_norm": 1.0}}
     raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
+
+
+#: A mode with this suffix clips with LionCub's option ``clip`` (the mean gradient's sketched norm, max_norm 1.0)
+#: instead of DeepSpeed's rule; its runs train with the design's grad_clip off (:func:`clip_of_run`).
+SKETCH_CLIP_SUFFIX = "_sketchclip"
+
+
+def clip_of_run(options: dict[str, Any], design_clip: float) -> float:
+    """The grad_clip a run trains with: 0 where LionCub's option ``clip`` clips, else the design's (DeepSpeed's rule).
+
+    A design with its clipping off keeps it off: a ``_sketchclip`` mode is measured only in designs that clip at 1.0.
+    """
+    if "clip" in options:
+        if design_clip != options["clip"]["max_norm"]:
+            clip = options["clip"]["max_norm"]
+            raise ValueError(f"a {SKETCH_CLIP_SUFFIX} mode clips at {clip}; the design at {design_clip}")
+        return 0.0
+    return design_clip
 
 
 MODES = ("exact", "1bit", "1bit_sync", "4bit_sign", "2bit_l1_a2a", "4bit_l1_a2a", "8bit_l1")
 #: The 1-bit vote with every layer's momentum averaged (bf16) every 32 or 128 steps (not in the default grid).
 SYNC_ALL_MODES = ("1bit_syncall32", "1bit_syncall128")
 #: 8-bit L1 all-to-all, the planner's pick where every other compressed mode loses (not in the default grid).
-EXTRA_MODES = ("8bit_l1_a2a", "8bit_l1_a2a_clip8")
+EXTRA_MODES = ("8bit_l1_a2a", "8bit_l1_a2a_clip8", "1bit_sketchclip", "8bit_l1_a2a_sketchclip")
 #: The error-feedback variants (not in the default grid: run them with ``--modes``).
 EF_MODES = ("2bit_l1_a2a_ef_residual", "2bit_l1_a2a_ef21", "4bit_l1_a2a_ef_residual", "4bit_l1_a2a_ef21")
 #: The residual form with its residual stored in bf16 (against the fp32 default above).

@@ -3,7 +3,7 @@
 - :mod:`~ds_lioncub.config.options`: :class:`LionCubConfig`, every top-level option with a docstring, and
   :func:`parse_config`, the one entry both ``LionCub(**options)`` and the ds_config go through;
 - :mod:`~ds_lioncub.config.sections`: the nested blocks (``momentum_sync``, ``consistency_check``,
-  ``telemetry``, ``error_feedback``, ``hybrid``, ``network``);
+  ``telemetry``, ``error_feedback``, ``clip``, ``hybrid``, ``network``);
 - :mod:`~ds_lioncub.config.rules`: the combinations of options that cannot work together, one table;
 - :mod:`~ds_lioncub.config.strict_types`: the strict reals, integers, flags, rates and durations;
 - :mod:`~ds_lioncub.config.reference`: docs/options.md rendered from the models.
@@ -17,6 +17,7 @@ from __future__ import annotations
 from ds_lioncub.config.options import LionCubConfig, parse_config
 from ds_lioncub.config.rules import CROSS_OPTION_RULES, CrossOptionRule
 from ds_lioncub.config.sections import (
+    ClipConfig,
     CommDtype,
     ConsistencyCheckConfig,
     ErrorFeedbackConfig,
@@ -28,6 +29,7 @@ from ds_lioncub.config.sections import (
 
 __all__ = [
     "CROSS_OPTION_RULES",
+    "ClipConfig",
     "CommDtype",
     "ConsistencyCheckConfig",
     "CrossOptionRule",

@@ -23,6 +23,7 @@ from ds_lioncub.comm.vocabulary import (
 )
 from ds_lioncub.config.rules import CROSS_OPTION_RULES, CrossOptionRule
 from ds_lioncub.config.sections import (
+    ClipConfig,
     CommDtype,
     ConsistencyCheckConfig,
     ErrorFeedbackConfig,
@@ -153,6 +154,11 @@ class LionCubConfig(DeepSpeedConfigModel):
     see its block. Only ``compression="kbit"`` with ``quantizer="l1"``; at every ZeRO stage (under the ZeRO
     hybrid each rank keeps the state of its shard); not yet with ``overlap``."""
 
+    clip: ClipConfig | None = None
+    """Clip the ranks' mean gradient by its norm, estimated from a sketch (default: no clipping by LionCub):
+    ``{"max_norm": 1.0}``, see its block. Every mode; in place of DeepSpeed's ``gradient_clipping``, which
+    then must be 0. Under ZeRO it needs the hybrid (compressed modes): exact Lion clips with DeepSpeed's."""
+
     hybrid: HybridConfig | None = None
     """Options of compressed LionCub under ZeRO stage 1, 2 or 3, the hybrid (used there even when not given):
     ``node_size``, the ranks per node, defaults to the launcher's."""
@@ -225,6 +231,8 @@ class LionCubConfig(DeepSpeedConfigModel):
                 else (f", beta={feedback.beta}, reset_interval={feedback.reset_interval}, storage={feedback.storage!r}")
             )
             pairs.append(f"error_feedback=(kind={feedback.kind!r}{knobs})")
+        if self.clip is not None:
+            pairs.append(f"clip=(max_norm={self.clip.max_norm}, sketch_bins={self.clip.sketch_bins})")
         if self.telemetry.vote_stats:
             pairs.append("telemetry.vote_stats=True")
         return ", ".join(pairs)
@@ -233,6 +241,7 @@ class LionCubConfig(DeepSpeedConfigModel):
 # What to add for a required field that is missing (pydantic's own "Field required" shows the enclosing block as
 # the value, which reads as if that block were the bad value).
 _MISSING_FIXES = {
+    "clip.max_norm": 'add "max_norm", the norm to clip the mean gradient to, e.g. "clip": {"max_norm": 1.0}',
     "network.bandwidth": 'add "bandwidth" with your nodes\' link rate, e.g. "bandwidth": "1gbit" ("100gbit", "10GB/s")',
 }
 
@@ -263,7 +272,8 @@ def parse_config(options: dict[str, Any]) -> LionCubConfig:
                 f"{', '.join(MomentumSyncConfig.model_fields)}; consistency_check takes "
                 f"{', '.join(ConsistencyCheckConfig.model_fields)}; hybrid takes "
                 f"{', '.join(HybridConfig.model_fields)}; error_feedback takes "
-                f"{', '.join(ErrorFeedbackConfig.model_fields)}; network takes "
+                f"{', '.join(ErrorFeedbackConfig.model_fields)}; clip takes "
+                f"{', '.join(ClipConfig.model_fields)}; network takes "
                 f"{', '.join(NetworkConfig.model_fields)}; "
                 f"telemetry takes {', '.join(TelemetryConfig.model_fields)}."
             )

@@ -1,6 +1,6 @@
 """The option blocks of :class:`~ds_lioncub.config.LionCubConfig`: one model per nested block of options.
 
-``momentum_sync``, ``consistency_check``, ``telemetry``, ``error_feedback``, ``hybrid`` and ``network`` are
+``momentum_sync``, ``consistency_check``, ``telemetry``, ``error_feedback``, ``clip``, ``hybrid`` and ``network`` are
 each a small validated model with a docstring under every field (docs/options.md is rendered from them);
 :mod:`ds_lioncub.config.options` holds the top-level options and :func:`~ds_lioncub.config.parse_config`;
 the rules across options are :mod:`ds_lioncub.config.rules`.
@@ -165,6 +165,28 @@ class ErrorFeedbackConfig(DeepSpeedConfigModel):
         return self
 
 
+class ClipConfig(DeepSpeedConfigModel):
+    """Gradient clipping by the norm of the ranks' mean gradient, as exact Lion clips, estimated from a sketch.
+
+    Under compression every rank keeps its own gradient, and DeepSpeed's ``gradient_clipping`` scales it by a
+    factor from the ranks' own norms, several times the norm of their mean: at 64 workers that costs the
+    1-bit vote more than half of its gap to exact Lion (benchmarks/RESULTS.md). Here every rank adds its
+    gradient into a sketch of ``sketch_bins`` numbers, one all-reduce sums them, and every rank scales its
+    gradient by ``min(1, max_norm / (estimated norm + 1e-6))`` (:mod:`ds_lioncub.step.clipping`). DeepSpeed's
+    ``gradient_clipping`` must then be 0: the engine refuses both.
+    """
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    max_norm: Real = Field(gt=0, allow_inf_nan=False)
+    """The largest norm the ranks' mean gradient keeps (DeepSpeed's ``gradient_clipping``; 1.0 is usual)."""
+
+    sketch_bins: Whole = Field(4093, ge=1, le=1 << 20)
+    """K, the numbers each rank sums into: an all-reduce of 8K bytes per step, and an estimate whose relative
+    error is about ``sqrt(2 / K)`` of the squared norm (2% at the default). A prime keeps the columns of
+    power-of-two wide matrices apart. More than 2**20 is refused (the sketch works in 2**20-element chunks)."""
+
+
 class HybridConfig(DeepSpeedConfigModel):
     """Compressed LionCub under DeepSpeed ZeRO-1/2/3: shard inside a node, vote across nodes.
 
@@ -222,6 +244,7 @@ class NetworkConfig(DeepSpeedConfigModel):
 
 
 __all__ = [
+    "ClipConfig",
     "CommDtype",
     "ConsistencyCheckConfig",
     "ErrorFeedbackConfig",

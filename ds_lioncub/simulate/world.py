@@ -47,6 +47,7 @@ from ds_lioncub.step.bucket_work import (
     prepare_sign_message,
     whole_tensor_mean_abs,
 )
+from ds_lioncub.step.clipping import clip_coefficient, gradient_sketch
 from ds_lioncub.step.param_selection import names_by_position, select_parameters
 
 #: Options that describe a real network or job, which a virtual world has none of: refused when given.
@@ -75,7 +76,7 @@ class VirtualLionCub(torch.optim.Optimizer):
         drift_stats: record how the compressed steps' sign errors add up over steps in :attr:`drift`
             (:mod:`ds_lioncub.simulate.drift`; the same pass over ``c``, three int32 tensors per parameter).
         **options: LionCub's options (compression, bits, quantizer, aggregation, kbit_algorithm,
-            tie_break, l1_clip, comm_dtype, bucket_size, check_finite, momentum_sync), validated as
+            tie_break, l1_clip, comm_dtype, bucket_size, check_finite, momentum_sync, clip), validated as
             LionCub validates them (a k-bit all-reduce too narrow for N workers raises LionCub's error).
             Options that need a real network or job (:data:`NETWORK_OPTIONS`, ``compression="auto"``,
             ``telemetry``) are refused.
@@ -119,6 +120,8 @@ class VirtualLionCub(torch.optim.Optimizer):
         self.agreement_stats = agreement_stats
         #: What the last compressed step's update agreed with exact Lion (``agreement_stats=True``), else None.
         self.last_agreement: AgreementStats | None = None
+        #: The factor option ``clip`` scaled the last step's gradients by (1: not clipped); None without clip.
+        self.last_clip_coefficient: float | None = None
         #: How the compressed steps' sign errors add up over steps, per tensor (``drift_stats=True``), else None.
         self.drift: DriftTally | None = DriftTally() if drift_stats else None
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
@@ -210,6 +213,8 @@ class VirtualLionCub(torch.optim.Optimizer):
             ]
             for i in range(self.workers)
         ]
+        if self.options.clip is not None:
+            self._clip_gradients(entries, step)
         plan = plan_buckets([params[j].numel() for j in taking_part], self.options.bucket_size)
         if self.exact:
             self._exact_step(entries, plan)
@@ -309,6 +314,19 @@ class VirtualLionCub(torch.optim.Optimizer):
             self.last_agreement = tally.stats()
         if self.drift is not None:
             self.drift.end_step()
+
+    def _clip_gradients(self, entries: list[list[Entry]], step: int) -> None:
+        """Option ``clip``, as LionCub clips on every rank: each worker's sketch through its own all-reduce, then
+        every worker's gradients scaled in place by the common factor (:mod:`ds_lioncub.step.clipping`)."""
+        clip = self.options.clip
+        assert clip is not None
+        sketches = [gradient_sketch([[entry.grad] for entry in mine], clip.sketch_bins, step, 0) for mine in entries]
+        for transport, sketch in zip(self.network.transports, sketches, strict=True):
+            transport.all_reduce_sum(sketch)
+        coefficient = clip_coefficient(sketches[0], self.workers, clip.max_norm)
+        if coefficient < 1.0:
+            torch._foreach_mul_([entry.grad for mine in entries for entry in mine], coefficient)
+        self.last_clip_coefficient = coefficient
 
     def _sync_momentum(self) -> None:
         """Average the selected parameters' momenta over the workers, as LionCub's momentum sync does: every
