@@ -106,6 +106,9 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, torch.optim.Op
         # the coefficient a caller that steps in parts computed for the whole step, and the last one applied.
         self._clip_shard = _clip_shard_of(process_group)
         self._given_clip_coefficient: float | None = None
+        # Inside step(); and the traffic of collectives a caller issued for the next step before calling it.
+        self._stepping = False
+        self._traffic_before_step = CommStats()
         #: The factor option ``clip`` scaled the last step's gradients by (1: not clipped); None without clip.
         self.last_clip_coefficient: float | None = None
         # Per-step records (docs/design.md, section 15).
@@ -261,7 +264,10 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, torch.optim.Op
         if clip is None:
             raise LionCubSetupError("LionCub: clip_coefficient() needs option clip, e.g. clip={'max_norm': 1.0}.")
         sketch = gradient_sketch(tensors, clip.sketch_bins, step, self._clip_shard, first_tensor)
+        before = self.comm_stats()
         self._agreement_transport.all_reduce_sum(sketch)
+        if not self._stepping:  # a caller's, before its step: that step's record counts it
+            self._traffic_before_step = self._traffic_before_step + (self.comm_stats() - before)
         return clip_coefficient(sketch, self.transport.world_size, clip.max_norm, loss_scale)
 
     @property
@@ -281,6 +287,12 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, torch.optim.Op
             yield
         finally:
             self._given_clip_coefficient = None
+
+    def take_traffic_before_step(self) -> CommStats:
+        """What was sent for a step that never ran (option clip's all-reduce before a step DeepSpeed then skipped),
+        for that step's record; it no longer counts toward the next step."""
+        traffic, self._traffic_before_step = self._traffic_before_step, CommStats()
+        return traffic
 
     def _clip_gradients(self, entries: list[Entry], step: int) -> None:
         """Option ``clip``: scale every participating gradient in place by the step's factor."""
@@ -317,9 +329,15 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, torch.optim.Op
         baseline = self.comm_stats()
         if armed is not None:  # the votes launched during backward are this step's traffic
             baseline = baseline - armed.traffic_since_armed()
+        # Option clip's all-reduce, when a caller stepping in parts issued it first, is this step's (first part's).
+        baseline, self._traffic_before_step = baseline - self._traffic_before_step, CommStats()
         self.telemetry.begin_step(baseline)
         if self.options.clip is not None:  # before any path reads the gradients (and before the finite check)
-            self._clip_gradients(entries, step)
+            self._stepping = True
+            try:
+                self._clip_gradients(entries, step)
+            finally:
+                self._stepping = False
         context = StepContext(
             self.options.bucket_size,
             self._pipelined_buckets,

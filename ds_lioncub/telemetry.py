@@ -121,9 +121,13 @@ class StepRecord:
         return [(f"{MONITOR_PREFIX}/{name}", value) for name, value in events]
 
     @classmethod
-    def skipped_step(cls, step: int) -> StepRecord:
-        """A step DeepSpeed skipped: LionCub did not run; ``step`` is the step count that stayed."""
-        return cls(step, True, 0, 0, 0, 0.0, 0.0, 0, 0, 0, None, None)
+    def skipped_step(cls, step: int, comm: CommStats | None = None) -> StepRecord:
+        """A step DeepSpeed skipped: LionCub did not run; ``step`` is the step count that stayed. ``comm``: what
+        LionCub sent for it before the skip was decided (option clip's all-reduce under ZeRO), else nothing."""
+        sent = CommStats() if comm is None else comm
+        return cls(
+            step, True, sent.collectives, sent.bytes_sent, sent.bytes_received, sent.seconds, 0.0, 0, 0, 0, None, None
+        )
 
     @classmethod
     def combined(cls, records: list[StepRecord]) -> StepRecord:
@@ -247,11 +251,11 @@ class StepTelemetry:
         """Keep the records of the following ``step`` calls apart until :meth:`release` (or :meth:`drop_held`)."""
         self._held = []
 
-    def release(self, step: int) -> StepRecord:
+    def release(self, step: int, before_step: CommStats | None = None) -> StepRecord:
         """One record for the ``step`` calls since :meth:`hold`: their sum, or a skipped step at ``step``
-        (the step count that stayed) when there was none."""
+        (the step count that stayed) when there was none, with the traffic ``before_step`` sent for it."""
         held, self._held = self._held or [], None
-        return self._keep(StepRecord.combined(held) if held else StepRecord.skipped_step(step))
+        return self._keep(StepRecord.combined(held) if held else StepRecord.skipped_step(step, before_step))
 
     def drop_held(self) -> None:
         """Forget the records since :meth:`hold` (the engine step raised)."""

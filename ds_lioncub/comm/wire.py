@@ -174,6 +174,11 @@ def finite_check_collectives(world_size: int) -> list[Collective]:
     return [Collective("all_reduce", 4, world_size)]
 
 
+def clip_sketch_collectives(sketch_bins: int, world_size: int) -> list[Collective]:
+    """Option clip's per-step sum of the ranks' sketches: one fp64 all-reduce of ``sketch_bins`` numbers."""
+    return [Collective("all_reduce", 8 * sketch_bins, world_size)]
+
+
 def zero_partition_numel(numel: int, world_size: int) -> int:
     """Elements of one rank's ZeRO partition of ``numel`` elements (the flat buffer padded to ``p`` equal parts)."""
     return (numel + world_size - 1) // world_size

@@ -197,7 +197,8 @@ def _wrap_take_model_step(original: Callable[..., Any]) -> Callable[..., Any]:
             # overlap=True: a wrapper that skipped the step (overflow) returned before LionCub.step. Every
             # rank skips together (the wrapper agrees on overflow), so every rank drains the votes here.
             lioncub.discard_overlapped_votes()
-        write_step_telemetry(engine, lioncub.telemetry.release(lioncub.param_groups[0]["step"]))
+        step = lioncub.param_groups[0]["step"]
+        write_step_telemetry(engine, lioncub.telemetry.release(step, lioncub.take_traffic_before_step()))
         return result
 
     return take_model_step

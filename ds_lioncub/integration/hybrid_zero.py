@@ -19,7 +19,10 @@ broadcast and checkpoint metadata are unchanged):
   the param groups' shards in LionCub's bucket keys (ZeRO steps one group per call);
 - LionCub communicates over the vote group; its own finite check agrees over the whole world.
 
-Clipping stays DeepSpeed's: each node clips its averaged gradient by that node's norm.
+Clipping: DeepSpeed's ``gradient_clipping`` clips each node's averaged gradient by that node's norm. LionCub's
+option ``clip`` clips by the sketched norm of the nodes' mean gradient instead: :meth:`HybridZeroOptimizer.step`
+sketches each rank's shards before ZeRO's step loop (one all-reduce over the whole world) and gives LionCub the
+factor for every param group's call (:func:`clip_factor_of_shards`).
 """
 
 from __future__ import annotations
@@ -82,6 +85,17 @@ class HybridZeroOptimizer(DeepSpeedZeroOptimizer):
         overflow = bool(super().has_overflow(partition_gradients))
         return any_rank(overflow, self._lioncub_vote_group, self._flag_device())
 
+    def step(self, closure: Any = None) -> Any:
+        lioncub = self.optimizer
+        if not isinstance(lioncub, LionCub) or lioncub.options.clip is None:
+            return super().step(closure)
+        # ZeRO unscales and steps one param group at a time; the factor must cover them all, so it comes first,
+        # from the reduced gradients of this rank's shards as ZeRO will flatten them (loss-scaled under fp16).
+        shards = [gradient_pieces(self.averaged_gradients.get(i)) for i in range(len(self.bit16_groups))]
+        factor = clip_factor_of_shards(lioncub, shards, float(self.loss_scale))
+        with lioncub.clip_coefficient_given(factor):
+            return super().step(closure)
+
     def _optimizer_step(self, group_no: int) -> None:
         # ZeRO steps each param group's flat shard in its own LionCub.step() call: shard i is tensor i of
         # the bucket keys, so that error feedback keeps each shard's state apart.
@@ -97,6 +111,22 @@ class HybridZeroOptimizer(DeepSpeedZeroOptimizer):
             # What DeepSpeed's norm helpers report for an invalid norm: ZeRO then skips the step.
             return torch.full_like(norm, float("inf")) if torch.is_tensor(norm) else float("inf")
         return norm
+
+
+def gradient_pieces(reduced: Any) -> list[torch.Tensor]:
+    """A ZeRO shard's reduced gradient as the pieces whose concatenation ZeRO flattens into it (its padding, zeros,
+    left out): the pre-flattened partition where ZeRO keeps one, else its list of per-parameter slices."""
+    if reduced is None:
+        return []
+    flat = getattr(reduced, "flat_partition", None)
+    return [flat.view(-1)] if flat is not None else [piece for piece in reduced if piece is not None]
+
+
+def clip_factor_of_shards(lioncub: LionCub, shards: list[list[torch.Tensor]], loss_scale: float) -> float:
+    """Option ``clip``'s factor for LionCub's next step from this rank's shards (``shards[i]``: the pieces of
+    param group i's shard, numbered as LionCub numbers ZeRO's calls), divided by ``loss_scale``: a collective
+    over LionCub's agreement group (the world)."""
+    return lioncub.clip_coefficient(shards, lioncub.next_step, loss_scale)
 
 
 def zero_class_for(vote_group: dist.ProcessGroup | None) -> type[HybridZeroOptimizer]:
@@ -187,7 +217,9 @@ __all__ = [
     "any_rank",
     "check_node_blocks_on_one_host",
     "check_shards_match",
+    "clip_factor_of_shards",
     "configure_hybrid_zero",
+    "gradient_pieces",
     "log_topology",
     "zero_class_for",
 ]

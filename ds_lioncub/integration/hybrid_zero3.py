@@ -43,6 +43,8 @@ from ds_lioncub.integration.hybrid_zero import (
     HybridSetup,
     any_rank,
     check_shards_match,
+    clip_factor_of_shards,
+    gradient_pieces,
     log_topology,
 )
 from ds_lioncub.optimizer import LionCub
@@ -86,7 +88,14 @@ class HybridZeroStage3(DeepSpeedZeroOptimizer_Stage3):
         return norms
 
     def step(self, closure: Any = None) -> Any:
-        with self._lioncub().optimizer_step_in_parts():
+        lioncub = self._lioncub()
+        if lioncub.options.clip is None:
+            with lioncub.optimizer_step_in_parts():
+                return super().step(closure)
+        # Option clip: the factor of the whole step, from every sub-group's reduced gradient, before the first part.
+        shards = [gradient_pieces(self.averaged_gradients.get(i)) for i in range(len(self.fp16_groups))]
+        factor = clip_factor_of_shards(lioncub, shards, float(self.loss_scale))
+        with lioncub.clip_coefficient_given(factor), lioncub.optimizer_step_in_parts():
             return super().step(closure)
 
     def _optimizer_step(self, sub_group_id: int) -> None:

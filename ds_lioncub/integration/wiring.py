@@ -108,6 +108,7 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
             "LionCub: hybrid applies under ZeRO stage 1, 2 or 3 (shard inside a node, vote across nodes); at stage 0 "
             "every rank is a voter already. Drop hybrid, or set zero_optimization.stage to 1, 2 or 3."
         )
+    _refuse_two_clippings(engine, optimizer, stage)
     if compression == "none":
         # Under ZeRO each rank steps its own partition: those are not replicas to compare.
         optimizer.bind(
@@ -133,6 +134,30 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
     # group, and its finite check agrees over the whole world.
     optimizer.bind(setup.groups.vote_group, engine.module, gradients_averaged=False, agreement_group=world)
     setattr(engine, ENGINE_ATTRIBUTE, setup)
+
+
+def _refuse_two_clippings(engine: Any, optimizer: LionCub, stage: int) -> None:
+    refuse_two_clippings(optimizer.options, float(engine.gradient_clipping() or 0.0), stage)
+
+
+def refuse_two_clippings(options: LionCubConfig, clipping: float, stage: int) -> None:
+    """Option ``clip`` replaces DeepSpeed's ``gradient_clipping`` (``clipping``; DeepSpeed's default is 1.0): never
+    both; under ZeRO only with the hybrid (also what ``python -m ds_lioncub.simulate`` says)."""
+    clip = options.clip
+    if clip is None:
+        return
+    if clipping > 0:
+        raise LionCubConfigError(
+            f"LionCub: option clip (max_norm {clip.max_norm}) and DeepSpeed's gradient_clipping ({clipping:g}; 1.0 "
+            f'when the ds_config leaves it out) would both clip the gradients. Set "gradient_clipping": 0 in the '
+            f"ds_config (clip.max_norm takes its place), or drop clip."
+        )
+    if options.compression == "none" and stage in (1, 2, 3):
+        raise LionCubConfigError(
+            f"LionCub: option clip under ZeRO stage {stage} needs a compressed mode (the hybrid). With compression "
+            f"'none' ZeRO averages the gradients before LionCub's step, and DeepSpeed's gradient_clipping clips their "
+            f"mean exactly: drop clip and set gradient_clipping to {clip.max_norm:g}."
+        )
 
 
 def _refuse_what_overlap_cannot_do(engine: Any, optimizer: LionCub) -> None:

@@ -158,6 +158,7 @@ def resolve_auto(
         bucket_size=options.bucket_size,
         exact_bucket_size=options.bucket_size if exact_bucket_size is None else exact_bucket_size,
         hybrid_with_one_rank_per_node=zero_stage != 0,
+        clip=None if options.clip is None else options.clip.model_dump(),
     )
     # The fastest mode that the convergence study does not show losing Lion's loss at these voters and beta2.
     sync = options.momentum_sync.model_dump() if options.momentum_sync.interval else None

@@ -19,6 +19,8 @@ from ds_lioncub.planner.pricing import (
     aggregation_collectives,
     aggregation_local_cost,
     bucket_sizes,
+    clip_collectives,
+    clip_local_cost,
     priced_candidate,
 )
 
@@ -67,8 +69,9 @@ def flat_candidate(
         votes.add(aggregation_collectives(options, bucket, p), "spanning", node_size, network)
     if p > 1 and options.check_finite:
         alone.add(wire.finite_check_collectives(p), "spanning", node_size, network)
+    alone.add(clip_collectives(options, p), "spanning", node_size, network)
     aggregation = aggregation_local_cost(costs, options) * num_params if p > 1 else 0.0
-    local = costs.cost(LION_UPDATE) * num_params + aggregation
+    local = (costs.cost(LION_UPDATE) + clip_local_cost(costs, options)) * num_params + aggregation
     return priced_candidate(label, params, 0, alone, local, votes, len(buckets))
 
 
@@ -102,7 +105,8 @@ def hybrid_candidate(
         votes.add(aggregation_collectives(options, bucket, nodes), "one_per_node", node_size, network)
     if options.check_finite:  # agreed over the whole world (section 12)
         alone.add(wire.finite_check_collectives(cluster.world_size), "spanning", node_size, network)
-    local = (costs.cost(LION_UPDATE) + aggregation_local_cost(costs, options)) * shard
+    alone.add(clip_collectives(options, cluster.world_size), "spanning", node_size, network)  # summed over the world
+    local = (costs.cost(LION_UPDATE) + aggregation_local_cost(costs, options) + clip_local_cost(costs, options)) * shard
     return priced_candidate(
         f"{label}, ZeRO-{zero_stage} hybrid", hybrid_params, zero_stage, alone, local, votes, len(buckets)
     )

@@ -22,7 +22,9 @@ made a vote more faithful in the study); beyond the largest, the largest, and th
 beta2 takes the nearest studied value. A k-bit vote of sign fields is the 1-bit vote's arithmetic
 (the sum of the workers' signs, the same tie rule; tests/unit/test_virtual_world.py shows them
 bit-identical), so it takes the 1-bit vote's evidence. The study ran the default tie rule and L1
-clip; other settings of them take the same evidence.
+clip; other settings of them take the same evidence. A mode with option ``clip`` (the mean gradient's
+sketched norm in place of DeepSpeed's per-rank clipping) has cells of its own (``"1bit+clip"``), whatever
+its max_norm and sketch width; where the study has none, it is "not in the convergence study".
 """
 
 from __future__ import annotations
@@ -124,10 +126,12 @@ def study_mode(params: Mapping[str, Any]) -> str | None:
     sync = params.get("momentum_sync") or {}
     synced = bool(sync.get("interval")) and sync.get("layers", "auto") == "auto" and int(sync["interval"]) <= 10
     voted = params.get("aggregation", "vote") == "vote"
+    # Option clip changes what the workers' updates are made of (the mean gradient's norm clips them): its own cells.
+    clipped = "+clip" if params.get("clip") else ""
     if compression == "1bit" or (params.get("quantizer", "sign") == "sign" and voted):
-        return "1bit+sync" if synced else "1bit"
+        return ("1bit+sync" if synced else "1bit") + clipped
     if params.get("quantizer") == "l1" and voted:
-        return f"{params.get('bits', 4)}bit-l1-{params.get('kbit_algorithm', 'allreduce')}"
+        return f"{params.get('bits', 4)}bit-l1-{params.get('kbit_algorithm', 'allreduce')}{clipped}"
     return "unmeasured"
 
 

@@ -41,8 +41,9 @@ compressed mode over the nodes' vote groups; when asked for, ZeRO-3 (:mod:`ds_li
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.planner.candidates import exact_candidate, flat_candidate, hybrid_candidate
@@ -88,6 +89,7 @@ def plan(
     exact_bucket_size: int = DEEPSPEED_BUCKET_SIZE,
     hybrid_with_one_rank_per_node: bool = False,
     ranks_per_core: float = 1.0,
+    clip: Mapping[str, Any] | None = None,
 ) -> list[Candidate]:
     """Every feasible candidate for ``num_params`` parameters on ``cluster``, fastest predicted step first.
 
@@ -99,7 +101,8 @@ def plan(
     ``hybrid_with_one_rank_per_node``: list the hybrid also when G = 1, where it is stage 0 under
     another name (for a job whose ZeRO stage is fixed at 2 or 3). ``ranks_per_core``: ranks sharing each CPU
     core of a machine; above 1 every candidate's local work is multiplied by it (the table is one
-    rank's alone on its core; see :func:`predict_aggregation_seconds`).
+    rank's alone on its core; see :func:`predict_aggregation_seconds`). ``clip``: LionCub's option clip (its block),
+    which every compressed candidate then runs with and is priced with (its sketch pass and all-reduce).
     """
     if num_params < 1:
         raise LionCubConfigError(f"LionCub: the model needs at least 1 parameter, got {num_params}.")
@@ -109,14 +112,14 @@ def plan(
     if 0 in zero_stages:
         for dtype in exact_comm_dtypes:
             candidates.append(exact_candidate(num_params, cluster, network, costs, dtype, 0, exact_bucket_size))
-        for label, params in compressed_modes(cluster.world_size):
+        for label, params in compressed_modes(cluster.world_size, clip):
             candidates.append(flat_candidate(label, params, num_params, cluster, network, costs, bucket_size))
     if 2 in zero_stages and cluster.nodes > 1:
         candidates.append(
             exact_candidate(num_params, cluster, network, costs, exact_comm_dtypes[0], 2, exact_bucket_size)
         )
     if 2 in zero_stages and cluster.nodes > 1 and (cluster.gpus_per_node > 1 or hybrid_with_one_rank_per_node):
-        for label, params in compressed_modes(cluster.nodes):
+        for label, params in compressed_modes(cluster.nodes, clip):
             candidates.append(
                 hybrid_candidate(label, params, num_params, cluster, network, costs, bucket_size, exact_bucket_size)
             )
@@ -130,6 +133,7 @@ def plan(
             bucket_size=bucket_size,
             zero_bucket_size=exact_bucket_size,
             hybrid_with_one_rank_per_node=hybrid_with_one_rank_per_node,
+            clip=clip,
         )
     return sorted(candidates, key=lambda candidate: candidate.seconds_per_step)
 

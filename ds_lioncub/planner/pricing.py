@@ -11,7 +11,7 @@ are built on these, and :func:`~ds_lioncub.planner.model.plan` ranks them all.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +113,21 @@ ERROR_FEEDBACK_LOCAL_PASSES = {"residual": 2.4, "ef21": 3.0}
 EF21_SPREAD_BYTES = 4
 
 
+#: Option clip's local work per element, in units of Lion's update: the sketch's pass over the gradient and the
+#: scaling of it (benchmarks/RESULTS.md, "Option clip: local cost"; benchmarks/bench_clip.py).
+CLIP_LOCAL_PASSES = 0.9
+
+
+def clip_collectives(options: LionCubConfig, world_size: int) -> list[wire.Collective]:
+    """Option clip's collectives per step over ``world_size`` ranks (none without clip)."""
+    return [] if options.clip is None else wire.clip_sketch_collectives(options.clip.sketch_bins, world_size)
+
+
+def clip_local_cost(costs: LocalCosts, options: LionCubConfig) -> float:
+    """Seconds per stepped element of option clip's local work (0 without clip)."""
+    return 0.0 if options.clip is None else CLIP_LOCAL_PASSES * costs.cost(LION_UPDATE)
+
+
 def aggregation_collectives(options: LionCubConfig, numel: int, world_size: int) -> list[wire.Collective]:
     """What one aggregation of ``numel`` elements over ``world_size`` ranks issues (LionCub's own collectives)."""
     if options.compression == "none":
@@ -205,8 +220,16 @@ def predict_aggregation_seconds(
 # ---------------------------------------------------------------------------------------------- one step
 
 
-def compressed_modes(world_size: int) -> list[tuple[str, dict[str, Any]]]:
-    """(label, params) of the 1-bit vote and every k-bit vote ``KbitCodec`` admits for ``world_size`` voters."""
+def compressed_modes(world_size: int, clip: Mapping[str, Any] | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """(label, params) of the 1-bit vote and every k-bit vote ``KbitCodec`` admits for ``world_size`` voters; with
+    ``clip`` (option clip's block) each with it, labelled so."""
+    modes = _vote_modes(world_size)
+    if clip is None:
+        return modes
+    return [(f"{label} + clip", {**params, "clip": dict(clip)}) for label, params in modes]
+
+
+def _vote_modes(world_size: int) -> list[tuple[str, dict[str, Any]]]:
     modes: list[tuple[str, dict[str, Any]]] = [("1-bit vote", {"compression": "1bit"})]
     for bits in (2, 4, 8):
         for quantizer in ("sign", "l1"):

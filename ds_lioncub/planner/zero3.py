@@ -23,6 +23,7 @@ agreements over the vote group (section 12.1) are left out, as under the ZeRO-1/
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ds_lioncub.comm import wire
@@ -80,15 +81,17 @@ def zero3_candidates(
     bucket_size: int,
     zero_bucket_size: int,
     hybrid_with_one_rank_per_node: bool,
+    clip: Mapping[str, Any] | None = None,
 ) -> list[Candidate]:
     """Exact Lion under ZeRO-3 (on any cluster), and with more than one node every compressed mode as the hybrid.
 
     ``hybrid_with_one_rank_per_node``: list the hybrid also when G = 1 (ZeRO-3 over one rank: nothing
-    partitioned, the vote over every rank), for a job whose ZeRO stage is fixed at 3.
+    partitioned, the vote over every rank), for a job whose ZeRO stage is fixed at 3. ``clip``: option clip's
+    block, on every compressed candidate.
     """
     candidates = [exact_zero3_candidate(num_params, cluster, network, costs, exact_comm_dtype, zero_bucket_size)]
     if cluster.nodes > 1 and (cluster.gpus_per_node > 1 or hybrid_with_one_rank_per_node):
-        for label, params in compressed_modes(cluster.nodes):
+        for label, params in compressed_modes(cluster.nodes, clip):
             candidates.append(
                 hybrid_zero3_candidate(
                     label, params, num_params, cluster, network, costs, bucket_size, zero_bucket_size

@@ -27,7 +27,7 @@ from typing import Any
 
 from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.errors import LionCubConfigError
-from ds_lioncub.integration.wiring import hybrid_refusal
+from ds_lioncub.integration.wiring import hybrid_refusal, refuse_two_clippings
 from ds_lioncub.simulate.train import ClipRule
 
 #: Options that do not change a step's math: dropped from the virtual world's options, each with this reason
@@ -130,6 +130,7 @@ def read_ds_config(path: Path) -> SimulationConfig:
         raise LionCubConfigError(
             f"LionCub: the ds_config's gradient_clipping must be a number >= 0 (0 disables clipping), got {clip!r}."
         )
+    refuse_two_clippings(parsed, float(clip), stage)  # as the DeepSpeed job refuses them
     settings = RunSettings(
         grad_clip=float(clip),
         clip_rule="per_worker" if mixed or hybrid else "deepspeed",

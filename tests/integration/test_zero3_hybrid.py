@@ -331,6 +331,17 @@ def test_binding_clip_scales_each_node_by_its_own_norm(launched: dict[str, Any])
 # ---------------------------------------------------------------------------------------------- checkpoints
 
 
+def test_option_clip_gives_every_sub_group_the_factor_of_the_whole_step(launched: dict[str, Any]) -> None:
+    """Three step() calls per optimizer step, one factor: the simulation's, from every sub-group's flat tensor on
+    every node; some steps clip and some do not."""
+    case = TRAINED_BY_NAME["zero3_1bit_option_clip_sub_groups"]
+    records = _trained(launched, case.name)
+    factors = _simulate(records, case).clip_factors
+    assert len(factors) == case.steps and any(f < 1.0 for f in factors) and any(f == 1.0 for f in factors), factors
+    for rank, record in enumerate(records):
+        assert record["clip_factor"] == pytest.approx(factors, rel=1e-12, abs=0), f"rank {rank}"
+
+
 def _resumed(launched: dict[str, Any]) -> Records:
     return ok_records([results["resume"] for results in launched["resume"]], "resume")
 

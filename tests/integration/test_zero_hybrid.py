@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from tests.support.checks import same_message_on_every_rank
+from tests.support.clip_reference import clipped_grads_fn
 from tests.support.feedback_checks import assert_feedback_resume_bitwise, assert_rank_feedback_matches
 from tests.support.hybrid_cases import (
     BETAS,
@@ -39,6 +40,7 @@ from tests.support.hybrid_cases import (
     NAN_STEP,
     NODE_SIZE,
     NODES,
+    OPTION_CLIP_BF16,
     OTHER_TOPOLOGIES,
     REFUSED,
     STEPS,
@@ -72,6 +74,9 @@ BITWISE = [
     "zero1_1bit_accumulation2",
     "zero2_1bit_accumulation2",
     "zero2_1bit_two_param_groups",
+    "zero2_1bit_option_clip_two_param_groups",
+    "zero1_kbit_l1_4bit_alltoall_option_clip",
+    "zero2_1bit_option_clip_nan_on_one_rank",
     "zero2_1bit_momentum_sync_all",
     "zero2_1bit_node_size1",
     "zero2_1bit_node_size4",
@@ -336,6 +341,44 @@ def test_control_stage0_lioncub_matches_the_stage0_simulation(launched: dict[str
             assert torch.equal(got, expected), f"rank {rank}"
 
 
+def test_stage0_option_clip_matches_the_plain_loop_every_step(launched: dict[str, Any]) -> None:
+    """Stage 0 in fp32 (DeepSpeed's gradient_clipping 0): every rank's parameters and factors are those of the
+    plain loop that clips the 4 ranks' gradients by the sketched norm of their mean (tests/support/clip_reference)."""
+    case = TRAINED_BY_NAME["stage0_1bit_option_clip"]
+    records = _trained(launched, case.name)
+    grads = _gradients(case)
+    factors: list[float] = []
+    clip = case.options["clip"]
+    clipped = clipped_grads_fn(
+        lambda r, t, ps: grads(r, t, 0, ps), WORLD, clip["max_norm"], clip["sketch_bins"], factors
+    )
+    init = [p.detach() for p in build_model().parameters()]
+    for steps in range(1, case.steps + 1):
+        params, exp_avgs = simulate_lioncub(init, clipped, WORLD, steps, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+        for rank, record in enumerate(records):
+            for got, expected in zip(record["params"][steps - 1], params, strict=True):
+                assert torch.equal(got, expected), f"rank {rank}, step {steps}"
+    assert any(f < 1.0 for f in factors) and any(f == 1.0 for f in factors), factors
+    for rank, record in enumerate(records):
+        assert record["clip_factor"] == pytest.approx(factors, rel=1e-12, abs=0), f"rank {rank}"
+        for got, expected in zip(record["momenta"], exp_avgs[rank], strict=True):
+            assert torch.equal(got, expected), f"rank {rank}"
+
+
+@pytest.mark.parametrize("case", OPTION_CLIP_BF16, ids=lambda case: case.name)
+def test_option_clip_under_bf16_keeps_every_rank_identical(launched: dict[str, Any], case: HybridCase) -> None:
+    """The bf16 wrappers hand LionCub unscaled fp32 gradients: one factor on every rank, some steps clipped."""
+    records = ok_records([results[f"trained/{case.name}"] for results in launched["main"]], case.name)
+    factors = records[0]["clip_factor"]
+    assert len(factors) == case.steps and any(f < 1.0 for f in factors), factors
+    for rank, record in enumerate(records):
+        assert record["clip_factor"] == factors, f"rank {rank}"
+        for got, expected in zip(record["params"], records[0]["params"], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), f"rank {rank}"
+    first, last = records[0]["params"][0], records[0]["params"][-1]
+    assert any(not torch.equal(a, b) for a, b in zip(first, last, strict=True)), f"{case.name} did not train"
+
+
 # ---------------------------------------------------------------------------------------------- invariants
 
 
@@ -387,6 +430,18 @@ def test_binding_clip_scales_each_node_by_its_own_norm(launched: dict[str, Any])
             assert record["grad_norm"][step] == pytest.approx(norms[_node(rank, NODE_SIZE)], rel=1e-5), (
                 f"rank {rank}, step {step + 1}"
             )
+
+
+@pytest.mark.parametrize("name", ["zero2_1bit_option_clip_two_param_groups", "zero1_kbit_l1_4bit_alltoall_option_clip"])
+def test_option_clip_scales_every_node_by_the_sketched_norm_of_their_mean(launched: dict[str, Any], name: str) -> None:
+    """Every rank applied the simulation's factor (the nodes' shards sketched and summed over the world) at every
+    step; some steps clip and some do not, so the factor is not a constant."""
+    case = TRAINED_BY_NAME[name]
+    records = _trained(launched, name)
+    factors = _simulate(records, case).clip_factors
+    assert len(factors) == case.steps and any(f < 1.0 for f in factors) and any(f == 1.0 for f in factors), factors
+    for rank, record in enumerate(records):
+        assert record["clip_factor"] == pytest.approx(factors, rel=1e-12, abs=0), f"rank {rank}"
 
 
 # ---------------------------------------------------------------------------------------------- NaN

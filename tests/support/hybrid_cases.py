@@ -28,6 +28,8 @@ BETAS = (0.9, 0.99)
 WEIGHT_DECAY = 0.1
 BIAS_WEIGHT_DECAY = 0.0
 BINDING_CLIP = 0.05  # far below every node's gradient norm here, so every step clips
+# LionCub's option clip: a norm the 2 nodes' mean gradient crosses during the run; fewer bins than a shard holds.
+OPTION_CLIP = {"max_norm": 0.7, "sketch_bins": 31}
 NAN_RANK, NAN_STEP = 3, 3
 WARMUP = {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2, "warmup_num_steps": 4, "warmup_type": "linear"}
 
@@ -126,6 +128,9 @@ class HybridCase:
             "error_feedback",
         )
         options = {name: self.options[name] for name in names if name in self.options}
+        clip = self.options.get("clip")
+        if clip:
+            options["sketch_clip"] = (clip["max_norm"], clip["sketch_bins"])
         sync = self.options.get("momentum_sync")
         if sync:
             options["momentum_sync_interval"] = sync["interval"]
@@ -196,9 +201,34 @@ TRAINED = [
     HybridCase("zero1_1bit_accumulation2", stage=1, accumulation=2),
     HybridCase("zero2_1bit_accumulation2", stage=2, accumulation=2),
     HybridCase("zero2_1bit_two_param_groups", bias_groups=True),
+    # Option clip: one factor from every shard of every param group (two groups: two calls of LionCub.step).
+    HybridCase(
+        "zero2_1bit_option_clip_two_param_groups",
+        bias_groups=True,
+        options={"compression": "1bit", "clip": OPTION_CLIP},
+    ),
+    HybridCase(
+        "zero2_1bit_option_clip_nan_on_one_rank",
+        nan_at=(NAN_RANK, NAN_STEP),
+        options={"compression": "1bit", "clip": OPTION_CLIP},
+    ),
+    HybridCase(
+        "zero1_kbit_l1_4bit_alltoall_option_clip",
+        stage=1,
+        options={
+            "compression": "kbit",
+            "bits": 4,
+            "quantizer": "l1",
+            "kbit_algorithm": "alltoall",
+            "clip": OPTION_CLIP,
+        },
+    ),
     HybridCase("zero2_1bit_momentum_sync_all", options=_sync_all(2)),
     HybridCase("zero2_1bit_node_size1", node_size=1),
     HybridCase("stage0_1bit", stage=0, node_size=None),
+    HybridCase(
+        "stage0_1bit_option_clip", stage=0, node_size=None, options={"compression": "1bit", "clip": OPTION_CLIP}
+    ),
     HybridCase("zero2_1bit_node_size4", node_size=4),
     # Control without the hybrid: DeepSpeed's own ZeRO-2 over the 4 ranks with exact Lion, which checks
     # the simulation's model of ZeRO (reduction, padding, shards) independently of the hybrid code.
@@ -231,7 +261,23 @@ CONSISTENCY_CHECKED = [
         options={"compression": "none", "consistency_check": {"interval": 1}},
     ),
 ]
-UNSIMULATED = [BF16, FINITE_CHECK_ONLY, *CONSISTENCY_CHECKED]
+# Option clip under the bf16 wrappers (stage 0: DeepSpeed's unfused fp16/bf16 optimizer; the ZeRO-2 hybrid): LionCub
+# clips the unscaled fp32 gradients the wrapper hands it. No simulation: every rank the same factor and parameters.
+OPTION_CLIP_BF16 = [
+    HybridCase(
+        "stage0_1bit_option_clip_bf16",
+        stage=0,
+        node_size=None,
+        options={"compression": "1bit", "clip": OPTION_CLIP},
+        extra={"bf16": {"enabled": True}},
+    ),
+    HybridCase(
+        "zero2_1bit_option_clip_bf16",
+        options={"compression": "1bit", "clip": OPTION_CLIP},
+        extra={"bf16": {"enabled": True}},
+    ),
+]
+UNSIMULATED = [BF16, FINITE_CHECK_ONLY, *CONSISTENCY_CHECKED, *OPTION_CLIP_BF16]
 
 # Saved after CHECKPOINT_AT steps in the main launch, resumed for STEPS - CHECKPOINT_AT more in the second.
 CHECKPOINTED = HybridCase("zero2_1bit", stage=2)
@@ -269,5 +315,13 @@ REFUSED: dict[str, tuple[HybridCase, tuple[str, ...]]] = {
     "mpi_backend": (
         HybridCase("mpi_backend", options={"compression": "1bit", "comm_backend_name": "mpi"}),
         ("mpi", "hybrid"),
+    ),
+    "clip_and_gradient_clipping": (
+        HybridCase("clip_and_gradient_clipping", clipping=1.0, options={"compression": "1bit", "clip": OPTION_CLIP}),
+        ("option clip", "gradient_clipping (1;", 'Set "gradient_clipping": 0'),
+    ),
+    "clip_exact_under_zero": (
+        HybridCase("clip_exact_under_zero", node_size=None, options={"compression": "none", "clip": OPTION_CLIP}),
+        ("option clip under ZeRO stage 2", "gradient_clipping to 0.7"),
     ),
 }

@@ -118,6 +118,7 @@ def train(engine: Any, case: HybridCase, first_step: int, steps: int, record: Re
         stats = lioncub.comm_stats()
         record.setdefault("comm", []).append((stats.collectives, stats.bytes_sent, stats.bytes_received))
         record.setdefault("telemetry", []).append(lioncub.last_step_telemetry)
+        record.setdefault("clip_factor", []).append(lioncub.last_clip_coefficient)
 
 
 def final_state(engine: Any, record: Record, view: ZeroView) -> None:

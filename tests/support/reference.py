@@ -480,6 +480,7 @@ class HybridRun:
             or when clipping is off).
         feedback: with error feedback, ``feedback[j]``: the EF state of the vote on shard j, its worker k
             being node k (so rank (k, j) holds worker k's residuals or estimates of ``feedback[j]``).
+        clip_factors: with ``sketch_clip``, the factor of every step taken.
     """
 
     params_per_step: list[list[Tensor]]
@@ -490,6 +491,7 @@ class HybridRun:
     partition_sizes: list[int]
     node_grad_norms: list[list[float]]
     feedback: list[EfState] = field(default_factory=list)
+    clip_factors: list[float] = field(default_factory=list)
 
     def shard(self, vector: Tensor, group: int, local_index: int) -> Tensor:
         """Shard ``local_index`` of a padded flat vector of ``group``."""
@@ -531,6 +533,30 @@ def _node_gradient(
     return reduce([accumulate(micro_grads[r]) for r in ranks])
 
 
+def _sketched_clip_factor(
+    node_grads: list[list[Tensor]],
+    groups: list[list[int]],
+    groups_padding: Sequence[int],
+    node_size: int,
+    step: int,
+    sketch_clip: tuple[float, int],
+) -> float:
+    """Option clip's factor under the hybrid: every node's shards sketched (shard j of group i as tensor i, shard
+    key j), summed, divided by the node count (:func:`tests.support.clip_reference.brute_force_sketch`)."""
+    from tests.support.clip_reference import brute_force_sketch
+
+    max_norm, bins = sketch_clip
+    total = torch.zeros(bins, dtype=torch.float64)
+    for grads in node_grads:
+        for i, (group, pad) in enumerate(zip(groups, groups_padding, strict=True)):
+            flat = _flatten_padded([grads[p] for p in group], pad)
+            size = flat.numel() // node_size
+            for j in range(node_size):
+                total += brute_force_sketch([flat[j * size : (j + 1) * size]], bins, step, shard=j, first_tensor=i)
+    norm = math.sqrt(float(((total / len(node_grads)) ** 2).sum()))
+    return min(1.0, max_norm / (norm + 1e-6))
+
+
 def _flatten_padded(tensors: list[Tensor], padding: int) -> Tensor:
     """The tensors flattened in order into one fp32 vector with ``padding`` zeros at the end."""
     parts = [t.detach().float().reshape(-1) for t in tensors]
@@ -563,6 +589,7 @@ def simulate_hybrid(
     momentum_sync_interval: int = 0,
     bucket_size: int = 1 << 23,
     error_feedback: dict[str, Any] | None = None,
+    sketch_clip: tuple[float, int] | None = None,
 ) -> HybridRun:
     """Simulate compressed LionCub under ZeRO-1/2 on ``nodes`` x ``node_size`` ranks for ``steps`` engine steps.
 
@@ -578,7 +605,10 @@ def simulate_hybrid(
     3. a non-finite gradient on any rank skips the step on every rank: nothing moves, LionCub's step
        count stays;
     4. with ``gradient_clipping`` > 0 each node scales its gradient by 1 / max(1, (norm + 1e-6) / clip),
-       norm = the L2 norm of the node's gradient over all parameters;
+       norm = the L2 norm of the node's gradient over all parameters; with ``sketch_clip`` = (max_norm, K)
+       (LionCub's option clip) every node scales it by the factor of tests.support.clip_reference from the
+       sketches of every node's shards (shard j of group i sketched as tensor i with shard key j, the nodes'
+       sum divided by the node count), recorded in ``clip_factors``;
     5. per param group (``param_groups``: parameter indices in order, default one group of all), the
        gradient is flattened with ``groups_padding[i]`` zeros at the end into the group's padded flat
        vector, whose G equal shards are what ZeRO gives the node's ranks (geometry is an input here);
@@ -653,6 +683,13 @@ def simulate_hybrid(
             run.params_per_step.append([t.clone() for t in params])
             run.node_grad_norms.append(norms)
             continue
+        if sketch_clip is not None:
+            factor = _sketched_clip_factor(node_grads, groups, groups_padding, node_size, lioncub_step + 1, sketch_clip)
+            run.clip_factors.append(factor)
+            for grads in node_grads:
+                for g in grads:
+                    if factor < 1.0:
+                        g.mul_(factor)
         if gradient_clipping > 0:
             for k, grads in enumerate(node_grads):
                 norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1).double() for g in grads])).float()

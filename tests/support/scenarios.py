@@ -28,6 +28,11 @@ SYNC_LAYERS = ["^w2$"]
 VOTE_STATS = {"telemetry": {"vote_stats": True}}
 
 
+#: Option clip in the scenarios: a norm below one rank's gradient norm (1.07) and the 2-rank mean's (0.79-0.88),
+#: and between the 3- and 4-rank means' (0.56-0.69), so that some of their steps clip and some do not; fewer bins
+#: than any tensor but b2 has elements, so that elements collide.
+CLIP = {"max_norm": 0.58, "sketch_bins": 61}
+
 # overlap=True against overlap=False on real ranks: (options, accumulation steps, clip norm or None, the rank
 # that leaves b2 out of its loss or None, (rank, step) of an inf gradient or None); ranks -1 mean the last.
 OVERLAP_CASES: dict[str, tuple[dict[str, object], int, float | None, int | None, tuple[int, int] | None]] = {
@@ -35,6 +40,8 @@ OVERLAP_CASES: dict[str, tuple[dict[str, object], int, float | None, int | None,
     "4bit-sign-accumulate-2": ({"compression": "kbit", "bits": 4}, 2, None, None, None),
     "8bit-l1-accumulate-3-unused": ({"compression": "kbit", "bits": 8, "quantizer": "l1"}, 3, None, 0, None),
     "1bit-inf": ({"compression": "1bit"}, 1, None, None, (-1, 3)),
+    # Option clip scales the gradients inside step(), after the hooks sent their messages.
+    "1bit-option-clip": ({"compression": "1bit", "clip": CLIP}, 1, None, None, None),
 }
 
 
@@ -208,6 +215,23 @@ def error_feedback_modes(world_size: int) -> dict[str, dict[str, object]]:
             "error_feedback": {"kind": "residual"},
         }
     return modes
+
+
+def clip_modes(world_size: int) -> dict[str, dict[str, object]]:
+    """Option ``clip`` on a sign vote, an L1 all-to-all and exact Lion, trained by the gloo jobs beside
+    :func:`training_modes` (the brute-force reference of those modes does not clip: tests/support/clip_reference.py
+    does)."""
+    return {
+        "clip-1bit": {"compression": "1bit", "clip": CLIP},
+        "clip-4bit-l1-alltoall": {
+            "compression": "kbit",
+            "bits": 4,
+            "quantizer": "l1",
+            "kbit_algorithm": "alltoall",
+            "clip": CLIP,
+        },
+        "clip-none": {"compression": "none", "clip": CLIP},
+    }
 
 
 # The modes whose buckets go through the packed sign vote (and so the fused step kernels where compiled).

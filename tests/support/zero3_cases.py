@@ -20,6 +20,7 @@ from tests.support.hybrid_cases import (
     BINDING_CLIP,
     NAN_RANK,
     NAN_STEP,
+    OPTION_CLIP,
     VOTE_STATS,
     WARMUP,
     HybridCase,
@@ -29,6 +30,9 @@ from tests.support.hybrid_cases import (
 
 # Parameters gathered per layer, and ZeRO-3's own default sub-group size (one sub-group per param group).
 GATHERED: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+# Option clip's norm here: the ZeRO-3 runs' mean gradient stays below the ZeRO-1/2 cases' 0.7 (their trajectories
+# differ from the first step's vote on), and 0.65 clips some of their steps and not others.
+ZERO3_CLIP_NORM = 0.65
 # A sub-group size that cuts the 98 elements a rank holds at G = 2 into three sub-groups (see sub_groups).
 SMALL_SUB_GROUP = 20
 
@@ -103,6 +107,12 @@ TRAINED = [
         },
     ),
     zero3("zero3_1bit_sub_groups_two_param_groups", sub_group_size=SMALL_SUB_GROUP, bias_groups=True),
+    # Option clip: one factor from every sub-group's flat tensor, given to all three step() calls.
+    zero3(
+        "zero3_1bit_option_clip_sub_groups",
+        sub_group_size=SMALL_SUB_GROUP,
+        options={"compression": "1bit", "clip": {**OPTION_CLIP, "max_norm": ZERO3_CLIP_NORM}},
+    ),
     zero3("zero3_1bit_nan_on_one_rank", nan_at=(NAN_RANK, NAN_STEP)),
     # ZeRO-3's default persistence: small parameters stay whole on every rank, the step is the same.
     dataclasses.replace(zero3("zero3_1bit_persistent_small_parameters"), extra={"zero_optimization": {"stage": 3}}),

@@ -13,7 +13,9 @@ Per engine step:
    micro-batches summed (ZeRO-3 reduces every micro-batch);
 3. a non-finite gradient on any rank skips the step everywhere: nothing moves, the step count stays;
 4. with clipping, each node scales its gradient by 1 / max(1, (norm + 1e-6) / clip), norm = the L2 norm of
-   the node's gradient (per-node clipping);
+   the node's gradient (per-node clipping); with ``sketch_clip`` = (max_norm, K) (LionCub's option clip) every
+   node scales it by the factor of tests.support.clip_reference from every node's flat tensors (sub-group s,
+   slice j sketched as tensor s with shard key j; the nodes' sum divided by the node count);
 5. LionCub's step count advances once; per sub-group s and slice j, the nodes' flat tensors of s, j:
    c = b1*m + (1-b1)*g, m = b2*m + (1-b2)*g, aggregated across the nodes as at stage 0 (one vote per flat
    tensor: the L1 scale is its mean |c|, summed chunk-wise past ``bucket_size``), x = x*(1 - lr*wd) - lr*Delta,
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tests.support.clip_reference import brute_force_sketch
 from tests.support.error_feedback_reference import EfState, feedback_deltas, shard_feedback
 from tests.support.reference import (
     HybridGradsFn,
@@ -58,6 +61,7 @@ class Zero3Run:
         skipped: per engine step, whether every rank skipped it.
         feedback: with error feedback, ``feedback[j]``: the EF state of slice j's votes, its worker k being
             node k (rank (k, j) holds worker k's residuals or estimates).
+        clip_factors: with ``sketch_clip``, the factor of every step taken.
     """
 
     params_per_step: list[list[Tensor]]
@@ -66,6 +70,7 @@ class Zero3Run:
     lioncub_steps: list[int]
     skipped: list[bool]
     feedback: list[EfState] = field(default_factory=list)
+    clip_factors: list[float] = field(default_factory=list)
 
 
 def _slice(param: Tensor, local: int, node_size: int) -> Tensor:
@@ -104,6 +109,7 @@ def simulate_hybrid_zero3(
     momentum_sync_interval: int = 0,
     bucket_size: int = 1 << 23,
     error_feedback: dict[str, Any] | None = None,
+    sketch_clip: tuple[float, int] | None = None,
 ) -> Zero3Run:
     """Simulate ``steps`` engine steps (module docstring); ``sub_groups[s]`` holds parameter indices in order and
     ``weight_decays[s]`` is its param group's decay; ``compression="none"`` is exact Lion on one node."""
@@ -145,6 +151,13 @@ def simulate_hybrid_zero3(
             run.lioncub_steps.append(lioncub_step)
             run.params_per_step.append([p.clone() for p in params])
             continue
+        if sketch_clip is not None:
+            factor = _sketched_clip_factor(node_grads, groups, node_size, lioncub_step + 1, sketch_clip)
+            run.clip_factors.append(factor)
+            for grads in node_grads:
+                for g in grads:
+                    if factor < 1.0:
+                        g.mul_(factor)
         if gradient_clipping > 0:
             for grads in node_grads:
                 norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1).double() for g in grads])).float()
@@ -192,6 +205,20 @@ def simulate_hybrid_zero3(
         run.lioncub_steps.append(lioncub_step)
         run.params_per_step.append([p.clone() for p in params])
     return run
+
+
+def _sketched_clip_factor(
+    node_grads: list[list[Tensor]], groups: list[list[int]], node_size: int, step: int, sketch_clip: tuple[float, int]
+) -> float:
+    """Option clip's factor under the ZeRO-3 hybrid (module docstring, step 4)."""
+    max_norm, bins = sketch_clip
+    total = torch.zeros(bins, dtype=torch.float64)
+    for grads in node_grads:
+        for s, group in enumerate(groups):
+            for j in range(node_size):
+                total += brute_force_sketch([_flat(grads, group, j, node_size)], bins, step, shard=j, first_tensor=s)
+    norm = math.sqrt(float(((total / len(node_grads)) ** 2).sum()))
+    return min(1.0, max_norm / (norm + 1e-6))
 
 
 def _whole_params(

@@ -338,6 +338,8 @@ NUMERIC_FIELD_CONTEXT: dict[str, dict[str, Any]] = {
     "momentum_sync.interval": {},
     "consistency_check.interval": {},
     "hybrid.node_size": {},
+    "clip.max_norm": {},
+    "clip.sketch_bins": {"clip": {"max_norm": 1.0}},
     "error_feedback.beta": {**KBIT_L1, "error_feedback": {"kind": "residual"}},
     "error_feedback.reset_interval": {**KBIT_L1, "error_feedback": {"kind": "residual"}},
     "network.bandwidth": {"compression": "auto"},

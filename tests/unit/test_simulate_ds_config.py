@@ -100,3 +100,30 @@ def test_options_that_do_not_change_the_math_are_dropped_each_with_its_reason(tm
     notes = {note.split(" dropped: ")[0]: note for note in config.notes if " dropped: " in note}
     assert set(notes) == set(dropped)
     assert "bit-identical" in read_ds_config(write(tmp_path, {**MODE, "overlap": True})).notes[0]
+
+
+CLIP = {"max_norm": 1.0, "sketch_bins": 61}
+
+
+@pytest.mark.parametrize(
+    ("params", "extra", "expected"),
+    [
+        # DeepSpeed's gradient_clipping is 1.0 when the ds_config leaves it out: both would clip.
+        ({**MODE, "clip": CLIP}, {}, '"gradient_clipping": 0'),
+        ({**MODE, "clip": CLIP}, {"gradient_clipping": 0.5}, "gradient_clipping (0.5;"),
+        ({"compression": "none", "clip": CLIP}, {"gradient_clipping": 0, "zero_optimization": {"stage": 2}}, "stage 2"),
+    ],
+)
+def test_option_clip_is_refused_where_the_deepspeed_job_refuses_it(
+    tmp_path: Path, params: dict[str, Any], extra: dict[str, Any], expected: str
+) -> None:
+    with pytest.raises(LionCubConfigError, match="^LionCub: option clip") as error:
+        read_ds_config(write(tmp_path, params, **extra))
+    assert expected in str(error.value)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_option_clip_with_deepspeeds_clipping_off_is_the_virtual_worlds(tmp_path: Path, stage: int) -> None:
+    params = {**MODE, "clip": CLIP}
+    config = read_ds_config(write(tmp_path, params, gradient_clipping=0, zero_optimization={"stage": stage}))
+    assert config.options == params and config.settings.grad_clip == 0.0

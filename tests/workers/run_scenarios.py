@@ -111,6 +111,8 @@ def train_mode(
         results[f"{keys}-stats/{mode}/{step}"] = optimizer.comm_stats() - before
         if pipelined:
             results[f"{prefix}train-telemetry/{mode}/{step}"] = optimizer.last_step_telemetry
+        if "clip" in options:
+            results[f"{keys}-clip/{mode}/{step}"] = optimizer.last_clip_coefficient
         if "momentum_sync" in options:
             for name, param in params.items():
                 results[f"{keys}-exp-avg/{mode}/{step}/{name}"] = optimizer.state[param]["exp_avg"].clone()
@@ -197,6 +199,9 @@ def run_training(rank: int, world_size: int) -> dict[str, object]:
     for mode, options in sc.error_feedback_modes(world_size).items():  # beside the modes, with the "ef/" prefix
         results.update(train_mode(rank, mode, options, pipelined=True, prefix="ef/"))
         results.update(train_mode(rank, mode, options, pipelined=False, prefix="ef/"))
+    for mode, options in sc.clip_modes(world_size).items():  # beside the modes, with the "clip/" prefix
+        results.update(train_mode(rank, mode, options, pipelined=True, prefix="clip/"))
+        results.update(train_mode(rank, mode, options, pipelined=False, prefix="clip/"))
     # The sign votes again on the torch packing path (the composition the fused kernels must equal).
     packing.set_packing_path("torch")
     for mode in sc.SIGN_VOTE_MODES:

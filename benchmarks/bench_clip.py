@@ -1,0 +1,54 @@
+"""Option clip's local cost: the sketch of a bucket's gradient and the scaling of it, in units of Lion's update.
+
+    python -m benchmarks.bench_clip [--numel 8388608] [--repeats 7] [--bins 4093]
+
+On one bucket of ``--numel`` fp32 elements, one torch thread, the median of ``--repeats`` runs after a warm-up,
+in ns per element and in units of Lion's own update (direction, momentum, update: the planner table's
+``lion_update``, timed here as ``benchmarks/bench_error_feedback.py`` times it): the sketch
+(:func:`ds_lioncub.step.clipping.gradient_sketch`: one read of the gradient, a product with the signs and the
+sums of its bins) and the scaling of the gradient by the factor (one read and write). Their sum, in Lion
+updates, is what the planner adds per stepped element (``CLIP_LOCAL_PASSES``); the all-reduce of the sketch is
+priced as a collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.timing import median_seconds
+from ds_lioncub.lion import apply_update, lion_direction, update_momentum
+from ds_lioncub.step.clipping import gradient_sketch
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--numel", type=int, default=1 << 23)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--bins", type=int, default=4093)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    n = args.numel
+    generator = torch.Generator().manual_seed(0)
+    values, grad = torch.randn(n, generator=generator), torch.randn(n, generator=generator)
+    momentum, direction, param = torch.zeros(n), torch.empty(n), values.clone()
+
+    def lion() -> None:
+        lion_direction(momentum, grad, 0.9, out=direction)
+        update_momentum(momentum, grad, 0.99)
+        apply_update(param, direction.sign_(), 1e-4, 0.1)
+
+    step = iter(range(1, 1 << 30))
+    lion_update = median_seconds(lion, args.repeats) / n
+    sketch = median_seconds(lambda: gradient_sketch([[grad]], args.bins, next(step), 0), args.repeats) / n
+    scale = median_seconds(lambda: torch._foreach_mul_([grad], 1.0 - 1e-7), args.repeats) / n
+    print(f"lion_update: {lion_update * 1e9:.2f} ns/element")
+    print("| part | ns/element | in lion_update |")
+    print("|---|---|---|")
+    for name, cost in (("sketch", sketch), ("scaling", scale), ("clip (both)", sketch + scale)):
+        print(f"| {name} | {cost * 1e9:.2f} | {cost / lion_update:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Option ``clip`` on real gloo ranks (p = 1-4): every mode of ``scenarios.clip_modes`` equal, bit for bit, to the
+plain loop (tests/support/clip_reference.py feeding tests/support/reference.py) and to the virtual world on the
+same gradients, with one all-reduce of the sketch per step more than the same mode without clip.
+
+The gloo jobs of tests/distributed/conftest.py trained those modes (pipelined and serial bucket schedules) in the
+launch the distributed tier runs anyway; nothing is launched here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from ds_lioncub.comm import wire
+from tests.distributed.test_virtual_world_vs_ranks import virtual_run
+from tests.support import scenarios as sc
+from tests.support.clip_reference import clipped_grads_fn
+from tests.support.reference import simulate_lioncub
+from tests.support.scenario_optimizer import scenario_settings
+
+pytestmark = pytest.mark.distributed
+
+PARAM_NAMES = list(sc.PARAM_SHAPES)
+# The same mode without clip, in scenarios.training_modes or here: what clip adds to each step's traffic.
+UNCLIPPED = {"clip-1bit": "1bit", "clip-4bit-l1-alltoall": "4bit-l1-alltoall", "clip-none": "none-fp32"}
+
+
+def reference(p: int, options: dict[str, Any]) -> tuple[list[torch.Tensor], list[list[torch.Tensor]], list[float]]:
+    """The plain loop of ``options`` on p ranks: (parameters, momenta per rank, the factor of each step)."""
+    settings = scenario_settings(**options)
+    clip = settings.pop("clip")
+    settings.pop("telemetry", None)
+    factors: list[float] = []
+    grads = clipped_grads_fn(
+        lambda rank, step, params: sc.model_grads(params, rank, step), p, clip["max_norm"], clip["sketch_bins"], factors
+    )
+    params, momenta = simulate_lioncub(list(sc.init_params().values()), grads, p, sc.TRAIN_STEPS, **settings)
+    return params, momenta, factors
+
+
+def test_each_mode_equals_the_plain_loop_and_the_virtual_world_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    p = len(ranks)
+    init = sc.init_params()
+    for mode, options in sc.clip_modes(p).items():
+        params, momenta, factors = reference(p, options)
+        assert any(f < 1.0 for f in factors), f"{mode}: no step clipped"
+        virtual = virtual_run(p, options)
+        for index, name in enumerate(PARAM_NAMES):
+            want = params[index]
+            assert not torch.equal(want, init[name]), f"{mode}: {name} never moved"
+            assert torch.equal(virtual[f"param/{name}"], want), f"{mode}: the virtual world's {name}"
+            for rank in range(p):
+                for schedule in ("train", "train-serial"):
+                    got = ranks[rank][f"clip/{schedule}-param/{mode}/{name}"]
+                    assert torch.equal(got, want), f"{mode} ({schedule}): {name} on rank {rank}"
+                momentum = ranks[rank][f"clip/train-exp-avg/{mode}/final/{name}"]
+                # Exact Lion's momentum is every rank's; the reference keeps it per rank all the same.
+                assert torch.equal(momentum, momenta[rank][index].view_as(momentum)), f"{mode}: {rank} {name}"
+                assert torch.equal(virtual[f"exp-avg/{rank}/{sc.TRAIN_STEPS}/{name}"], momentum)
+        for rank in range(p):
+            got = [ranks[rank][f"clip/train-clip/{mode}/{step}"] for step in range(1, sc.TRAIN_STEPS + 1)]
+            assert got == pytest.approx(factors, rel=1e-12, abs=0), f"{mode}: rank {rank}'s factors"
+
+
+def test_clip_adds_one_all_reduce_of_the_sketch_per_step(ranks: list[dict[str, Any]]) -> None:
+    """Counted on the real ranks against the same mode without clip: one fp64 all-reduce of sketch_bins numbers
+    per step (a world of one has no collectives), and the virtual world counts what the ranks sent."""
+    p = len(ranks)
+    extra = wire.all_reduce_bytes(8 * sc.CLIP["sketch_bins"], p) if p > 1 else 0
+    for mode, options in sc.clip_modes(p).items():
+        virtual = virtual_run(p, options)
+        for rank in range(p):
+            for step in range(1, sc.TRAIN_STEPS + 1):
+                clipped = ranks[rank][f"clip/train-stats/{mode}/{step}"]
+                plain = ranks[rank][f"train-stats/{UNCLIPPED[mode]}/{step}"]
+                assert clipped.collectives == plain.collectives + (1 if p > 1 else 0), (mode, rank, step)
+                assert clipped.bytes_sent == plain.bytes_sent + extra, (mode, rank, step)
+                counted = virtual[f"stats/{rank}/{step}"]
+                assert (counted.collectives, counted.bytes_sent) == (clipped.collectives, clipped.bytes_sent)

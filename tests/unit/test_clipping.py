@@ -1,0 +1,144 @@
+"""Option ``clip``: the sketch against a plain scatter of every element, its estimate against the true norm, the
+factor against DeepSpeed's formula, and LionCub and the virtual world against a plain loop."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ds_lioncub import LionCub
+from ds_lioncub.errors import LionCubConfigError, LionCubSetupError
+from ds_lioncub.simulate import VirtualLionCub
+from ds_lioncub.step import clipping
+from ds_lioncub.step.clipping import clip_coefficient, gradient_sketch
+from tests.support import scenarios as sc
+from tests.support.clip_reference import brute_force_sketch, clipped_grads_fn
+from tests.support.reference import simulate_lioncub
+from tests.support.scenario_optimizer import fresh_params, scenario_settings
+
+
+def test_the_sketch_is_every_element_scattered_into_its_bin() -> None:
+    generator = torch.Generator().manual_seed(1)
+    grads = [torch.randn(shape, generator=generator) for shape in ((40, 64), (64,), (64, 8), (8,), (1,))]
+    for bins in (1, 7, 61, 64, 4093):
+        for step in (1, 2, 17):
+            got = gradient_sketch([[g] for g in grads], bins, step, shard=0)
+            assert torch.allclose(got, brute_force_sketch(grads, bins, step), rtol=1e-12, atol=1e-12), (bins, step)
+
+
+def test_pieces_and_chunks_walk_the_same_elements(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor given as pieces that start mid-row, walked in chunks of a few rows, sketches as the whole tensor."""
+    flat = torch.randn(1000, generator=torch.Generator().manual_seed(2))
+    whole = brute_force_sketch([flat], 13, 5)
+    monkeypatch.setattr(clipping, "CHUNK", 40)  # 3 rows of 13 per chunk
+    pieces = [flat[:5], flat[5:6], flat[6:300], flat[300:]]
+    assert torch.allclose(gradient_sketch([pieces], 13, 5, shard=0), whole, rtol=1e-12, atol=1e-12)
+
+
+def test_other_shards_and_tensors_draw_other_signs() -> None:
+    g = torch.randn(500, generator=torch.Generator().manual_seed(3))
+    base = gradient_sketch([[g]], 4093, 1, shard=0)
+    assert not torch.equal(base, gradient_sketch([[g]], 4093, 1, shard=1))
+    assert not torch.equal(base, gradient_sketch([[g]], 4093, 1, shard=0, first_tensor=1))
+    assert not torch.equal(base, gradient_sketch([[g]], 4093, 2, shard=0))
+
+
+def test_with_a_bin_per_element_the_estimate_is_the_norm() -> None:
+    g = torch.randn(3000, generator=torch.Generator().manual_seed(4))
+    estimate = float(torch.linalg.vector_norm(gradient_sketch([[g]], 4093, 1, shard=0)))
+    assert estimate == pytest.approx(float(torch.linalg.vector_norm(g.double())), rel=1e-12)
+
+
+def test_the_squared_estimate_is_unbiased_with_the_predicted_spread() -> None:
+    """Over 300 steps' signs, mean |S|^2 within 4 standard errors of |g|^2, and its spread near sqrt(2 / K)."""
+    generator = torch.Generator().manual_seed(5)
+    g = torch.randn(200_000, generator=generator) * torch.rand(200_000, generator=generator) ** 4  # heavy-tailed
+    truth = float(g.double().square().sum())
+    squares = torch.tensor([float(gradient_sketch([[g]], 4093, t, 0).square().sum()) / truth for t in range(1, 301)])
+    spread = float(squares.std())
+    assert abs(float(squares.mean()) - 1.0) < 4 * spread / math.sqrt(len(squares))
+    assert 0.5 * math.sqrt(2 / 4093) < spread < 2 * math.sqrt(2 / 4093)
+
+
+def test_the_factor_is_deepspeeds_formula_on_the_mean_sketch() -> None:
+    summed = torch.tensor([3.0, 4.0], dtype=torch.float64)  # two voters: the mean sketch's norm is 2.5
+    assert clip_coefficient(summed, 2, 1.0) == 1.0 / (2.5 + 1e-6)
+    assert clip_coefficient(summed, 2, 10.0) == 1.0
+    assert clip_coefficient(summed, 2, 0.1, loss_scale=5.0) == 0.1 / (0.5 + 1e-6)  # the unscaled norm is 0.5
+    assert clip_coefficient(torch.tensor([math.nan, 1.0], dtype=torch.float64), 2, 1.0) == 1.0
+
+
+@pytest.mark.parametrize("mode", ["clip-1bit", "clip-4bit-l1-alltoall", "clip-none"])
+def test_the_virtual_world_equals_the_plain_loop(mode: str) -> None:
+    """4 virtual workers (a world the distributed tier also runs on gloo ranks) against the plain loop."""
+    p, options = 4, sc.clip_modes(4)[mode]
+    settings = scenario_settings(**options)
+    clip = settings.pop("clip")
+    factors: list[float] = []
+    grads = clipped_grads_fn(
+        lambda rank, step, params: sc.model_grads(params, rank, step), p, clip["max_norm"], clip["sketch_bins"], factors
+    )
+    want, _ = simulate_lioncub(list(sc.init_params().values()), grads, p, sc.TRAIN_STEPS, **settings)
+    params = fresh_params()
+    virtual = VirtualLionCub(list(params.items()), workers=p, **scenario_settings(**options))
+    got = []
+    for step in range(1, sc.TRAIN_STEPS + 1):
+        on_cpu = [param.detach().clone() for param in params.values()]
+        virtual.step([sc.model_grads(on_cpu, rank, step) for rank in range(p)])
+        got.append(virtual.last_clip_coefficient)
+    assert got == pytest.approx(factors, rel=1e-12, abs=0)
+    assert any(f < 1.0 for f in factors) and any(f == 1.0 for f in factors), factors  # some steps clip, some not
+    for name, expected in zip(sc.PARAM_SHAPES, want, strict=True):
+        assert torch.equal(params[name].detach(), expected), name
+
+
+def test_alone_lioncub_clips_its_own_gradient_as_the_plain_loop() -> None:
+    options = {"compression": "1bit", "clip": sc.CLIP}
+    settings = scenario_settings(**options)
+    clip = settings.pop("clip")
+    factors: list[float] = []
+    grads = clipped_grads_fn(
+        lambda rank, step, params: sc.model_grads(params, rank, step), 1, clip["max_norm"], clip["sketch_bins"], factors
+    )
+    want, _ = simulate_lioncub(list(sc.init_params().values()), grads, 1, sc.TRAIN_STEPS, **settings)
+    params = fresh_params()
+    optimizer = LionCub(list(params.items()), **scenario_settings(**options))
+    for step in range(1, sc.TRAIN_STEPS + 1):
+        optimizer.zero_grad()
+        sc.loss_of(params, 0, step).backward()
+        optimizer.step()
+        assert optimizer.last_clip_coefficient == pytest.approx(factors[step - 1], rel=1e-12, abs=0)
+    assert all(f < 1.0 for f in factors)  # one rank's norm (1.07) is above 0.7 at every step
+    for name, expected in zip(sc.PARAM_SHAPES, want, strict=True):
+        assert torch.equal(params[name].detach(), expected), name
+
+
+def test_a_step_in_parts_without_a_given_factor_is_refused() -> None:
+    params = fresh_params()
+    optimizer = LionCub(list(params.items()), compression="1bit", clip={"max_norm": 1.0})
+    sc.loss_of(params, 0, 1).backward()
+    with optimizer.optimizer_step_in_parts(), pytest.raises(LionCubSetupError, match="clip_coefficient_given"):
+        optimizer.step()
+    with optimizer.clip_coefficient_given(0.5), optimizer.optimizer_step_in_parts():
+        before = {name: p.grad.clone() for name, p in params.items()}  # type: ignore[union-attr]
+        optimizer.step()
+    assert optimizer.last_clip_coefficient == 0.5
+    assert all(torch.equal(params[name].grad, before[name] * 0.5) for name in params)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("clip", "message"),
+    [
+        ({}, 'clip.max_norm is required: add "max_norm"'),
+        ({"max_norm": 0}, "clip.max_norm=0: Input should be greater than 0"),
+        ({"max_norm": 1.0, "sketch_bins": 0}, "clip.sketch_bins=0"),
+        ({"max_norm": 1.0, "sketch_bins": (1 << 20) + 1}, "clip.sketch_bins=1048577"),
+        ({"max_norm": 1.0, "bins": 7}, "unknown option 'clip.bins'"),
+    ],
+)
+def test_bad_clip_options_are_refused_naming_the_fix(clip: dict[str, object], message: str) -> None:
+    with pytest.raises(LionCubConfigError, match="LionCub: invalid options") as raised:
+        LionCub([torch.nn.Parameter(torch.zeros(3))], clip=clip)
+    assert message in str(raised.value)

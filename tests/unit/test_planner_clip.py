@@ -1,0 +1,66 @@
+"""Option clip in the planner and ``compression="auto"``: its own study cells, and its sketch priced on every
+compressed candidate (one fp64 all-reduce of the sketch over the world, and its local passes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import ds_lioncub.planner.convergence as convergence
+from ds_lioncub import parse_config
+from ds_lioncub.comm import wire
+from ds_lioncub.planner import DEFAULT_LOCAL_COSTS, Cluster, Network, parse_rate, plan
+from ds_lioncub.planner.auto import resolve_auto
+from ds_lioncub.planner.convergence import StudyCell, study_mode
+from ds_lioncub.planner.local_costs import LION_UPDATE
+from ds_lioncub.planner.pricing import CLIP_LOCAL_PASSES
+
+CLIP: dict[str, Any] = {"max_norm": 1.0, "sketch_bins": 4093}
+
+
+def test_a_mode_with_clip_has_cells_of_its_own() -> None:
+    assert study_mode({"compression": "1bit", "clip": CLIP}) == "1bit+clip"
+    assert study_mode({"compression": "kbit", "bits": 4, "clip": CLIP}) == "1bit+clip"  # sign fields: the 1-bit vote
+    l1 = {"compression": "kbit", "bits": 8, "quantizer": "l1", "kbit_algorithm": "alltoall", "clip": CLIP}
+    assert study_mode(l1) == "8bit-l1-alltoall+clip"
+    assert study_mode({"compression": "none", "clip": CLIP}) is None
+
+
+@pytest.mark.parametrize(("nodes", "gpus"), [(4, 8), (16, 1)])
+def test_every_compressed_candidate_runs_with_clip_and_pays_its_sketch(nodes: int, gpus: int) -> None:
+    """Against the same candidate without clip: the sketch's all-reduce over the world in the bytes, and
+    CLIP_LOCAL_PASSES Lion updates per stepped element in the local seconds."""
+    n, cluster, network = 300_000_000, Cluster(nodes, gpus), Network(parse_rate("10gbit"))
+    stages = (0, 2, 3) if nodes > 1 and gpus > 1 else (0,)
+    plain = {(c.label, c.zero_stage): c for c in plan(n, cluster, network, zero_stages=stages)}
+    clipped = plan(n, cluster, network, zero_stages=stages, clip=CLIP)
+    assert len(clipped) == len(plain)
+    lion = DEFAULT_LOCAL_COSTS.cost(LION_UPDATE)
+    world = nodes * gpus
+    for candidate in clipped:
+        if candidate.compression == "none":
+            assert "clip" not in candidate.params and (candidate.label, candidate.zero_stage) in plain
+            continue
+        assert candidate.params["clip"] == CLIP and " + clip" in candidate.label
+        base = plain[(candidate.label.replace(" + clip", ""), candidate.zero_stage)]
+        added_bytes = candidate.bytes_per_step_per_rank - base.bytes_per_step_per_rank
+        assert added_bytes == wire.all_reduce_bytes(8 * CLIP["sketch_bins"], world), candidate.label
+        stepped = n if candidate.zero_stage == 0 else wire.zero_partition_numel(n, gpus)
+        added_local = candidate.local_seconds - base.local_seconds
+        assert added_local == pytest.approx(CLIP_LOCAL_PASSES * lion * stepped, rel=1e-9), candidate.label
+        assert candidate.seconds_per_step > base.seconds_per_step
+
+
+def test_auto_picks_the_vote_with_clip_where_only_the_plain_vote_loses(monkeypatch: pytest.MonkeyPatch) -> None:
+    def cell(mode: str, gap: float) -> StudyCell:
+        return StudyCell(mode=mode, workers=64, beta2=0.99, gap_percent=gap, half_width_percent=1.0, seeds=8)
+
+    monkeypatch.setattr(convergence, "load_evidence", lambda: (cell("1bit", 8.0), cell("1bit+clip", 0.5)))
+    slow = {"compression": "auto", "network": {"bandwidth": "1gbit"}, "betas": (0.9, 0.99)}
+    resolved = resolve_auto(parse_config({**slow, "clip": CLIP}), 1_500_000_000, 64, 1, 0)
+    assert resolved.options.compression != "none" and resolved.options.clip is not None
+    assert resolved.options.clip.model_dump() == CLIP
+    # Without clip the plain vote's cell loses, so auto passes over every sign vote.
+    plain = resolve_auto(parse_config(slow), 1_500_000_000, 64, 1, 0)
+    assert study_mode(plain.options.model_dump()) != "1bit"
