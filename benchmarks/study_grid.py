@@ -90,7 +90,13 @@ MODES = ("exact", "1bit", "1bit_sync", "4bit_sign", "2bit_l1_a2a", "4bit_l1_a2a"
 #: The 1-bit vote with every layer's momentum averaged (bf16) every 32 or 128 steps (not in the default grid).
 SYNC_ALL_MODES = ("1bit_syncall32", "1bit_syncall128")
 #: 8-bit L1 all-to-all, the planner's pick where every other compressed mode loses (not in the default grid).
-EXTRA_MODES = ("8bit_l1_a2a", "8bit_l1_a2a_clip8", "1bit_sketchclip", "8bit_l1_a2a_sketchclip")
+EXTRA_MODES = (
+    "8bit_l1_a2a",
+    "8bit_l1_a2a_clip8",
+    "1bit_sketchclip",
+    "4bit_l1_a2a_sketchclip",
+    "8bit_l1_a2a_sketchclip",
+)
 #: The error-feedback variants (not in the default grid: run them with ``--modes``).
 EF_MODES = ("2bit_l1_a2a_ef_residual", "2bit_l1_a2a_ef21", "4bit_l1_a2a_ef_residual", "4bit_l1_a2a_ef21")
 #: The residual form with its residual stored in bf16 (against the fp32 default above).
