@@ -6,7 +6,7 @@
            [--device cpu|cuda] [--gpu NAME | --device-bandwidth RATE]
            [--intra-node-bandwidth RATE] [--latency T] [--json] [--local-costs FILE]
            [--ring-efficiency E] [--all-to-all-efficiency E] [--ranks-per-core R] [--beta2 B]
-           [--zero-stage 0|2|3]
+           [--zero-stage 0|2|3] [--clip MAX_NORM]
     python -m ds_lioncub.planner --calibrate [--device cpu|cuda] [--save FILE]
 
 The default output is a table of every feasible candidate, fastest predicted step first, with what
@@ -25,7 +25,9 @@ arguments exit with status 2 and argparse's message.
 
 The candidates are those of ZeRO stages 0 and 2 (stage 2 with more than one node); ``--zero-stage S``
 lists one stage's alone, for a job whose stage is fixed: 0, 2, or 3 (exact Lion under ZeRO-3 over the
-world, and the ZeRO-3 hybrid with more than one node; :mod:`ds_lioncub.planner.zero3`).
+world, and the ZeRO-3 hybrid with more than one node; :mod:`ds_lioncub.planner.zero3`). ``--clip MAX_NORM`` runs
+every compressed candidate with option clip (docs/design.md, section 17.5): priced with its sketch, judged by the
+study's cells of the mode with clip, and its ds_config blocks set ``"gradient_clipping": 0``.
 
 The device (:mod:`ds_lioncub.planner.devices`) picks the local cost table and the link efficiencies
 (the fraction of the link rate each kind of collective reaches,
@@ -245,6 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="only the candidates of ZeRO stage S, for a job whose stage is fixed: 0, 2 or 3 (3: exact Lion under "
         "ZeRO-3 and the ZeRO-3 hybrid; default: stages 0 and 2)",
     )
+    parser.add_argument(
+        "--clip",
+        type=_argument(_positive_number),
+        metavar="MAX_NORM",
+        help="plan every compressed mode with LionCub's option clip at this max_norm (the mean gradient's norm, "
+        "sketched; DeepSpeed's gradient_clipping 0): priced with its sketch and judged by its own study cells",
+    )
     parser.add_argument("--json", action="store_true", help="print the recommendation and candidates as JSON")
     parser.add_argument(
         "--local-costs", metavar="FILE", help="a local cost table saved by --calibrate --save (default: the built-in)"
@@ -349,7 +358,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         default.all_to_all if args.all_to_all_efficiency is None else args.all_to_all_efficiency,
     )
     network = Network(args.inter_node_bandwidth, args.intra_node_bandwidth, args.latency, efficiency)
-    candidates = plan(args.params, cluster, network, costs, ranks_per_core=args.ranks_per_core, **_stages(args))
+    clip = None if args.clip is None else {"max_norm": args.clip}
+    candidates = plan(
+        args.params, cluster, network, costs, ranks_per_core=args.ranks_per_core, clip=clip, **_stages(args)
+    )
     if not candidates:  # --zero-stage 2 on one node: the stage-2 candidates vote or shard across nodes
         parser.error(f"--zero-stage {args.zero_stage}: the planner's stage-2 candidates need more than one node")
     try:

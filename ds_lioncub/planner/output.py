@@ -26,6 +26,8 @@ def ds_config_blocks(candidate: Candidate) -> dict[str, Any]:
     if candidate.params.get("compression") == "none" and candidate.params.get("comm_dtype") == "bf16":
         # Under DeepSpeed the engine runs exact Lion's all-reduce, in its communication dtype.
         blocks["communication_data_type"] = "bf16"
+    if "clip" in candidate.params:
+        blocks["gradient_clipping"] = 0  # option clip takes DeepSpeed's place (its default is 1.0)
     return blocks
 
 
@@ -82,16 +84,17 @@ def as_table(
     costs_source: str | None = None,
 ) -> str:
     best = choice.best
+    width = max([44, *(len(c.label) for c in candidates)])  # option clip's labels are longer
     lines = [
         f"{num_params:,} parameters on {cluster.nodes} x {cluster.gpus_per_node} ranks, {describe_network(network)}",
         describe_local_costs(costs, costs_source),
         "",
-        f"{'mode':<44} {'ZeRO':>4} {'step':>9} {'comm':>9} {'local':>9} {'bytes/step/rank':>16} "
+        f"{'mode':<{width}} {'ZeRO':>4} {'step':>9} {'comm':>9} {'local':>9} {'bytes/step/rank':>16} "
         f"{'out of a node':>15} {'vs best':>8}  {'loss vs Lion %':>21}",
     ]
     for c, verdict in zip(candidates, choice.verdicts, strict=True):
         lines.append(
-            f"{c.label:<44} {c.zero_stage:>4} {format_seconds(c.seconds_per_step):>9} "
+            f"{c.label:<{width}} {c.zero_stage:>4} {format_seconds(c.seconds_per_step):>9} "
             f"{format_seconds(c.comm_seconds):>9} {format_seconds(c.local_seconds):>9} "
             f"{c.bytes_per_step_per_rank:>16,} {c.node_link_bytes_per_step:>15,} "
             f"{c.seconds_per_step / best.seconds_per_step:>7.2f}x  {_loss_column(c, verdict.cell):>21}"

@@ -3,6 +3,7 @@ compressed candidate (one fp64 all-reduce of the sketch over the world, and its 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from ds_lioncub import parse_config
 from ds_lioncub.comm import wire
 from ds_lioncub.planner import DEFAULT_LOCAL_COSTS, Cluster, Network, parse_rate, plan
 from ds_lioncub.planner.auto import resolve_auto
+from ds_lioncub.planner.cli import main
 from ds_lioncub.planner.convergence import StudyCell, study_mode
 from ds_lioncub.planner.local_costs import LION_UPDATE
 from ds_lioncub.planner.pricing import CLIP_LOCAL_PASSES
@@ -64,3 +66,20 @@ def test_auto_picks_the_vote_with_clip_where_only_the_plain_vote_loses(monkeypat
     # Without clip the plain vote's cell loses, so auto passes over every sign vote.
     plain = resolve_auto(parse_config(slow), 1_500_000_000, 64, 1, 0)
     assert study_mode(plain.options.model_dump()) != "1bit"
+
+
+def test_the_command_line_plans_with_clip_and_its_blocks_turn_deepspeeds_clipping_off(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(convergence, "load_evidence", lambda: ())
+    cluster = ["--params", "1.5e9", "--nodes", "64", "--gpus-per-node", "8", "--inter-node-bandwidth", "10gbit"]
+    assert main([*cluster, "--clip", "0.5", "--json"]) == 0
+    output = json.loads(capsys.readouterr().out)
+    compressed = [c for c in output["candidates"] if c["params"]["compression"] != "none"]
+    assert compressed and all(c["params"]["clip"] == {"max_norm": 0.5} for c in compressed)
+    assert main([*cluster, "--clip", "0.5"]) == 0
+    table = capsys.readouterr().out
+    blocks = json.loads(table[table.index("{") :])
+    assert blocks["optimizer"]["params"]["clip"] == {"max_norm": 0.5} and blocks["gradient_clipping"] == 0
+    with pytest.raises(SystemExit):
+        main([*cluster, "--clip", "0"])
