@@ -2,7 +2,8 @@
 
     python -m benchmarks.bench_clip [--numel 8388608] [--repeats 7] [--bins 4093]
 
-On one bucket of ``--numel`` fp32 elements, one torch thread, the median of ``--repeats`` runs after a warm-up,
+On one bucket of ``--numel`` fp32 elements, one torch thread, the median of ``--repeats`` rounds (each: one call of
+Lion's update, of the sketch and of the scaling, each after a warm-up call, so that load falls on all alike),
 in ns per element and in units of Lion's own update (direction, momentum, update: the planner table's
 ``lion_update``, timed here as ``benchmarks/bench_error_feedback.py`` times it): the sketch
 (:func:`ds_lioncub.step.clipping.gradient_sketch`: one read of the gradient, a product with the signs and the
@@ -14,6 +15,7 @@ priced as a collective.
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 
@@ -40,10 +42,16 @@ def main(argv: list[str] | None = None) -> None:
         apply_update(param, direction.sign_(), 1e-4, 0.1)
 
     step = iter(range(1, 1 << 30))
-    lion_update = median_seconds(lion, args.repeats) / n
-    sketch = median_seconds(lambda: gradient_sketch([[grad]], args.bins, next(step), 0), args.repeats) / n
-    scale = median_seconds(lambda: torch._foreach_mul_([grad], 1.0 - 1e-7), args.repeats) / n
-    print(f"lion_update: {lion_update * 1e9:.2f} ns/element")
+    parts = {
+        "lion": lion,
+        "sketch": lambda: gradient_sketch([[grad]], args.bins, next(step), 0),
+        "scaling": lambda: torch._foreach_mul_([grad], 1.0 - 1e-7),
+    }
+    # Interleaved, one call of each per round, so that a shared machine's load falls on all three alike.
+    rounds = [{name: median_seconds(run, 1) / n for name, run in parts.items()} for _ in range(args.repeats)]
+    lion_update, sketch, scale = (statistics.median(r[name] for r in rounds) for name in parts)
+    ratio = statistics.median((r["sketch"] + r["scaling"]) / r["lion"] for r in rounds)
+    print(f"lion_update: {lion_update * 1e9:.2f} ns/element; clip / lion_update per round, median: {ratio:.2f}")
     print("| part | ns/element | in lion_update |")
     print("|---|---|---|")
     for name, cost in (("sketch", sketch), ("scaling", scale), ("clip (both)", sketch + scale)):
