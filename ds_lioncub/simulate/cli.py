@@ -5,7 +5,8 @@
 
 Reads the ds_config's ``"optimizer"`` block (``"type": "LionCub"`` and its ``"params"``) and its
 ``"gradient_clipping"`` (DeepSpeed's default 1.0 when absent; clipped per worker when ``bf16`` or
-``fp16`` is enabled, as DeepSpeed's wrappers do, else by the mean of the workers' norms), then for
+``fp16`` is enabled, as DeepSpeed's wrappers do, else by the mean of the workers' norms; with LionCub's option
+``clip`` it must be 0, as the job requires, and exact Lion clips its mean gradient at ``clip.max_norm``), then for
 each worker count trains the task twice per seed in the virtual world
 (:class:`~ds_lioncub.simulate.VirtualLionCub`): with the config's mode, and as exact Lion (the same
 options with ``compression="none"``: the fp32 mean of the workers' gradients). Every run sees the
@@ -64,12 +65,29 @@ DEFAULT_TASK = "ds_lioncub.simulate.tasks:small_gpt"
 #: The options exact Lion keeps from the mode's: Lion's own and the bucket plan.
 EXACT_KEEPS = ("lr", "betas", "weight_decay", "bucket_size")
 
-__all__ = ["DEFAULT_TASK", "Row", "RunSettings", "check_runs", "compare", "exact_options", "load_task", "main"]
+__all__ = [
+    "DEFAULT_TASK",
+    "Row",
+    "RunSettings",
+    "check_runs",
+    "compare",
+    "exact_grad_clip",
+    "exact_options",
+    "load_task",
+    "main",
+]
 
 
 def exact_options(options: dict[str, Any]) -> dict[str, Any]:
     """Exact Lion with the mode's hyper-parameters: ``compression="none"``, fp32 mean."""
     return {"compression": "none", **{key: options[key] for key in EXACT_KEEPS if key in options}}
+
+
+def exact_grad_clip(options: dict[str, Any], settings: RunSettings) -> float:
+    """How exact Lion beside the mode clips: as the ds_config says, or, where the mode clips with option clip
+    (the ds_config's gradient_clipping then 0), by clip.max_norm, which exact Lion applies to the mean gradient."""
+    clip = options.get("clip")
+    return settings.grad_clip if not clip else float(clip["max_norm"])
 
 
 def load_task(spec: str) -> Task:
@@ -141,7 +159,7 @@ def compare(
                     steps,
                     seed,
                     warmup_steps=warmup_steps,
-                    grad_clip=settings.grad_clip,
+                    grad_clip=exact_grad_clip(options, settings) if label == "exact Lion" else settings.grad_clip,
                     clip_rule=settings.clip_rule,
                     on_step=None if progress is None else progress.start_run(run),
                 )

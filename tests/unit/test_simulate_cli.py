@@ -211,6 +211,26 @@ def test_a_hybrid_config_simulates_its_nodes(tmp_path: Path, capsys: pytest.Capt
         assert row["exact_val"] == [train_virtual(task, exact, nodes, 4, 0, grad_clip=0.05).val_loss]
 
 
+def test_option_clip_trains_against_exact_lion_clipped_at_its_max_norm(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The mode clips by option clip (the ds_config's gradient_clipping 0); exact Lion beside it clips the mean
+    gradient at clip.max_norm, as an exact Lion job with gradient_clipping at that value would (a binding 0.05)."""
+    clip = {"max_norm": 0.05, "sketch_bins": 61}
+    config = write_config(
+        tmp_path / "ds.json", {"type": "LionCub", "params": {**MODE, "clip": clip}}, gradient_clipping=0
+    )
+    out_json = tmp_path / "rows.json"
+    argv = [str(config), "--workers", "2", "--steps", "3", "--seeds", "0", "--task", TASK, "--json-out", str(out_json)]
+    assert main(argv) == 0
+    [row] = json.loads(out_json.read_text())
+    task = tiny_task()
+    exact = {"compression": "none", "lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}
+    assert row["mode_val"] == [train_virtual(task, {**MODE, "clip": clip}, 2, 3, 0, grad_clip=0.0).val_loss]
+    clipped = train_virtual(task, exact, 2, 3, 0, grad_clip=0.05).val_loss
+    assert row["exact_val"] == [clipped] and clipped != train_virtual(task, exact, 2, 3, 0, grad_clip=0.0).val_loss
+
+
 def test_a_missing_matplotlib_is_named_before_training(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
