@@ -94,6 +94,7 @@ EXTRA_MODES = (
     "8bit_l1_a2a",
     "8bit_l1_a2a_clip8",
     "1bit_sketchclip",
+    "1bit_syncall128_sketchclip",
     "4bit_l1_a2a_sketchclip",
     "8bit_l1_a2a_sketchclip",
 )

@@ -33,6 +33,7 @@ MODE_LABELS = {
     "8bit_l1_a2a": "8-bit L1 all-to-all",
     "8bit_l1_a2a_clip8": "8-bit L1 all-to-all, l1_clip 8",
     "1bit_sketchclip": "1-bit vote, option clip (sketched mean-gradient norm)",
+    "1bit_syncall128_sketchclip": "1-bit + all momentum sync /128 (bf16), option clip",
     "4bit_l1_a2a_sketchclip": "4-bit L1 all-to-all, option clip",
     "8bit_l1_a2a_sketchclip": "8-bit L1 all-to-all, option clip",
     "1bit_syncall32": "1-bit + all momentum sync /32 (bf16)",
