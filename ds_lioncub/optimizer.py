@@ -7,17 +7,17 @@ per parameter, and every rank applies the same update, so parameters stay bitwis
 :mod:`ds_lioncub.lion`. This module keeps the torch.optim surface and orchestrates: set-up, state,
 which step path runs (:mod:`ds_lioncub.step.paths`), the overlap controller
 (:mod:`ds_lioncub.step.overlap`), the post-step hooks (:mod:`ds_lioncub.step.post_step`) and telemetry.
-Three groups of its public methods live beside their machinery, as base classes: a step in parts
+Four groups of its public methods live beside their machinery, as base classes: a step in parts
 (:class:`~ds_lioncub.step.parts.SteppedInParts`), option ``overlap``
-(:class:`~ds_lioncub.step.overlap.OverlapControls`) and what a checkpoint keeps
-(:class:`~ds_lioncub.step.local_state.CheckpointedState`).
+(:class:`~ds_lioncub.step.overlap.OverlapControls`), what a checkpoint keeps
+(:class:`~ds_lioncub.step.local_state.CheckpointedState`) and option ``clip``
+(:class:`~ds_lioncub.step.clipping.ClipControls`).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -29,10 +29,10 @@ from ds_lioncub.comm.backend import CompressedBackend
 from ds_lioncub.comm.quantize import tie_sign
 from ds_lioncub.comm.transport import CommStats, Transport, make_transport
 from ds_lioncub.config import LionCubConfig, parse_config
-from ds_lioncub.errors import LionCubError, LionCubSetupError
+from ds_lioncub.errors import LionCubError
 from ds_lioncub.planner.auto import AutoResolution
-from ds_lioncub.step.bucket_work import Entry, check_param_group
-from ds_lioncub.step.clipping import clip_coefficient, gradient_sketch
+from ds_lioncub.step.bucket_work import check_param_group
+from ds_lioncub.step.clipping import ClipControls, clip_shard_of
 from ds_lioncub.step.local_state import (
     CheckpointedState,
 )
@@ -45,7 +45,7 @@ from ds_lioncub.step.setup import check_same_set_up, log_setting, resolve_auto_a
 from ds_lioncub.telemetry import StepRecord, StepTelemetry, TelemetryTotals
 
 
-class LionCub(SteppedInParts, OverlapControls, CheckpointedState, torch.optim.Optimizer):
+class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, torch.optim.Optimizer):
     """Lion with local momentum and a 1-bit / k-bit vote over the data-parallel ranks.
 
     Args:
@@ -104,9 +104,9 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, torch.optim.Op
         self._pipelined_buckets = True
         # Option clip: which shard's signs this rank's sketch draws (the voters of one shard share it; bind sets it),
         # the coefficient a caller that steps in parts computed for the whole step, and the last one applied.
-        self._clip_shard = _clip_shard_of(process_group)
+        self._clip_shard = clip_shard_of(process_group)
         self._given_clip_coefficient: float | None = None
-        # Inside step(); and the traffic of collectives a caller issued for the next step before calling it.
+        # Inside _clip_gradients(); and the traffic of collectives a caller issued for the next step before calling it.
         self._stepping = False
         self._traffic_before_step = CommStats()
         #: The factor option ``clip`` scaled the last step's gradients by (1: not clipped); None without clip.
@@ -174,7 +174,7 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, torch.optim.Op
         parameters, so names resolve. The transport is rebuilt only for a different group (an MPI
         transport's construction is itself a collective).
         """
-        self._clip_shard = _clip_shard_of(process_group)
+        self._clip_shard = clip_shard_of(process_group)
         if process_group is not self.process_group:
             self.process_group = process_group
             self.transport = self._make_transport(process_group)
@@ -247,69 +247,6 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, torch.optim.Op
         """The parameters whose ``exp_avg`` momentum sync averages."""
         return [p for position, p in enumerate(self._flat_params()) if position in self._momentum_sync.positions]
 
-    # ------------------------------------------------------------------ option clip
-
-    def clip_coefficient(
-        self, tensors: Sequence[Sequence[torch.Tensor]], step: int, loss_scale: float = 1.0, first_tensor: int = 0
-    ) -> float:
-        """Option ``clip``'s factor for step ``step``: the sketch of this rank's gradients (``tensors[t]``: the pieces
-        of flat tensor ``first_tensor + t``), summed over the ranks by one all-reduce, gives the estimated norm of
-        the voters' mean gradient (divided by ``loss_scale``) and ``min(1, max_norm / (norm + 1e-6))``.
-
-        A collective: every rank of the agreement group (the voters; under the ZeRO hybrid the whole world, each
-        rank with its shard) calls it once per step with the same layout, and all get the same factor
-        (:mod:`ds_lioncub.step.clipping`).
-        """
-        clip = self.options.clip
-        if clip is None:
-            raise LionCubSetupError("LionCub: clip_coefficient() needs option clip, e.g. clip={'max_norm': 1.0}.")
-        sketch = gradient_sketch(tensors, clip.sketch_bins, step, self._clip_shard, first_tensor)
-        before = self.comm_stats()
-        self._agreement_transport.all_reduce_sum(sketch)
-        if not self._stepping:  # a caller's, before its step: that step's record counts it
-            self._traffic_before_step = self._traffic_before_step + (self.comm_stats() - before)
-        return clip_coefficient(sketch, self.transport.world_size, clip.max_norm, loss_scale)
-
-    @property
-    def next_step(self) -> int:
-        """The number of the step the next ``step()`` takes (1 for the first)."""
-        return self.param_groups[0]["step"] + 1 if self.param_groups else 1
-
-    @contextmanager
-    def clip_coefficient_given(self, coefficient: float) -> Iterator[None]:
-        """Within this block ``step()`` scales the gradients by ``coefficient`` instead of computing option ``clip``'s.
-
-        For callers that step in parts (DeepSpeed's ZeRO under the hybrid steps one flat shard per call), which
-        compute the factor once over every part with :meth:`clip_coefficient` before the first.
-        """
-        self._given_clip_coefficient = coefficient
-        try:
-            yield
-        finally:
-            self._given_clip_coefficient = None
-
-    def take_traffic_before_step(self) -> CommStats:
-        """What was sent for a step that never ran (option clip's all-reduce before a step DeepSpeed then skipped),
-        for that step's record; it no longer counts toward the next step."""
-        traffic, self._traffic_before_step = self._traffic_before_step, CommStats()
-        return traffic
-
-    def _clip_gradients(self, entries: list[Entry], step: int) -> None:
-        """Option ``clip``: scale every participating gradient in place by the step's factor."""
-        coefficient = self._given_clip_coefficient
-        if coefficient is None:
-            if self._parts is not None or self._first_key_tensor:
-                raise LionCubSetupError(
-                    "LionCub: option clip needs the whole step's gradients at once, but this step() is one part of a "
-                    "step and no caller gave the factor (clip_coefficient_given). Under DeepSpeed's ZeRO only the "
-                    "hybrid (a compressed mode) supports clip; with compression 'none' use DeepSpeed's "
-                    "gradient_clipping."
-                )
-            coefficient = self.clip_coefficient([[entry.grad] for entry in entries], step)
-        if coefficient < 1.0:
-            torch._foreach_mul_([entry.grad for entry in entries], coefficient)
-        self.last_clip_coefficient = coefficient
-
     # ------------------------------------------------------------------ the step
 
     @torch.no_grad()
@@ -333,11 +270,7 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, torch.optim.Op
         baseline, self._traffic_before_step = baseline - self._traffic_before_step, CommStats()
         self.telemetry.begin_step(baseline)
         if self.options.clip is not None:  # before any path reads the gradients (and before the finite check)
-            self._stepping = True
-            try:
-                self._clip_gradients(entries, step)
-            finally:
-                self._stepping = False
+            self._clip_gradients(entries, step)
         context = StepContext(
             self.options.bucket_size,
             self._pipelined_buckets,
@@ -371,9 +304,3 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, torch.optim.Op
             self.telemetry.note_feedback(aggregation.state.feedback_kind, aggregation.state.take_feedback_ratio())
         self.telemetry.close_step(step, self.transport, self.comm_stats)
         return loss
-
-
-def _clip_shard_of(process_group: dist.ProcessGroup | None) -> int:
-    """Which signs option ``clip``'s sketch draws on a rank voting over ``process_group``: the group's lowest global
-    rank. The voters of one shard share it; under the ZeRO hybrid each shard's voters have their own."""
-    return 0 if process_group is None else min(dist.get_process_group_ranks(process_group))

@@ -22,14 +22,26 @@ in rank order, so every rank holds the same bits), and every rank computes the s
 ``min(1, max_norm / (|S / voters| + 1e-6))`` (DeepSpeed's formula with the estimate in place of the
 norm): the ranks' parameters stay bit-identical, and a resumed run draws the same signs (they depend on
 the step, not on a generator's state).
+
+:class:`ClipControls` is the option's surface on :class:`~ds_lioncub.optimizer.LionCub` (a base class of it):
+the factor of a step, and the factor a caller that steps in parts (the ZeRO hybrids) gives for all its parts.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from ds_lioncub.comm.transport import CommStats, Transport
+from ds_lioncub.config import LionCubConfig
+from ds_lioncub.errors import LionCubSetupError
+from ds_lioncub.step.bucket_work import Entry
+from ds_lioncub.step.parts import StepInParts
 
 #: The length of the table of random signs (a prime, so that a table position repeats only after
 #: ``sketch_bins * SIGN_PERIOD`` elements of one tensor).
@@ -118,12 +130,109 @@ def clip_coefficient(summed_sketch: torch.Tensor, voters: int, max_norm: float, 
     return min(1.0, max_norm / (norm + NORM_EPSILON))
 
 
+def clip_shard_of(process_group: dist.ProcessGroup | None) -> int:
+    """Which signs the sketch draws on a rank voting over ``process_group``: the group's lowest global rank. The
+    voters of one shard share it; under the ZeRO hybrid each shard's voters have their own."""
+    return 0 if process_group is None else min(dist.get_process_group_ranks(process_group))
+
+
+class ClipControls:
+    """:class:`~ds_lioncub.optimizer.LionCub`'s surface of option ``clip`` (a base class of LionCub: the attributes
+    below are LionCub's)."""
+
+    options: LionCubConfig
+    transport: Transport
+    param_groups: list[dict[str, Any]]
+    _agreement_transport: Transport
+    _parts: StepInParts | None
+    _first_key_tensor: int
+    #: Which shard's signs this rank's sketch draws (:func:`clip_shard_of`).
+    _clip_shard: int
+    #: The factor a caller that steps in parts computed for the whole step (:meth:`clip_coefficient_given`).
+    _given_clip_coefficient: float | None
+    #: Inside :meth:`_clip_gradients`; and the traffic of collectives a caller issued for the next step before it.
+    _stepping: bool
+    _traffic_before_step: CommStats
+    #: The factor option ``clip`` scaled the last step's gradients by (1: not clipped); None without clip.
+    last_clip_coefficient: float | None
+
+    def comm_stats(self) -> CommStats:
+        raise NotImplementedError
+
+    def clip_coefficient(
+        self, tensors: Sequence[Sequence[torch.Tensor]], step: int, loss_scale: float = 1.0, first_tensor: int = 0
+    ) -> float:
+        """Option ``clip``'s factor for step ``step``: the sketch of this rank's gradients (``tensors[t]``: the pieces
+        of flat tensor ``first_tensor + t``), summed over the ranks by one all-reduce, gives the estimated norm of
+        the voters' mean gradient (divided by ``loss_scale``) and ``min(1, max_norm / (norm + 1e-6))``.
+
+        A collective: every rank of the agreement group (the voters; under the ZeRO hybrid the whole world, each
+        rank with its shard) calls it once per step with the same layout, and all get the same factor
+        (:mod:`ds_lioncub.step.clipping`).
+        """
+        clip = self.options.clip
+        if clip is None:
+            raise LionCubSetupError("LionCub: clip_coefficient() needs option clip, e.g. clip={'max_norm': 1.0}.")
+        sketch = gradient_sketch(tensors, clip.sketch_bins, step, self._clip_shard, first_tensor)
+        before = self.comm_stats()
+        self._agreement_transport.all_reduce_sum(sketch)
+        if not self._stepping:  # a caller's, before its step: that step's record counts it
+            self._traffic_before_step = self._traffic_before_step + (self.comm_stats() - before)
+        return clip_coefficient(sketch, self.transport.world_size, clip.max_norm, loss_scale)
+
+    @property
+    def next_step(self) -> int:
+        """The number of the step the next ``step()`` takes (1 for the first)."""
+        return self.param_groups[0]["step"] + 1 if self.param_groups else 1
+
+    @contextmanager
+    def clip_coefficient_given(self, coefficient: float) -> Iterator[None]:
+        """Within this block ``step()`` scales the gradients by ``coefficient`` instead of computing option ``clip``'s.
+
+        For callers that step in parts (DeepSpeed's ZeRO under the hybrid steps one flat shard per call), which
+        compute the factor once over every part with :meth:`clip_coefficient` before the first.
+        """
+        self._given_clip_coefficient = coefficient
+        try:
+            yield
+        finally:
+            self._given_clip_coefficient = None
+
+    def take_traffic_before_step(self) -> CommStats:
+        """What was sent for a step that never ran (option clip's all-reduce before a step DeepSpeed then skipped),
+        for that step's record; it no longer counts toward the next step."""
+        traffic, self._traffic_before_step = self._traffic_before_step, CommStats()
+        return traffic
+
+    def _clip_gradients(self, entries: list[Entry], step: int) -> None:
+        """Option ``clip``: scale every participating gradient in place by the step's factor."""
+        coefficient = self._given_clip_coefficient
+        if coefficient is None:
+            if self._parts is not None or self._first_key_tensor:
+                raise LionCubSetupError(
+                    "LionCub: option clip needs the whole step's gradients at once, but this step() is one part of a "
+                    "step and no caller gave the factor (clip_coefficient_given). Under DeepSpeed's ZeRO only the "
+                    "hybrid (a compressed mode) supports clip; with compression 'none' use DeepSpeed's "
+                    "gradient_clipping."
+                )
+            self._stepping = True  # this step's own all-reduce: its record counts it already
+            try:
+                coefficient = self.clip_coefficient([[entry.grad] for entry in entries], step)
+            finally:
+                self._stepping = False
+        if coefficient < 1.0:
+            torch._foreach_mul_([entry.grad for entry in entries], coefficient)
+        self.last_clip_coefficient = coefficient
+
+
 __all__ = [
     "CHUNK",
+    "ClipControls",
     "NORM_EPSILON",
     "SIGN_PERIOD",
     "add_to_sketch",
     "clip_coefficient",
+    "clip_shard_of",
     "gradient_sketch",
     "sign_offset",
     "sign_table",
