@@ -299,8 +299,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--evidence",
         type=Path,
-        help="with --report: also write the planner's summary there (ship it as "
-        "ds_lioncub/planner/convergence_evidence.json)",
+        help="write the planner's summary there (ship it as ds_lioncub/planner/convergence_evidence.json); without "
+        "--report the results directory's report is left as it is",
     )
     p.add_argument(
         "--evidence-base",
@@ -318,10 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.evidence_base is not None and args.evidence is None:
         raise SystemExit("--evidence-base needs --evidence (the file to write the merged summary to)")
     directory = config_dir(args.results, args.task, args.steps, args.design[0])
-    if args.report:
+    if args.report or args.evidence is not None:
         modes = [m for m in args.modes if m != "exact"]
         # The EF section reads every EF run present; the main table shows EF rows only when asked (--modes).
-        for design in args.design:
+        for design in args.design if args.report else []:
             design_dir = config_dir(args.results, args.task, args.steps, design)
             print(write_report(design_dir, args.workers, modes, args.beta2))
         if args.evidence is not None:

@@ -3,8 +3,8 @@
 One job: from a study directory's runs (read and summarised by benchmarks/study_report.py), the cells the
 planner and ``compression="auto"`` read (:func:`evidence`: per mode key, worker count and beta2, the gap to
 exact Lion, its interval, the seeds and the mode's bits per element), and the merge of a sharper study's
-points into an existing summary (:func:`merge_evidence`). ``python -m benchmarks.study_convergence --report
---evidence FILE [--evidence-base BASE]`` writes it.
+points into an existing summary (:func:`merge_evidence`). ``python -m benchmarks.study_convergence --evidence FILE
+[--evidence-base BASE]`` writes it.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 summarise, paired_gaps, ef_target, ef_table; study_evidence's evidence) on run sets written here with losses
 chosen so that every gap, mean and 95% Student-t half-width is worked out by hand below (with the t
 quantiles' closed forms at 1 and 2 degrees of freedom, T1 and T2); the shipped
-ds_lioncub/planner/convergence_evidence.json against what the documented command (benchmarks/RESULTS.md,
-``python -m benchmarks.study_convergence --report --results benchmarks/results/convergence_study --evidence
-...``) gives from the shipped runs; and the planner's choice on evidence files written here, in the current
-form and in the older one with ``spread_percent``."""
+ds_lioncub/planner/convergence_evidence.json against what the documented commands (benchmarks/RESULTS.md,
+``python -m benchmarks.study_convergence --results benchmarks/results/convergence_study --evidence ...``) give
+from the shipped runs; and the planner's choice on evidence files written here, in the current form and in the
+older one with ``spread_percent``."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
         "error_feedback": {"kind": "ef21"},
     },
     "4bit_l1_a2a": {"compression": "kbit", "bits": 4, "quantizer": "l1", "kbit_algorithm": "alltoall"},
+    "1bit_sketchclip": {"compression": "1bit", "clip": {"max_norm": 1.0}},
     "4bit_l1_a2a_ef_residual": {
         "compression": "kbit",
         "bits": 4,
@@ -444,10 +445,11 @@ def test_a_cell_without_half_width_or_spread_is_named(tmp_path: Path) -> None:
 
 #: benchmarks/RESULTS.md's two commands for the shipped evidence: the first study's cells, then the pinned
 #: corpus's sharper cells (design lr5e-4) in place of theirs at the points it measured whole.
-FIRST_STUDY_COMMAND = ["--report", "--results", str(study_grid.STDLIB_RESULTS), "--evidence", "first.json"]
+FIRST_STUDY_COMMAND = ["--results", str(study_grid.STDLIB_RESULTS), "--evidence", "first.json"]
 PINNED_COMMAND = [
-    "--report", "--design", "lr5e-4", "--workers", "8", "16", "32", "64", "--beta2", "0.99",
+    "--design", "lr5e-4", "--workers", "8", "16", "32", "64", "--beta2", "0.99",
     "--modes", "exact", "1bit", "1bit_sync", "2bit_l1_a2a", "4bit_l1_a2a", "8bit_l1", "8bit_l1_a2a",
+    "1bit_sketchclip", "4bit_l1_a2a_sketchclip", "8bit_l1_a2a_sketchclip",
     "--evidence", str(EVIDENCE_FILE), "--evidence-base", "first.json",
 ]  # fmt: skip
 
@@ -467,6 +469,26 @@ def test_the_shipped_evidence_is_what_the_documented_commands_give_from_the_ship
     differing = [(a, b) for a, b in zip(shipped["cells"], regenerated["cells"], strict=False) if a != b]
     assert not differing, f"shipped vs regenerated: {differing}"
     assert shipped == regenerated, f"{len(shipped['cells'])} cells shipped, {len(regenerated['cells'])} regenerated"
+
+
+def test_evidence_alone_writes_the_summary_and_leaves_the_report_and_a_mode_with_clip_has_its_key(
+    study: Path, tmp_path: Path
+) -> None:
+    """``--evidence`` without ``--report`` writes only the summary; a mode with option clip (val 2.02, 2.02, 1.616
+    against exact 2.0, 2.0, 1.6: gaps 1, 1, 1 %) is its own planner key, "1bit+clip", of 1 bit per element."""
+    for seed, val in enumerate([2.02, 2.02, 1.616]):
+        write_run(study, "1bit_sketchclip", 32, seed, val)
+    out = tmp_path / "evidence.json"
+    argv = ["--results", str(study.parent), "--workers", "32", "--beta2", "0.99", "--evidence", str(out)]
+    assert study_convergence.main([*argv, "--modes", "exact", "1bit", "1bit_sketchclip"]) == 0
+    assert not (study / "report.md").exists()
+    cells = {cell["mode"]: cell for cell in json.loads(out.read_text())["cells"]}
+    assert set(cells) == {"1bit", "1bit+clip"}
+    clipped = cells["1bit+clip"]
+    assert (clipped["gap_percent"], clipped["half_width_percent"], clipped["seeds"]) == (1.0, 0.0, 3)
+    assert clipped["bits_per_element"] == 1
+    assert study_convergence.main(["--report", *argv, "--modes", "exact", "1bit"]) == 0
+    assert (study / "report.md").exists()
 
 
 def test_merged_evidence_takes_the_newer_points_whole_and_keeps_the_rest(tmp_path: Path) -> None:

@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--convergence-evidence",
         metavar="FILE",
-        help="a convergence study summary (python -m benchmarks.study_convergence --report writes one; default: "
+        help="a convergence study summary (python -m benchmarks.study_convergence --evidence writes one; default: "
         "the study shipped with ds_lioncub, the example GPT at 4-64 workers)",
     )
     parser.add_argument(

@@ -141,7 +141,7 @@ def _number_or_null(value: Any) -> bool:
 
 def read_evidence(path: str | Path) -> tuple[StudyCell, ...]:
     """The cells of a study summary file (``{"cells": [{mode, workers, beta2, gap_percent, half_width_percent,
-    seeds, bits_per_element}, ...]}``, what benchmarks/study_convergence.py --report --evidence writes);
+    seeds, bits_per_element}, ...]}``, what benchmarks/study_convergence.py --evidence writes);
     raises ValueError naming the first malformed cell.
 
     An older file gives ``spread_percent`` (2 x the sample sd of the per-seed gaps) instead of
