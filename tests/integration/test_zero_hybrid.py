@@ -77,6 +77,7 @@ BITWISE = [
     "zero2_1bit_option_clip_two_param_groups",
     "zero1_kbit_l1_4bit_alltoall_option_clip",
     "zero2_1bit_option_clip_nan_on_one_rank",
+    "zero2_1bit_option_clip_accumulation2",
     "zero2_1bit_momentum_sync_all",
     "zero2_1bit_node_size1",
     "zero2_1bit_node_size4",

@@ -208,6 +208,9 @@ TRAINED = [
         options={"compression": "1bit", "clip": OPTION_CLIP},
     ),
     HybridCase(
+        "zero2_1bit_option_clip_accumulation2", accumulation=2, options={"compression": "1bit", "clip": OPTION_CLIP}
+    ),
+    HybridCase(
         "zero2_1bit_option_clip_nan_on_one_rank",
         nan_at=(NAN_RANK, NAN_STEP),
         options={"compression": "1bit", "clip": OPTION_CLIP},
