@@ -29,6 +29,8 @@ KBIT4_SIGN_ALLREDUCE_MAX = 15
 
 def mode_options(mode: str, workers: int) -> dict[str, Any]:
     """LionCub's options for a mode of the study at ``workers`` workers."""
+    if mode.endswith(SKETCH_CLIP_SUFFIX):  # LionCub's option clip in place of DeepSpeed's rule (the run's grad_clip)
+        return {**mode_options(mode.removesuffix(SKETCH_CLIP_SUFFIX), workers), "clip": {"max_norm": 1.0}}
     if mode == "exact":
         return {"compression": "none"}
     if mode == "1bit":
@@ -63,8 +65,6 @@ def mode_options(mode: str, workers: int) -> dict[str, Any]:
         return {"compression": "kbit", "bits": 8, "quantizer": "l1", "kbit_algorithm": "alltoall"}
     if mode == "8bit_l1_a2a_clip8":  # the same, saturating at 8 x mean |c| instead of 2 x: less of the tails cut
         return {**mode_options("8bit_l1_a2a", workers), "l1_clip": 8.0}
-    if mode.endswith(SKETCH_CLIP_SUFFIX):  # LionCub's option clip in place of DeepSpeed's rule (the run's grad_clip)
-        return {**mode_options(mode.removesuffix(SKETCH_CLIP_SUFFIX), workers), "clip": {"max_norm": 1.0}}
     raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
 
 
