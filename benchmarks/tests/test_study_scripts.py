@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.study_designs import design_rows, seeds_for
 from benchmarks.study_drift import rows, windowed
-from benchmarks.study_grid import config_dir
+from benchmarks.study_grid import clip_of_run, config_dir, mode_options
 from benchmarks.study_horizon import rows as horizon_rows
 from benchmarks.study_horizon import window_gaps
 from benchmarks.study_report import pair_with_exact, paired
@@ -156,3 +156,13 @@ def test_the_horizon_table_pairs_each_seed_and_averages_the_windows(tmp_path: Pa
         "| mean | +3.85 | +10.00 | +7.50 |",
     ]
     assert "| seed | 0-2 | 2-4 | val |" in lines
+
+
+def test_a_sketchclip_mode_is_its_base_mode_with_option_clip_and_trains_without_deepspeeds_rule() -> None:
+    clip = {"max_norm": 1.0}
+    for base in ("1bit", "1bit_syncall128", "4bit_l1_a2a", "8bit_l1_a2a"):
+        assert mode_options(f"{base}_sketchclip", 64) == {**mode_options(base, 64), "clip": clip}, base
+    assert clip_of_run({"compression": "1bit", "clip": clip}, 1.0) == 0.0  # LionCub clips, the design's rule is off
+    assert clip_of_run({"compression": "1bit"}, 1.0) == 1.0
+    with pytest.raises(ValueError, match="clips at 1.0; the design at 0.0"):
+        clip_of_run({"compression": "1bit", "clip": clip}, 0.0)

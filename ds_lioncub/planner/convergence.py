@@ -24,7 +24,8 @@ beta2 takes the nearest studied value. A k-bit vote of sign fields is the 1-bit 
 bit-identical), so it takes the 1-bit vote's evidence. The study ran the default tie rule and L1
 clip; other settings of them take the same evidence. A mode with option ``clip`` (the mean gradient's
 sketched norm in place of DeepSpeed's per-rank clipping) has cells of its own (``"1bit+clip"``), whatever
-its max_norm and sketch width; where the study has none, it is "not in the convergence study".
+its max_norm and sketch width; where the study has none for the mode, it takes the mode's cells without
+clip (and says so): clip fixes the clipping, not what the mode's own arithmetic loses.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ LOSS_THRESHOLD_PERCENT = 2.0
 #: Seeds a cell needs before its gap can count as a loss: an interval from fewer says too little.
 MIN_SEEDS = 3
 EVIDENCE_FILE = Path(__file__).with_name("convergence_evidence.json")
+#: What a mode's study key adds with option clip (``"1bit+clip"``).
+CLIP_SUFFIX = "+clip"
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,7 @@ def study_mode(params: Mapping[str, Any]) -> str | None:
     synced = bool(sync.get("interval")) and sync.get("layers", "auto") == "auto" and int(sync["interval"]) <= 10
     voted = params.get("aggregation", "vote") == "vote"
     # Option clip changes what the workers' updates are made of (the mean gradient's norm clips them): its own cells.
-    clipped = "+clip" if params.get("clip") else ""
+    clipped = CLIP_SUFFIX if params.get("clip") else ""
     if compression == "1bit" or (params.get("quantizer", "sign") == "sign" and voted):
         return ("1bit+sync" if synced else "1bit") + clipped
     if params.get("quantizer") == "l1" and voted:
@@ -201,6 +204,13 @@ def assess(
     if mode is None:
         return Verdict(None, "exact Lion")
     mine = [cell for cell in cells if cell.mode == mode]
+    unclipped = ""
+    if not mine and mode.endswith(CLIP_SUFFIX):
+        # Not measured with option clip: the mode's cells without it, the evidence there is (clip fixes how the
+        # workers' gradients are clipped, not what a mode's arithmetic loses, e.g. 2-bit L1's tied votes).
+        mode = mode.removesuffix(CLIP_SUFFIX)
+        mine = [cell for cell in cells if cell.mode == mode]
+        unclipped = ", measured without option clip"
     if not mine:
         return Verdict(None, "not in the convergence study")
     nearest_beta2 = min({cell.beta2 for cell in mine}, key=lambda b: abs(b - beta2))
@@ -208,7 +218,7 @@ def assess(
     above = [cell for cell in at_beta2 if cell.workers >= workers]
     cell = above[0] if above else at_beta2[-1]
     where = f"{cell.workers} workers" + ("" if above else f", the study's largest (you have {workers})")
-    return Verdict(cell, f"loss vs Lion {cell.interval_text()} at {where}, beta2 {cell.beta2}")
+    return Verdict(cell, f"loss vs Lion {cell.interval_text()} at {where}, beta2 {cell.beta2}{unclipped}")
 
 
 def voters(candidate: Candidate, cluster: Cluster) -> int:
@@ -284,6 +294,7 @@ def choose(
 
 
 __all__ = [
+    "CLIP_SUFFIX",
     "EVIDENCE_FILE",
     "LOSS_THRESHOLD_PERCENT",
     "MIN_SEEDS",

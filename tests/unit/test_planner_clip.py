@@ -14,7 +14,7 @@ from ds_lioncub.comm import wire
 from ds_lioncub.planner import DEFAULT_LOCAL_COSTS, Cluster, Network, parse_rate, plan
 from ds_lioncub.planner.auto import resolve_auto
 from ds_lioncub.planner.cli import main
-from ds_lioncub.planner.convergence import StudyCell, study_mode
+from ds_lioncub.planner.convergence import StudyCell, assess, study_mode
 from ds_lioncub.planner.local_costs import LION_UPDATE
 from ds_lioncub.planner.pricing import CLIP_LOCAL_PASSES
 
@@ -83,3 +83,19 @@ def test_the_command_line_plans_with_clip_and_its_blocks_turn_deepspeeds_clippin
     assert blocks["optimizer"]["params"]["clip"] == {"max_norm": 0.5} and blocks["gradient_clipping"] == 0
     with pytest.raises(SystemExit):
         main([*cluster, "--clip", "0"])
+
+
+def test_a_mode_not_measured_with_clip_is_judged_by_its_cells_without_it() -> None:
+    """2-bit L1's tied votes are not a clipping matter: with clip and no cell of its own it takes its cell
+    without clip (and loses by it), saying so; a mode with a clip cell takes that one."""
+    cells = (
+        StudyCell(mode="2bit-l1-alltoall", workers=64, beta2=0.99, gap_percent=26.0, half_width_percent=1.0, seeds=3),
+        StudyCell(mode="1bit", workers=64, beta2=0.99, gap_percent=8.0, half_width_percent=1.0, seeds=8),
+        StudyCell(mode="1bit+clip", workers=64, beta2=0.99, gap_percent=0.5, half_width_percent=1.0, seeds=8),
+    )
+    two_bit = {"compression": "kbit", "bits": 2, "quantizer": "l1", "kbit_algorithm": "alltoall", "clip": CLIP}
+    verdict = assess(two_bit, 64, 0.99, cells)
+    assert verdict.cell == cells[0] and verdict.loses and "measured without option clip" in verdict.note
+    one_bit = assess({"compression": "1bit", "clip": CLIP}, 64, 0.99, cells)
+    assert one_bit.cell == cells[2] and not one_bit.loses and "without" not in one_bit.note
+    assert assess({"compression": "kbit", "bits": 8, "quantizer": "l1", "clip": CLIP}, 64, 0.99, cells).cell is None
