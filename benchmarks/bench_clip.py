@@ -19,8 +19,7 @@ import statistics
 
 import torch
 
-from benchmarks.timing import median_seconds
-from ds_lioncub.lion import apply_update, lion_direction, update_momentum
+from benchmarks.timing import lion_update_unit, median_seconds
 from ds_lioncub.step.clipping import gradient_sketch
 
 
@@ -32,14 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     n = args.numel
-    generator = torch.Generator().manual_seed(0)
-    values, grad = torch.randn(n, generator=generator), torch.randn(n, generator=generator)
-    momentum, direction, param = torch.zeros(n), torch.empty(n), values.clone()
-
-    def lion() -> None:
-        lion_direction(momentum, grad, 0.9, out=direction)
-        update_momentum(momentum, grad, 0.99)
-        apply_update(param, direction.sign_(), 1e-4, 0.1)
+    lion, _, grad = lion_update_unit(n)
 
     step = iter(range(1, 1 << 30))
     parts = {

@@ -17,10 +17,9 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.timing import median_seconds
+from benchmarks.timing import lion_update_unit, median_seconds
 from ds_lioncub.aggregation import Aggregator, Bucket, build_aggregation
 from ds_lioncub.config import parse_config
-from ds_lioncub.lion import apply_update, lion_direction, update_momentum
 from ds_lioncub.planner.calibrate import LoopbackTransport
 
 
@@ -36,14 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     n = args.numel
-    generator = torch.Generator().manual_seed(0)
-    values, grad = torch.randn(n, generator=generator), torch.randn(n, generator=generator)
-    momentum, direction, param = torch.zeros(n), torch.empty(n), values.clone()
-
-    def lion() -> None:
-        lion_direction(momentum, grad, 0.9, out=direction)
-        update_momentum(momentum, grad, 0.99)
-        apply_update(param, direction.sign_(), 1e-4, 0.1)
+    lion, values, grad = lion_update_unit(n)
 
     lion_update = median_seconds(lion, args.repeats) / n
     print(f"lion_update: {lion_update * 1e9:.2f} ns/element")

@@ -6,6 +6,10 @@ import statistics
 import time
 from collections.abc import Callable
 
+import torch
+
+from ds_lioncub.lion import apply_update, lion_direction, update_momentum
+
 
 def median_seconds(run: Callable[[], object], repeats: int) -> float:
     """The median wall time of ``repeats`` calls of ``run``, after one untimed warm-up call."""
@@ -16,3 +20,19 @@ def median_seconds(run: Callable[[], object], repeats: int) -> float:
         run()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def lion_update_unit(numel: int) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
+    """Lion's own update of ``numel`` fp32 elements (direction, momentum, update: the planner table's
+    ``lion_update``, the unit the local-cost benchmarks count in), as a call to time, and the two random
+    vectors it was built from (``values``, ``grad``; seed 0), for the work timed beside it."""
+    generator = torch.Generator().manual_seed(0)
+    values, grad = torch.randn(numel, generator=generator), torch.randn(numel, generator=generator)
+    momentum, direction, param = torch.zeros(numel), torch.empty(numel), values.clone()
+
+    def lion() -> None:
+        lion_direction(momentum, grad, 0.9, out=direction)
+        update_momentum(momentum, grad, 0.99)
+        apply_update(param, direction.sign_(), 1e-4, 0.1)
+
+    return lion, values, grad
