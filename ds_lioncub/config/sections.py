@@ -181,10 +181,11 @@ class ClipConfig(DeepSpeedConfigModel):
     max_norm: Real = Field(gt=0, allow_inf_nan=False)
     """The largest norm the ranks' mean gradient keeps (DeepSpeed's ``gradient_clipping``; 1.0 is usual)."""
 
-    sketch_bins: Whole = Field(4093, ge=1, le=1 << 20)
+    sketch_bins: Whole = Field(4093, ge=1, le=1 << 19)
     """K, the numbers each rank sums into: an all-reduce of 8K bytes per step, and an estimate whose relative
     error is about ``sqrt(2 / K)`` of the squared norm (2% at the default). A prime keeps the columns of
-    power-of-two wide matrices apart. More than 2**20 is refused (the sketch works in 2**20-element chunks)."""
+    power-of-two wide matrices apart. More than 2**19 is refused (the sketch works in 2**20-element chunks, and its
+    table of signs, 1,048,573 long, must not be a multiple of it)."""
 
 
 class HybridConfig(DeepSpeedConfigModel):
