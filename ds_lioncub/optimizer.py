@@ -106,8 +106,7 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
         # the coefficient a caller that steps in parts computed for the whole step, and the last one applied.
         self._clip_shard = clip_shard_of(process_group)
         self._given_clip_coefficient: float | None = None
-        # Inside _clip_gradients(); and the traffic of collectives a caller issued for the next step before calling it.
-        self._stepping = False
+        # The traffic of collectives a caller issued for the next step before calling it.
         self._traffic_before_step = CommStats()
         #: The factor option ``clip`` scaled the last step's gradients by (1: not clipped); None without clip.
         self.last_clip_coefficient: float | None = None

@@ -91,8 +91,7 @@ class HybridZeroOptimizer(DeepSpeedZeroOptimizer):
             return super().step(closure)
         # ZeRO unscales and steps one param group at a time; the factor must cover them all, so it comes first,
         # from the reduced gradients of this rank's shards as ZeRO will flatten them (loss-scaled under fp16).
-        shards = [gradient_pieces(self.averaged_gradients.get(i)) for i in range(len(self.bit16_groups))]
-        factor = clip_factor_of_shards(lioncub, shards, float(self.loss_scale))
+        factor = clip_factor_of_shards(lioncub, self.averaged_gradients, len(self.bit16_groups), float(self.loss_scale))
         with lioncub.clip_coefficient_given(factor):
             return super().step(closure)
 
@@ -122,11 +121,15 @@ def gradient_pieces(reduced: Any) -> list[torch.Tensor]:
     return [flat.view(-1)] if flat is not None else [piece for piece in reduced if piece is not None]
 
 
-def clip_factor_of_shards(lioncub: LionCub, shards: list[list[torch.Tensor]], loss_scale: float) -> float:
-    """Option ``clip``'s factor for LionCub's next step from this rank's shards (``shards[i]``: the pieces of
-    param group i's shard, numbered as LionCub numbers ZeRO's calls), divided by ``loss_scale``: a collective
-    over LionCub's agreement group (the world)."""
-    return lioncub.clip_coefficient(shards, lioncub.next_step, loss_scale)
+def clip_factor_of_shards(
+    lioncub: LionCub, averaged_gradients: dict[int, Any], shards: int, loss_scale: float
+) -> float:
+    """Option ``clip``'s factor for LionCub's next step from this rank's ``shards`` reduced gradients (ZeRO's
+    ``averaged_gradients``: shard i of param group i at stages 1-2, of sub-group i at stage 3, numbered as
+    LionCub numbers ZeRO's calls), divided by ``loss_scale``: a collective over LionCub's agreement group (the
+    world), before ZeRO's loop over the shards."""
+    pieces = [gradient_pieces(averaged_gradients.get(i)) for i in range(shards)]
+    return lioncub.clip_coefficient(pieces, lioncub.next_step, loss_scale)
 
 
 def zero_class_for(vote_group: dist.ProcessGroup | None) -> type[HybridZeroOptimizer]:

@@ -44,7 +44,6 @@ from ds_lioncub.integration.hybrid_zero import (
     any_rank,
     check_shards_match,
     clip_factor_of_shards,
-    gradient_pieces,
     log_topology,
 )
 from ds_lioncub.optimizer import LionCub
@@ -93,8 +92,7 @@ class HybridZeroStage3(DeepSpeedZeroOptimizer_Stage3):
             with lioncub.optimizer_step_in_parts():
                 return super().step(closure)
         # Option clip: the factor of the whole step, from every sub-group's reduced gradient, before the first part.
-        shards = [gradient_pieces(self.averaged_gradients.get(i)) for i in range(len(self.fp16_groups))]
-        factor = clip_factor_of_shards(lioncub, shards, float(self.loss_scale))
+        factor = clip_factor_of_shards(lioncub, self.averaged_gradients, len(self.fp16_groups), float(self.loss_scale))
         with lioncub.clip_coefficient_given(factor), lioncub.optimizer_step_in_parts():
             return super().step(closure)
 

@@ -108,7 +108,7 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
             "LionCub: hybrid applies under ZeRO stage 1, 2 or 3 (shard inside a node, vote across nodes); at stage 0 "
             "every rank is a voter already. Drop hybrid, or set zero_optimization.stage to 1, 2 or 3."
         )
-    _refuse_two_clippings(engine, optimizer, stage)
+    refuse_two_clippings(optimizer.options, float(engine.gradient_clipping() or 0.0), stage)
     if compression == "none":
         # Under ZeRO each rank steps its own partition: those are not replicas to compare.
         optimizer.bind(
@@ -134,10 +134,6 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
     # group, and its finite check agrees over the whole world.
     optimizer.bind(setup.groups.vote_group, engine.module, gradients_averaged=False, agreement_group=world)
     setattr(engine, ENGINE_ATTRIBUTE, setup)
-
-
-def _refuse_two_clippings(engine: Any, optimizer: LionCub, stage: int) -> None:
-    refuse_two_clippings(optimizer.options, float(engine.gradient_clipping() or 0.0), stage)
 
 
 def refuse_two_clippings(options: LionCubConfig, clipping: float, stage: int) -> None:

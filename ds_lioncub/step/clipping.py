@@ -150,8 +150,7 @@ class ClipControls:
     _clip_shard: int
     #: The factor a caller that steps in parts computed for the whole step (:meth:`clip_coefficient_given`).
     _given_clip_coefficient: float | None
-    #: Inside :meth:`_clip_gradients`; and the traffic of collectives a caller issued for the next step before it.
-    _stepping: bool
+    #: The traffic of collectives a caller issued for the next step before it (:meth:`clip_coefficient`).
     _traffic_before_step: CommStats
     #: The factor option ``clip`` scaled the last step's gradients by (1: not clipped); None without clip.
     last_clip_coefficient: float | None
@@ -170,14 +169,21 @@ class ClipControls:
         rank with its shard) calls it once per step with the same layout, and all get the same factor
         (:mod:`ds_lioncub.step.clipping`).
         """
+        before = self.comm_stats()
+        factor = self._sketched_factor(tensors, step, loss_scale, first_tensor)
+        # A caller's, before its step: that step's record counts it (:meth:`take_traffic_before_step`).
+        self._traffic_before_step = self._traffic_before_step + (self.comm_stats() - before)
+        return factor
+
+    def _sketched_factor(
+        self, tensors: Sequence[Sequence[torch.Tensor]], step: int, loss_scale: float, first_tensor: int
+    ) -> float:
+        """:meth:`clip_coefficient`'s sketch, all-reduce and factor, whose traffic the current step counts."""
         clip = self.options.clip
         if clip is None:
             raise LionCubSetupError("LionCub: clip_coefficient() needs option clip, e.g. clip={'max_norm': 1.0}.")
         sketch = gradient_sketch(tensors, clip.sketch_bins, step, self._clip_shard, first_tensor)
-        before = self.comm_stats()
         self._agreement_transport.all_reduce_sum(sketch)
-        if not self._stepping:  # a caller's, before its step: that step's record counts it
-            self._traffic_before_step = self._traffic_before_step + (self.comm_stats() - before)
         return clip_coefficient(sketch, self.transport.world_size, clip.max_norm, loss_scale)
 
     @property
@@ -215,11 +221,7 @@ class ClipControls:
                     "hybrid (a compressed mode) supports clip; with compression 'none' use DeepSpeed's "
                     "gradient_clipping."
                 )
-            self._stepping = True  # this step's own all-reduce: its record counts it already
-            try:
-                coefficient = self.clip_coefficient([[entry.grad] for entry in entries], step)
-            finally:
-                self._stepping = False
+            coefficient = self._sketched_factor([[entry.grad] for entry in entries], step, 1.0, 0)
         if coefficient < 1.0:
             torch._foreach_mul_([entry.grad for entry in entries], coefficient)
         self.last_clip_coefficient = coefficient

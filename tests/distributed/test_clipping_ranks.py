@@ -16,13 +16,13 @@ import torch
 from ds_lioncub.comm import wire
 from tests.distributed.test_virtual_world_vs_ranks import virtual_run
 from tests.support import scenarios as sc
+from tests.support.checks import trained_mode_equals_reference
 from tests.support.clip_reference import clipped_grads_fn
 from tests.support.reference import simulate_lioncub
 from tests.support.scenario_optimizer import scenario_settings
 
 pytestmark = pytest.mark.distributed
 
-PARAM_NAMES = list(sc.PARAM_SHAPES)
 # The same mode without clip, in scenarios.training_modes or here: what clip adds to each step's traffic.
 UNCLIPPED = {"clip-1bit": "1bit", "clip-4bit-l1-alltoall": "4bit-l1-alltoall", "clip-none": "none-fp32"}
 
@@ -42,23 +42,10 @@ def reference(p: int, options: dict[str, Any]) -> tuple[list[torch.Tensor], list
 
 def test_each_mode_equals_the_plain_loop_and_the_virtual_world_on_every_rank(ranks: list[dict[str, Any]]) -> None:
     p = len(ranks)
-    init = sc.init_params()
     for mode, options in sc.clip_modes(p).items():
         params, momenta, factors = reference(p, options)
         assert any(f < 1.0 for f in factors), f"{mode}: no step clipped"
-        virtual = virtual_run(p, options)
-        for index, name in enumerate(PARAM_NAMES):
-            want = params[index]
-            assert not torch.equal(want, init[name]), f"{mode}: {name} never moved"
-            assert torch.equal(virtual[f"param/{name}"], want), f"{mode}: the virtual world's {name}"
-            for rank in range(p):
-                for schedule in ("train", "train-serial"):
-                    got = ranks[rank][f"clip/{schedule}-param/{mode}/{name}"]
-                    assert torch.equal(got, want), f"{mode} ({schedule}): {name} on rank {rank}"
-                momentum = ranks[rank][f"clip/train-exp-avg/{mode}/final/{name}"]
-                # Exact Lion's momentum is every rank's; the reference keeps it per rank all the same.
-                assert torch.equal(momentum, momenta[rank][index].view_as(momentum)), f"{mode}: {rank} {name}"
-                assert torch.equal(virtual[f"exp-avg/{rank}/{sc.TRAIN_STEPS}/{name}"], momentum)
+        trained_mode_equals_reference(ranks, "clip/", mode, params, momenta, virtual_run(p, options))
         for rank in range(p):
             got = [ranks[rank][f"clip/train-clip/{mode}/{step}"] for step in range(1, sc.TRAIN_STEPS + 1)]
             assert got == pytest.approx(factors, rel=1e-12, abs=0), f"{mode}: rank {rank}'s factors"

@@ -10,16 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from tests.distributed.test_virtual_world_vs_ranks import virtual_run
 from tests.support import scenarios as sc
+from tests.support.checks import trained_mode_equals_reference
 from tests.support.error_feedback_reference import simulate_ef
 from tests.support.scenario_optimizer import scenario_settings
 
 pytestmark = pytest.mark.distributed
-
-PARAM_NAMES = list(sc.PARAM_SHAPES)
 
 
 def test_each_form_equals_the_plain_loop_and_the_virtual_world_on_every_rank(ranks: list[dict[str, Any]]) -> None:
@@ -33,18 +31,7 @@ def test_each_form_equals_the_plain_loop_and_the_virtual_world_on_every_rank(ran
             sc.TRAIN_STEPS,
             scenario_settings(**options),
         )
-        virtual = virtual_run(p, options)
-        for index, name in enumerate(PARAM_NAMES):
-            want = expected.params[index]
-            assert not torch.equal(want, init[name]), f"{mode}: {name} never moved"
-            assert torch.equal(virtual[f"param/{name}"], want), f"{mode}: the virtual world's {name}"
-            for rank in range(p):
-                for schedule in ("train", "train-serial"):
-                    got = ranks[rank][f"ef/{schedule}-param/{mode}/{name}"]
-                    assert torch.equal(got, want), f"{mode} ({schedule}): {name} on rank {rank}"
-                momentum = ranks[rank][f"ef/train-exp-avg/{mode}/final/{name}"]
-                assert torch.equal(momentum, expected.momenta[rank][index].view_as(momentum)), f"{mode}: {rank} {name}"
-                assert torch.equal(virtual[f"exp-avg/{rank}/{sc.TRAIN_STEPS}/{name}"], momentum)
+        trained_mode_equals_reference(ranks, "ef/", mode, expected.params, expected.momenta, virtual_run(p, options))
 
 
 # The scenarios' buckets at bucket_size 1024 (design section 9): w1 (2560) cut in three, then b1, w2, b2 joining

@@ -29,6 +29,32 @@ Ranks = list[dict[str, Any]]
 PARAM_NAMES = list(sc.PARAM_SHAPES)
 
 
+def trained_mode_equals_reference(
+    ranks: Ranks,
+    prefix: str,
+    mode: str,
+    params: list[torch.Tensor],
+    momenta: list[list[torch.Tensor]],
+    virtual: dict[str, Any],
+) -> None:
+    """``mode``, trained by the gloo jobs under keys starting with ``prefix``, against a plain loop's ``params`` and
+    per-rank ``momenta`` and the virtual world's results ``virtual``, bit for bit: every rank's parameters (pipelined
+    and serial bucket schedules) and final momenta; every parameter moved."""
+    init = sc.init_params()
+    for index, name in enumerate(sc.PARAM_SHAPES):
+        want = params[index]
+        assert not torch.equal(want, init[name]), f"{mode}: {name} never moved"
+        assert torch.equal(virtual[f"param/{name}"], want), f"{mode}: the virtual world's {name}"
+        for rank, results in enumerate(ranks):
+            for schedule in ("train", "train-serial"):
+                got = results[f"{prefix}{schedule}-param/{mode}/{name}"]
+                assert torch.equal(got, want), f"{mode} ({schedule}): {name} on rank {rank}"
+            momentum = results[f"{prefix}train-exp-avg/{mode}/final/{name}"]
+            # Exact Lion's momentum is every rank's; a plain loop keeps it per rank all the same.
+            assert torch.equal(momentum, momenta[rank][index].view_as(momentum)), f"{mode}: {rank} {name}"
+            assert torch.equal(virtual[f"exp-avg/{rank}/{sc.TRAIN_STEPS}/{name}"], momentum)
+
+
 def same_on_every_rank(ranks: Ranks, key: str) -> torch.Tensor:
     """``ranks[0][key]``, after asserting that every rank holds the same bits."""
     first = ranks[0][key]
