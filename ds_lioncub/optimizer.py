@@ -17,7 +17,7 @@ Four groups of its public methods live beside their machinery, as base classes: 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -27,9 +27,9 @@ from torch import nn
 from ds_lioncub.aggregation import Aggregator, build_aggregation
 from ds_lioncub.comm.backend import CompressedBackend
 from ds_lioncub.comm.quantize import tie_sign
-from ds_lioncub.comm.transport import CommStats, Transport, make_transport
+from ds_lioncub.comm.transport import CommStats, LevelledSum, Summing, Transport, make_transport
 from ds_lioncub.config import LionCubConfig, parse_config
-from ds_lioncub.errors import LionCubError
+from ds_lioncub.errors import LionCubError, LionCubSetupError
 from ds_lioncub.planner.auto import AutoResolution
 from ds_lioncub.step.bucket_work import check_param_group
 from ds_lioncub.step.clipping import ClipControls, clip_shard_of
@@ -85,8 +85,10 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
         self.module = module
         self.process_group = process_group
         self.transport: Transport = self._make_transport(process_group)
-        # The ranks whose finite checks must agree: the voters, unless bind() says more.
+        # The ranks whose finite checks must agree: the voters, unless bind() says more. Their per-step sums (the
+        # finite check, option clip's sketch) go through _agreement_sum, which bind() may split into levels.
         self._agreement_transport: Transport = self.transport
+        self._agreement_sum: Summing = self.transport
         # Whether the caller (DeepSpeed's engine) hands over gradients it has already averaged.
         self.gradients_are_averaged = False
         # Whether every rank of the group holds the same parameters (the replica check compares them).
@@ -159,6 +161,7 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
         *,
         gradients_averaged: bool,
         agreement_group: dist.ProcessGroup | None = None,
+        agreement_levels: Sequence[dist.ProcessGroup | None] | None = None,
         params_are_replicas: bool = True,
     ) -> None:
         """Communicate over ``process_group``, take names from ``module``, and say who averages gradients.
@@ -167,6 +170,9 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
         with compression "none"), so exact Lion must not average them again. ``agreement_group``:
         the ranks that must all skip a step together when one has a non-finite gradient, when they
         are more than ``process_group`` (under ZeRO hybrid: the whole world, not just the voters).
+        ``agreement_levels``: the same ranks as a grid of groups, this rank's group at each level (``None``: a
+        group of one rank), e.g. its node, then its vote group across the nodes: the per-step sums (the finite
+        check, option clip's sketch) then run one all-reduce per level (:mod:`ds_lioncub.comm.transport.levels`).
         ``params_are_replicas``: whether the ranks of ``process_group`` hold the same parameters (not so
         when ZeRO hands each rank its own partition of them); the replica check runs only if they do.
         Used by the DeepSpeed wiring; must run while the optimizer still holds the module's own
@@ -183,6 +189,15 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
         self._agreement_transport = (
             self.transport if agreement_group is None else make_transport(agreement_group, comm_backend_name="torch")
         )
+        self._agreement_sum = self._agreement_transport
+        if agreement_levels is not None:
+            groups = [group for group in agreement_levels if group is not None]
+            self._agreement_sum = LevelledSum([make_transport(group, comm_backend_name="torch") for group in groups])
+            if self._agreement_sum.world_size != self._agreement_transport.world_size:
+                raise LionCubSetupError(
+                    f"LionCub: the agreement levels span {self._agreement_sum.world_size} ranks, the agreement group "
+                    f"{self._agreement_transport.world_size}; pass levels that tile the agreement group."
+                )
         if module is not None:
             self.module = module
         self.gradients_are_averaged = gradients_averaged
@@ -227,8 +242,10 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
     def comm_stats(self) -> CommStats:
         """Collectives issued and bytes sent / received by this rank's LionCub steps so far (not the set-up check)."""
         stats = self.transport.stats + CommStats()  # a copy: the transport keeps counting
-        if self._agreement_transport is not self.transport:  # the world-wide finite check under ZeRO hybrid
+        if self._agreement_transport is not self.transport:  # the world-wide replica verdicts under ZeRO hybrid
             stats = stats + self._agreement_transport.stats
+        if isinstance(self._agreement_sum, LevelledSum):  # its finite check and option clip's sketch, in levels
+            stats = stats + self._agreement_sum.stats
         return stats + self._overlap.traffic()  # votes started during backward, and those voted again
 
     @property
@@ -274,7 +291,7 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
             self.options.bucket_size,
             self._pipelined_buckets,
             self.telemetry,
-            self._agreement_transport,
+            self._agreement_sum,
             self.options.check_finite,
             self._flat_params(),
             self.param_names,

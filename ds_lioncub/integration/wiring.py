@@ -130,9 +130,16 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
         check_node_blocks_on_one_host(setup)
     if stage == 3:
         refuse_a_model_partitioned_elsewhere(engine, setup)
-    # ZeRO keeps the engine's gradient reduction (inside the node); LionCub votes over the vote
-    # group, and its finite check agrees over the whole world.
-    optimizer.bind(setup.groups.vote_group, engine.module, gradients_averaged=False, agreement_group=world)
+    # ZeRO keeps the engine's gradient reduction (inside the node); LionCub votes over the vote group. Its
+    # finite check and option clip's sketch agree over the whole world: summed inside the node, then across.
+    groups = setup.groups
+    optimizer.bind(
+        groups.vote_group,
+        engine.module,
+        gradients_averaged=False,
+        agreement_group=world,
+        agreement_levels=(groups.node_group, groups.vote_group),
+    )
     setattr(engine, ENGINE_ATTRIBUTE, setup)
 
 

@@ -103,9 +103,12 @@ def hybrid_candidate(
     buckets = bucket_sizes(shard, bucket_size)
     for bucket in buckets:
         votes.add(aggregation_collectives(options, bucket, nodes), "one_per_node", node_size, network)
-    if options.check_finite:  # agreed over the whole world (section 12)
-        alone.add(wire.finite_check_collectives(cluster.world_size), "spanning", node_size, network)
-    alone.add(clip_collectives(options, cluster.world_size), "spanning", node_size, network)  # summed over the world
+    # Agreed over the whole world (section 12): an all-reduce inside each node, then one across the nodes.
+    levels: list[tuple[int, wire.Placement]] = [(node_size, "within_node"), (nodes, "one_per_node")]
+    for ranks, placement in levels:
+        if options.check_finite:
+            alone.add(wire.finite_check_collectives(ranks), placement, node_size, network)
+        alone.add(clip_collectives(options, ranks), placement, node_size, network)
     local = (costs.cost(LION_UPDATE) + aggregation_local_cost(costs, options) + clip_local_cost(costs, options)) * shard
     return priced_candidate(
         f"{label}, ZeRO-{zero_stage} hybrid", hybrid_params, zero_stage, alone, local, votes, len(buckets)

@@ -11,7 +11,7 @@ step: the updated partitions are the parameters.
 - The hybrid (docs/design.md, section 12.1): the same collectives over the node's G ranks only (nothing of
   them leaves a node), and the vote of each rank's ``1/G`` slice with its counterparts on the other nodes,
   priced as the ZeRO-1/2 hybrid's (:func:`~ds_lioncub.planner.candidates.hybrid_candidate`), plus the finite check
-  over the world.
+  over the world (inside each node, then across the nodes).
 
 What is left out, as for ZeRO-2: the gathers are priced as whole buckets of ``zero_bucket_size``
 elements, while ZeRO-3 gathers layer by layer (same bytes, more rounds of α: one set per layer);

@@ -18,7 +18,8 @@ needs ``K * P`` elements between them inside a tensor), and the relative error o
 columns of a matrix whose rows are a power of two long from all landing in one bin.
 
 Every rank adds its own gradient's sketch in fp64, one all-reduce sums them (every transport sums floats
-in rank order, so every rank holds the same bits), and every rank computes the same coefficient
+in rank order, so every rank holds the same bits; under the ZeRO hybrid one all-reduce inside the node, then
+one across the nodes, :mod:`ds_lioncub.comm.transport.levels`), and every rank computes the same coefficient
 ``min(1, max_norm / (|S / voters| + 1e-6))`` (DeepSpeed's formula with the estimate in place of the
 norm): the ranks' parameters stay bit-identical, and a resumed run draws the same signs (they depend on
 the step, not on a generator's state).
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_lioncub.comm.transport import CommStats, Transport
+from ds_lioncub.comm.transport import CommStats, Summing, Transport
 from ds_lioncub.config import LionCubConfig
 from ds_lioncub.errors import LionCubSetupError
 from ds_lioncub.step.bucket_work import Entry
@@ -143,7 +144,7 @@ class ClipControls:
     options: LionCubConfig
     transport: Transport
     param_groups: list[dict[str, Any]]
-    _agreement_transport: Transport
+    _agreement_sum: Summing
     _parts: StepInParts | None
     _first_key_tensor: int
     #: Which shard's signs this rank's sketch draws (:func:`clip_shard_of`).
@@ -162,7 +163,8 @@ class ClipControls:
         self, tensors: Sequence[Sequence[torch.Tensor]], step: int, loss_scale: float = 1.0, first_tensor: int = 0
     ) -> float:
         """Option ``clip``'s factor for step ``step``: the sketch of this rank's gradients (``tensors[t]``: the pieces
-        of flat tensor ``first_tensor + t``), summed over the ranks by one all-reduce, gives the estimated norm of
+        of flat tensor ``first_tensor + t``), summed over the ranks by one all-reduce (one per level under the ZeRO
+        hybrid), gives the estimated norm of
         the voters' mean gradient (divided by ``loss_scale``) and ``min(1, max_norm / (norm + 1e-6))``.
 
         A collective: every rank of the agreement group (the voters; under the ZeRO hybrid the whole world, each
@@ -183,7 +185,7 @@ class ClipControls:
         if clip is None:
             raise LionCubSetupError("LionCub: clip_coefficient() needs option clip, e.g. clip={'max_norm': 1.0}.")
         sketch = gradient_sketch(tensors, clip.sketch_bins, step, self._clip_shard, first_tensor)
-        self._agreement_transport.all_reduce_sum(sketch)
+        self._agreement_sum.all_reduce_sum(sketch)
         return clip_coefficient(sketch, self.transport.world_size, clip.max_norm, loss_scale)
 
     @property

@@ -26,7 +26,7 @@ import torch
 from ds_lioncub.aggregation import Aggregator
 from ds_lioncub.comm.packing import pack_fields, packed_length, unpack_fields, unpack_signs
 from ds_lioncub.comm.schedule import run_three_stages
-from ds_lioncub.comm.transport import Transport
+from ds_lioncub.comm.transport import Summing, Transport
 from ds_lioncub.errors import NonFiniteGradientError, UnsupportedParameterError
 from ds_lioncub.step.bucket_plan import Piece, plan_buckets
 from ds_lioncub.step.bucket_work import (
@@ -57,7 +57,7 @@ class StepContext:
         pipelined: run the bucket schedule pipelined (the default) or bucket by bucket.
         telemetry: the optimizer's per-step records; the paths report to it through a BucketWatch.
         agreement: the ranks whose non-finite verdicts must agree (the voters, or the whole world under
-            the ZeRO hybrid).
+            the ZeRO hybrid, summed inside each node and then across the nodes).
         check_finite: option ``check_finite``.
         params: every parameter of the optimizer by flat position (group order, then parameter order).
         names: their names by flat position (None: some has none); both name parameters in errors.
@@ -68,7 +68,7 @@ class StepContext:
     bucket_size: int
     pipelined: bool
     telemetry: StepTelemetry
-    agreement: Transport
+    agreement: Summing
     check_finite: bool
     params: list[torch.Tensor]
     names: list[str] | None

@@ -569,10 +569,11 @@ def test_unsupported_hybrid_configs_are_refused_identically_on_every_rank(launch
 
 def _expected_bytes_per_step(case: HybridCase, shard: int) -> int:
     """LionCub's bytes sent per rank per step (docs/design.md, section 14): the aggregation of one shard of
-    ``shard`` elements over the M nodes, plus the 4-byte non-finite check, all-reduced over the whole world so
-    that every rank of every node reaches the same verdict."""
-    nodes = WORLD // _node_size(case)
-    finite_check = 2 * (WORLD - 1) * 4 // WORLD
+    ``shard`` elements over the M nodes, plus the 4-byte non-finite check, summed over the whole world so that
+    every rank of every node reaches the same verdict: all-reduced inside the node (G ranks), then across the nodes."""
+    node_size = _node_size(case)
+    nodes = WORLD // node_size
+    finite_check = 2 * (node_size - 1) * 4 // node_size + 2 * (nodes - 1) * 4 // nodes
     if nodes == 1:
         return finite_check  # a vote of one node communicates nothing
     if case.options["compression"] == "1bit":

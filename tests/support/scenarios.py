@@ -90,6 +90,21 @@ def laplace_input(size: int, rank: int, step: int) -> Tensor:
     return values.float()
 
 
+# The sum in levels (ds_lioncub.comm.transport.levels): G ranks per node where the world divides evenly.
+LEVELLED_SUM_SIZE = 257
+
+
+def levelled_sum_node_size(world_size: int) -> int:
+    return 2 if world_size % 2 == 0 else 1
+
+
+def levelled_sum_input(rank: int) -> Tensor:
+    """fp64 values of magnitudes 1e-8 to 1e8, so that the order of a sum shows in its last bits."""
+    gen = seeded_generator(4, rank)
+    exponents = torch.randint(-8, 9, (LEVELLED_SUM_SIZE,), generator=gen).double()
+    return torch.randn(LEVELLED_SUM_SIZE, generator=gen, dtype=torch.float64) * 10.0**exponents
+
+
 def legacy_input(rank: int, call: int) -> Tensor:
     return torch.randn(LEGACY_SHAPE, generator=seeded_generator(3, rank, call))
 

@@ -47,7 +47,11 @@ def test_every_compressed_candidate_runs_with_clip_and_pays_its_sketch(nodes: in
         assert candidate.params["clip"] == CLIP and " + clip" in candidate.label
         base = plain[(candidate.label.replace(" + clip", ""), candidate.zero_stage)]
         added_bytes = candidate.bytes_per_step_per_rank - base.bytes_per_step_per_rank
-        assert added_bytes == wire.all_reduce_bytes(8 * CLIP["sketch_bins"], world), candidate.label
+        sketch = 8 * CLIP["sketch_bins"]
+        if candidate.zero_stage == 0:  # one all-reduce over the world
+            assert added_bytes == wire.all_reduce_bytes(sketch, world), candidate.label
+        else:  # the hybrid's: inside the node, then across the nodes
+            assert added_bytes == wire.all_reduce_bytes(sketch, gpus) + wire.all_reduce_bytes(sketch, nodes)
         stepped = n if candidate.zero_stage == 0 else wire.zero_partition_numel(n, gpus)
         added_local = candidate.local_seconds - base.local_seconds
         assert added_local == pytest.approx(CLIP_LOCAL_PASSES * lion * stepped, rel=1e-9), candidate.label

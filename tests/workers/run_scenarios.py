@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from ds_lioncub import LionCub
 from ds_lioncub.comm import CompressedBackend, legacy_padded_numel, packing
-from ds_lioncub.comm.transport import TorchTransport
+from ds_lioncub.comm.topology import create_groups, plan_hybrid
+from ds_lioncub.comm.transport import LevelledSum, TorchTransport
 from tests.support import scenarios as sc
 from tests.support.scenario_optimizer import fresh_params, scenario_lioncub, step_with_nan_on_last_rank
 
@@ -75,6 +76,22 @@ def run_segmented(rank: int, world_size: int) -> dict[str, object]:
         update = sc.laplace_input(sc.KBIT_SIZE, rank, 2)
         results[f"seg-kbit/{sc.case_name(case)}"] = backend.vote_kbit(update, 2, segment_sizes=segments, **case)
     return results
+
+
+def run_levelled_sum(rank: int, world_size: int) -> dict[str, object]:
+    """The ZeRO hybrid's world-wide sum in levels, on the hybrid's own groups: inside each node, then across."""
+    groups = create_groups(plan_hybrid(world_size, sc.levelled_sum_node_size(world_size)), rank)
+    levelled = LevelledSum(
+        [TorchTransport(group) for group in (groups.node_group, groups.vote_group) if group is not None]
+    )
+    floats = sc.levelled_sum_input(rank)
+    integers = torch.tensor([rank + 1, 1], dtype=torch.int32)
+    return {
+        "levelled/floats": levelled.all_reduce_sum(floats),
+        "levelled/integers": levelled.all_reduce_sum(integers),
+        "levelled/world_size": levelled.world_size,
+        "levelled/bytes_sent": levelled.stats.bytes_sent,
+    }
 
 
 def run_legacy(backend: CompressedBackend, rank: int) -> dict[str, object]:
@@ -238,6 +255,7 @@ def main() -> None:
     results.update(run_kbit(backend, rank))
     results.update(run_legacy(backend, rank))
     results.update(run_segmented(rank, world_size))
+    results.update(run_levelled_sum(rank, world_size))
     results.update(run_training(rank, world_size))
     dist.barrier()
     torch.save(results, out_dir / f"rank{rank}.pt")

@@ -28,6 +28,7 @@ from ds_lioncub.comm.transport.base import (
     TransportBase,
     sum_rows_in_rank_order,
 )
+from ds_lioncub.comm.transport.levels import LevelledSum, Summing
 from ds_lioncub.comm.transport.mpi import (
     MPI_INSTALL_HINT,
     MpiTransport,
@@ -78,9 +79,11 @@ __all__ = [
     "MPI_INSTALL_HINT",
     "CommStats",
     "InFlight",
+    "LevelledSum",
     "MpiSetupError",
     "MpiTransport",
     "RankLayout",
+    "Summing",
     "TorchTransport",
     "Transport",
     "TransportBase",
