@@ -98,9 +98,19 @@ def rows(
         if not gaps:
             continue
         interval = mean_interval(gaps)
-        share = equivalent_share(interval.mean, means)
-        lines.append(f"| {mode} | {interval.text(1)} | {len(gaps)} | {'n/a' if share is None else f'{share:.2f}'} |")
+        lines.append(f"| {mode} | {interval.text(1)} | {len(gaps)} | {share_text(interval.mean, means)} |")
     return lines
+
+
+def share_text(gap: float, curve: list[tuple[float, float]]) -> str:
+    """:func:`equivalent_share` as the table prints it: two decimals; ``below S`` past the smallest measured
+    share S, ``1`` for no loss (a gap of 0 or less), ``n/a`` without a curve."""
+    share = equivalent_share(gap, curve)
+    if share is not None:
+        return f"{share:.2f}"
+    if gap <= 0:
+        return "1"
+    return f"below {min(curve)[0]:.3f}" if curve else "n/a"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.study_batch_share import equivalent_share, rows, share_gaps
+from benchmarks.study_batch_share import equivalent_share, rows, share_gaps, share_text
 from benchmarks.study_grid import config_dir
 
 
@@ -55,3 +55,11 @@ def test_the_table_names_each_share_and_each_modes_equivalent(root: Path) -> Non
     assert "| 0.875 | 56 | +1.0 ± 0.0 | 2 |" in text
     assert "| 1bit | +2.2 ± 0.0 | 2 | 0.75 |" in text
     assert "4bit_l1_a2a" not in text  # no runs: no row
+
+
+def test_the_table_says_where_a_gap_is_beyond_the_curve() -> None:
+    curve = [(0.625, 3.5), (0.875, 1.0)]
+    assert share_text(2.25, curve) == "0.75"
+    assert share_text(6.0, curve) == "below 0.625"  # more than exact Lion loses on the smallest share
+    assert share_text(-0.4, curve) == "1"  # no loss: the whole batch
+    assert share_text(2.0, []) == "n/a"  # no share runs
