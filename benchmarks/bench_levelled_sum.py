@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
+
+from benchmarks.ranks import run_module_ranks
 
 SKETCH_BINS = 4093
 
@@ -73,15 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank is not None:
         rank_main(args.rank, args.nodes, args.node_size, args.store, args.rounds, args.calls)
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        store = str(Path(tmp) / "store")
-        common = ["--nodes", str(args.nodes), "--node-size", str(args.node_size), "--store", store]
-        common += ["--rounds", str(args.rounds), "--calls", str(args.calls)]
-        ranks = [
-            subprocess.Popen([sys.executable, "-m", "benchmarks.bench_levelled_sum", "--rank", str(rank), *common])
-            for rank in range(args.nodes * args.node_size)
-        ]
-        return max(rank.wait() for rank in ranks)
+    common = ["--nodes", str(args.nodes), "--node-size", str(args.node_size)]
+    common += ["--rounds", str(args.rounds), "--calls", str(args.calls)]
+    return max(run_module_ranks("benchmarks.bench_levelled_sum", args.nodes * args.node_size, common))
 
 
 if __name__ == "__main__":

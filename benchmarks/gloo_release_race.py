@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
 import time
 import weakref
-from pathlib import Path
+
+from benchmarks.ranks import run_module_ranks
 
 BUSY_S = 0.05
 
@@ -68,11 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank is not None:
         rank_main(args.rank, args.ranks, args.store, args.calls)
         return 0
-    store = Path(tempfile.mkdtemp(prefix="gloo-release-")) / "store"
-    command = [sys.executable, "-m", "benchmarks.gloo_release_race", "--ranks", str(args.ranks)]
-    command += ["--calls", str(args.calls), "--store", str(store)]
-    procs = [subprocess.Popen([*command, "--rank", str(rank)]) for rank in range(args.ranks)]
-    codes = [proc.wait() for proc in procs]
+    argv_of_ranks = ["--ranks", str(args.ranks), "--calls", str(args.calls)]
+    codes = run_module_ranks("benchmarks.gloo_release_race", args.ranks, argv_of_ranks)
     print(f"load average {os.getloadavg()[0]:.1f}; rank exit codes {codes}")
     return 0 if all(code == 0 for code in codes) else 1
 

@@ -244,7 +244,7 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
         stats = self.transport.stats + CommStats()  # a copy: the transport keeps counting
         if self._agreement_transport is not self.transport:  # the world-wide replica verdicts under ZeRO hybrid
             stats = stats + self._agreement_transport.stats
-        if isinstance(self._agreement_sum, LevelledSum):  # its finite check and option clip's sketch, in levels
+        if self._agreement_sum is not self._agreement_transport:  # the finite check and clip's sketch, in levels
             stats = stats + self._agreement_sum.stats
         return stats + self._overlap.traffic()  # votes started during backward, and those voted again
 

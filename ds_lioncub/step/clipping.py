@@ -164,8 +164,8 @@ class ClipControls:
     ) -> float:
         """Option ``clip``'s factor for step ``step``: the sketch of this rank's gradients (``tensors[t]``: the pieces
         of flat tensor ``first_tensor + t``), summed over the ranks by one all-reduce (one per level under the ZeRO
-        hybrid), gives the estimated norm of
-        the voters' mean gradient (divided by ``loss_scale``) and ``min(1, max_norm / (norm + 1e-6))``.
+        hybrid), gives the estimated norm of the voters' mean gradient (divided by ``loss_scale``) and
+        ``min(1, max_norm / (norm + 1e-6))``.
 
         A collective: every rank of the agreement group (the voters; under the ZeRO hybrid the whole world, each
         rank with its shard) calls it once per step with the same layout, and all get the same factor

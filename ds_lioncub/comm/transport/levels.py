@@ -22,10 +22,14 @@ from ds_lioncub.comm.transport.base import CommStats, Transport
 
 
 class Summing(Protocol):
-    """What an agreement among ranks needs: how many they are, and an elementwise sum every rank gets alike."""
+    """What an agreement among ranks needs: how many they are, an elementwise sum every rank gets alike, and the
+    traffic of its sums so far."""
 
     @property
     def world_size(self) -> int: ...
+
+    @property
+    def stats(self) -> CommStats: ...
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
