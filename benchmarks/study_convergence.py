@@ -50,6 +50,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -200,6 +201,9 @@ def execute(run: Run, root: Path, device: str = "cpu", claim: bool = False) -> s
         "optimizer_s": result.optimizer_seconds,
         "torch_threads": torch.get_num_threads(),
         "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+        # Two machines round differently (another CPU, torch or Python): a run pairs bit-exactly only with runs of
+        # its own machine (benchmarks/RESULTS.md, "On a lent machine's cores").
+        "machine": machine_description(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg()[0],
         "code": code,
@@ -210,6 +214,17 @@ def execute(run: Run, root: Path, device: str = "cpu", claim: bool = False) -> s
     if claim:
         claim_path.unlink(missing_ok=True)
     return f"{run.name}: val {result.val_loss:.4f} in {wall:.0f} s ({wall / run.steps:.2f} s/step)"
+
+
+def machine_description() -> str:
+    """The CPU's model name, the Python and the torch that trained a run."""
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        lines = cpuinfo.read_text().splitlines()
+        names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+        model = names[0] if names else model
+    return f"{model}; Python {platform.python_version()}; torch {torch.__version__}"
 
 
 def run_grid(

@@ -113,9 +113,11 @@ ERROR_FEEDBACK_LOCAL_PASSES = {"residual": 2.4, "ef21": 3.0}
 EF21_SPREAD_BYTES = 4
 
 
-#: Option clip's local work per element, in units of Lion's update: the sketch's pass over the gradient and the
-#: scaling of it (benchmarks/RESULTS.md, "Option clip: local cost"; benchmarks/bench_clip.py).
-CLIP_LOCAL_PASSES = 0.9
+#: Option clip's local work per element, in units of Lion's update, by the table's device: the sketch's pass over
+#: the gradient and the scaling of it, on 8,388,608-element buckets (benchmarks/bench_clip.py; benchmarks/RESULTS.md,
+#: "Option clip", its local cost). On a GPU the sketch's per-chunk products and column sums run far below the
+#: memory bandwidth that Lion's update reaches (H200: 4.5 updates), on this machine's CPU at 0.9.
+CLIP_LOCAL_PASSES = {"cpu": 0.9, "cuda": 4.5}
 
 
 def clip_collectives(options: LionCubConfig, world_size: int) -> list[wire.Collective]:
@@ -125,7 +127,7 @@ def clip_collectives(options: LionCubConfig, world_size: int) -> list[wire.Colle
 
 def clip_local_cost(costs: LocalCosts, options: LionCubConfig) -> float:
     """Seconds per stepped element of option clip's local work (0 without clip)."""
-    return 0.0 if options.clip is None else CLIP_LOCAL_PASSES * costs.cost(LION_UPDATE)
+    return 0.0 if options.clip is None else CLIP_LOCAL_PASSES[costs.device] * costs.cost(LION_UPDATE)
 
 
 def aggregation_collectives(options: LionCubConfig, numel: int, world_size: int) -> list[wire.Collective]:

@@ -37,6 +37,25 @@ def test_pieces_and_chunks_walk_the_same_elements(monkeypatch: pytest.MonkeyPatc
     assert torch.allclose(gradient_sketch([pieces], 13, 5, shard=0), whole, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_on_a_gpu_the_sketch_is_the_scatter_and_the_same_bits_every_call() -> None:
+    """On CUDA tensors (several chunks, a bf16 one, a short one) the sketch stays on the GPU, equals the CPU
+    scatter, and repeats bit for bit: the ranks of a GPU job sum the same bits."""
+    generator = torch.Generator().manual_seed(6)
+    grads = [
+        torch.randn(3 * clipping.CHUNK + 12_345, generator=generator),
+        torch.randn(5 * 4093 + 1, generator=generator).bfloat16(),
+        torch.randn(77, generator=generator),
+    ]
+    on_gpu = [[g.cuda()] for g in grads]
+    for step in (1, 9):
+        got = gradient_sketch(on_gpu, 4093, step, shard=0)
+        assert got.device.type == "cuda" and got.dtype == torch.float64
+        assert torch.allclose(got.cpu(), brute_force_sketch(grads, 4093, step), rtol=1e-12, atol=1e-12), step
+        assert torch.equal(got, gradient_sketch(on_gpu, 4093, step, shard=0)), step
+
+
 def test_other_shards_and_tensors_draw_other_signs() -> None:
     g = torch.randn(500, generator=torch.Generator().manual_seed(3))
     base = gradient_sketch([[g]], 4093, 1, shard=0)

@@ -15,6 +15,7 @@ from ds_lioncub.planner import DEFAULT_LOCAL_COSTS, Cluster, Network, parse_rate
 from ds_lioncub.planner.auto import resolve_auto
 from ds_lioncub.planner.cli import main
 from ds_lioncub.planner.convergence import StudyCell, assess, study_mode
+from ds_lioncub.planner.devices import measured_gpu_costs
 from ds_lioncub.planner.local_costs import LION_UPDATE
 from ds_lioncub.planner.pricing import CLIP_LOCAL_PASSES
 
@@ -29,16 +30,19 @@ def test_a_mode_with_clip_has_cells_of_its_own() -> None:
     assert study_mode({"compression": "none", "clip": CLIP}) is None
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize(("nodes", "gpus"), [(4, 8), (16, 1)])
-def test_every_compressed_candidate_runs_with_clip_and_pays_its_sketch(nodes: int, gpus: int) -> None:
+def test_every_compressed_candidate_runs_with_clip_and_pays_its_sketch(nodes: int, gpus: int, device: str) -> None:
     """Against the same candidate without clip: the sketch's all-reduce over the world in the bytes, and
-    CLIP_LOCAL_PASSES Lion updates per stepped element in the local seconds."""
+    the table's device's CLIP_LOCAL_PASSES Lion updates per stepped element in the local seconds."""
     n, cluster, network = 300_000_000, Cluster(nodes, gpus), Network(parse_rate("10gbit"))
     stages = (0, 2, 3) if nodes > 1 and gpus > 1 else (0,)
-    plain = {(c.label, c.zero_stage): c for c in plan(n, cluster, network, zero_stages=stages)}
-    clipped = plan(n, cluster, network, zero_stages=stages, clip=CLIP)
+    costs = DEFAULT_LOCAL_COSTS if device == "cpu" else measured_gpu_costs("H200")
+    assert costs is not None and costs.device == device
+    plain = {(c.label, c.zero_stage): c for c in plan(n, cluster, network, costs, zero_stages=stages)}
+    clipped = plan(n, cluster, network, costs, zero_stages=stages, clip=CLIP)
     assert len(clipped) == len(plain)
-    lion = DEFAULT_LOCAL_COSTS.cost(LION_UPDATE)
+    lion = costs.cost(LION_UPDATE)
     world = nodes * gpus
     for candidate in clipped:
         if candidate.compression == "none":
@@ -54,7 +58,7 @@ def test_every_compressed_candidate_runs_with_clip_and_pays_its_sketch(nodes: in
             assert added_bytes == wire.all_reduce_bytes(sketch, gpus) + wire.all_reduce_bytes(sketch, nodes)
         stepped = n if candidate.zero_stage == 0 else wire.zero_partition_numel(n, gpus)
         added_local = candidate.local_seconds - base.local_seconds
-        assert added_local == pytest.approx(CLIP_LOCAL_PASSES * lion * stepped, rel=1e-9), candidate.label
+        assert added_local == pytest.approx(CLIP_LOCAL_PASSES[device] * lion * stepped, rel=1e-9), candidate.label
         assert candidate.seconds_per_step > base.seconds_per_step
 
 
