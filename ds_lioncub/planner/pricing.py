@@ -115,9 +115,9 @@ EF21_SPREAD_BYTES = 4
 
 #: Option clip's local work per element, in units of Lion's update, by the table's device: the sketch's pass over
 #: the gradient and the scaling of it, on 8,388,608-element buckets (benchmarks/bench_clip.py; benchmarks/RESULTS.md,
-#: "Option clip", its local cost). On a GPU the sketch's per-chunk products and column sums run far below the
-#: memory bandwidth that Lion's update reaches (H200: 4.5 updates), on this machine's CPU at 0.9.
-CLIP_LOCAL_PASSES = {"cpu": 0.9, "cuda": 4.5}
+#: "Option clip", its local cost): 0.9 on this machine's CPU, 2.3 on an H200, where a bucket's few passes of
+#: Python-issued kernels weigh against Lion's update at the memory's pace (0.8 from 64 Mi elements up).
+CLIP_LOCAL_PASSES = {"cpu": 0.9, "cuda": 2.3}
 
 
 def clip_collectives(options: LionCubConfig, world_size: int) -> list[wire.Collective]:

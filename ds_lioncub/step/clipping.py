@@ -47,8 +47,12 @@ from ds_lioncub.step.parts import StepInParts
 #: The length of the table of random signs (a prime, so that a table position repeats only after
 #: ``sketch_bins * SIGN_PERIOD`` elements of one tensor).
 SIGN_PERIOD = 1_048_573
-#: Elements added per pass (bounds the temporaries: one fp32 product of this many elements).
+#: Elements added per pass on a CPU (bounds the temporaries: one fp32 product of this many elements).
 CHUNK = 1 << 20
+#: Elements added per pass on a GPU: 1,024 rows of the default 4,093 bins. A pass's column sum of 256 rows keeps
+#: too few of a GPU's threads busy; 1,024 rows take the sketch of 256 Mi elements from 3.2 to 0.65 Lion updates
+#: on an H200 (benchmarks/RESULTS.md, "Option clip", its local cost), for a table of 21 MB and a 17 MB product.
+CUDA_CHUNK = 1 << 22
 #: The seed of the table of signs: part of the estimator, the same on every rank and in every version.
 SIGN_SEED = 0x5EC7C11
 #: DeepSpeed's guard against a zero norm in its clipping coefficient.
@@ -58,14 +62,21 @@ _TABLES: dict[torch.device, torch.Tensor] = {}
 _MASK64 = (1 << 64) - 1
 
 
+def chunk_for(device: torch.device) -> int:
+    """Elements per pass on ``device``: :data:`CUDA_CHUNK` on a GPU, else :data:`CHUNK`. Every rank of a job
+    steps on one kind of device, so every rank sums its bins in the same order."""
+    return CUDA_CHUNK if device.type == "cuda" else CHUNK
+
+
 def sign_table(device: torch.device) -> torch.Tensor:
-    """±1 in fp32, ``T[i mod SIGN_PERIOD]`` for ``i < SIGN_PERIOD + CHUNK`` (so that any CHUNK-long window
-    starting before SIGN_PERIOD is one slice), drawn once per device from :data:`SIGN_SEED` on the CPU."""
+    """±1 in fp32, ``T[i mod SIGN_PERIOD]`` for ``i < SIGN_PERIOD + chunk_for(device)`` (so that any chunk-long
+    window starting before SIGN_PERIOD is one slice), drawn once per device from :data:`SIGN_SEED` on the CPU."""
     table = _TABLES.get(device)
     if table is None:
         generator = torch.Generator().manual_seed(SIGN_SEED)
         period = torch.randint(0, 2, (SIGN_PERIOD,), generator=generator, dtype=torch.int8).float().mul_(2).sub_(1)
-        table = torch.cat([period, period[:CHUNK]]).to(device)
+        table = torch.cat([period, period.repeat(chunk_for(device) // SIGN_PERIOD + 1)]).to(device)
+        table = table[: SIGN_PERIOD + chunk_for(device)]
         _TABLES[device] = table
     return table
 
@@ -87,6 +98,7 @@ def add_to_sketch(sketch: torch.Tensor, pieces: Sequence[torch.Tensor], offset: 
     """
     bins = sketch.numel()
     table = sign_table(sketch.device)
+    chunk = chunk_for(sketch.device)
     position = 0
     for piece in pieces:
         flat = piece.detach().reshape(-1)
@@ -98,7 +110,7 @@ def add_to_sketch(sketch: torch.Tensor, pieces: Sequence[torch.Tensor], offset: 
                 length = min(bins - column, left)
                 rows = 1
             else:
-                rows = min(max(1, CHUNK // bins), left // bins)
+                rows = min(max(1, chunk // bins), left // bins)
                 length = rows * bins
             start = (offset + position) % SIGN_PERIOD
             values = flat[done : done + length].float() * table[start : start + length]
@@ -231,6 +243,7 @@ class ClipControls:
 
 __all__ = [
     "CHUNK",
+    "CUDA_CHUNK",
     "ClipControls",
     "NORM_EPSILON",
     "SIGN_PERIOD",

@@ -37,6 +37,21 @@ def test_pieces_and_chunks_walk_the_same_elements(monkeypatch: pytest.MonkeyPatc
     assert torch.allclose(gradient_sketch([pieces], 13, 5, shard=0), whole, rtol=1e-12, atol=1e-12)
 
 
+def test_the_gpus_longer_chunks_walk_the_same_elements(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunking a GPU takes (CUDA_CHUNK elements a pass, a table long enough for it), run on the CPU: the
+    same sketch as the scatter, the table's windows read across its period."""
+    monkeypatch.setattr(clipping, "_TABLES", {})
+    monkeypatch.setattr(clipping, "chunk_for", lambda device: clipping.CUDA_CHUNK)
+    table = clipping.sign_table(torch.device("cpu"))
+    assert table.numel() == clipping.SIGN_PERIOD + clipping.CUDA_CHUNK
+    assert torch.equal(table[clipping.SIGN_PERIOD :], table[: clipping.CUDA_CHUNK])
+    flat = torch.randn(clipping.CUDA_CHUNK + 5 * 4093 + 17, generator=torch.Generator().manual_seed(7))
+    for step in (1, 3):
+        got = gradient_sketch([[flat[:100]], [flat]], 4093, step, shard=0)
+        want = brute_force_sketch([flat[:100], flat], 4093, step)
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), step
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_on_a_gpu_the_sketch_is_the_scatter_and_the_same_bits_every_call() -> None:
@@ -44,7 +59,7 @@ def test_on_a_gpu_the_sketch_is_the_scatter_and_the_same_bits_every_call() -> No
     scatter, and repeats bit for bit: the ranks of a GPU job sum the same bits."""
     generator = torch.Generator().manual_seed(6)
     grads = [
-        torch.randn(3 * clipping.CHUNK + 12_345, generator=generator),
+        torch.randn(3 * clipping.CUDA_CHUNK + 12_345, generator=generator),
         torch.randn(5 * 4093 + 1, generator=generator).bfloat16(),
         torch.randn(77, generator=generator),
     ]
