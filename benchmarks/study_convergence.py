@@ -202,7 +202,7 @@ def execute(run: Run, root: Path, device: str = "cpu", claim: bool = False) -> s
         "torch_threads": torch.get_num_threads(),
         "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
         # Two machines round differently (another CPU, torch or Python): a run pairs bit-exactly only with runs of
-        # its own machine (benchmarks/RESULTS.md, "On a lent machine's cores").
+        # its own machine (benchmarks/RESULTS.md, "Every mode at beta2 0.95, and a lent machine's cores").
         "machine": machine_description(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg()[0],

@@ -447,7 +447,7 @@ def test_a_cell_without_half_width_or_spread_is_named(tmp_path: Path) -> None:
 #: corpus's sharper cells (design lr5e-4) in place of theirs at the points it measured whole.
 FIRST_STUDY_COMMAND = ["--results", str(study_grid.STDLIB_RESULTS), "--evidence", "first.json"]
 PINNED_COMMAND = [
-    "--design", "lr5e-4", "--workers", "8", "16", "32", "64", "--beta2", "0.99",
+    "--design", "lr5e-4", "--workers", "8", "16", "32", "64", "--beta2", "0.95", "0.99",
     "--modes", "exact", "1bit", "1bit_sync", "2bit_l1_a2a", "4bit_l1_a2a", "8bit_l1", "8bit_l1_a2a",
     "1bit_sketchclip", "4bit_l1_a2a_sketchclip", "8bit_l1_a2a_sketchclip",
     "--evidence", str(EVIDENCE_FILE), "--evidence-base", "first.json",
