@@ -7,7 +7,7 @@
 # Steps (each writes OUT/<step>.log and a line "<step> rc=<code> <seconds>s" to OUT/summary.txt):
 #   env        the device, torch, the CPU and its cores
 #   clip_cost  python -m benchmarks.bench_clip --device cuda: the sketch and the scaling of one bucket in units
-#              of Lion's update on the GPU (the planner's CLIP_LOCAL_PASSES is the CPU's), on a quiet machine
+#              of Lion's update on the GPU (the planner's CLIP_LOCAL_PASSES["cuda"]), on a quiet machine
 #   pytest     every test marked gpu (the CUDA kernels, NCCL against the virtual world, fp16/bf16, the sketch)
 #   grid       beside pytest, on the cores (one torch thread per run): the pinned study's beta2 0.95 cells
 #              GRID_ARGS names, into OUT/pinned, and one control run that exists on the CPU where the grid is
