@@ -12,12 +12,11 @@ is left out of the variants: it is the same few elements in each.
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
+from benchmarks.timing import median_seconds
 from ds_lioncub.step.clipping import SIGN_PERIOD, gradient_sketch, sign_offset, sign_table
 
 BINS = 4093
@@ -44,19 +43,6 @@ REDUCTIONS: dict[str, Reduction] = {
     "transposed sum": lambda m: m.t().sum(1, dtype=torch.float64),
     "fp64 matrix-vector": _matrix_vector,
 }
-
-
-def median_time(run: Callable[[], object], repeats: int) -> float:
-    """Median seconds of ``repeats`` calls, each from an idle GPU to the end of its kernels, after a warm-up."""
-    run()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def sketch_in_passes(
@@ -93,7 +79,7 @@ def main() -> None:
 def size_rows(flat: torch.Tensor, offset: int, long_table: torch.Tensor) -> list[str]:
     """The table's rows for one bucket: the sketch as it is, then every variant against it."""
     n = flat.numel()
-    as_it_is = median_time(lambda: gradient_sketch([[flat]], BINS, 1, 0), 15)
+    as_it_is = median_seconds(lambda: gradient_sketch([[flat]], BINS, 1, 0), 15, flat.device)
     reference = gradient_sketch([[flat[: n // BINS * BINS]]], BINS, 1, 0)
     rows = [f"| {n:,} | as it is | | {as_it_is * 1e6:.0f} | 1.00 | | |"]
     for rows_per_pass in ROWS_PER_PASS:
@@ -102,7 +88,7 @@ def size_rows(flat: torch.Tensor, offset: int, long_table: torch.Tensor) -> list
             def run(rows_per_pass: int = rows_per_pass, reduce: Reduction = reduce) -> torch.Tensor:
                 return sketch_in_passes(flat, offset, rows_per_pass, reduce, long_table)
 
-            seconds = median_time(run, 7)
+            seconds = median_seconds(run, 7, flat.device)
             got = run()
             diff = float((got - reference).abs().max() / reference.abs().max())
             rows.append(

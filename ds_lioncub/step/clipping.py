@@ -75,8 +75,9 @@ def sign_table(device: torch.device) -> torch.Tensor:
     if table is None:
         generator = torch.Generator().manual_seed(SIGN_SEED)
         period = torch.randint(0, 2, (SIGN_PERIOD,), generator=generator, dtype=torch.int8).float().mul_(2).sub_(1)
-        table = torch.cat([period, period.repeat(chunk_for(device) // SIGN_PERIOD + 1)])
-        table = table[: SIGN_PERIOD + chunk_for(device)].to(device, copy=True)  # not a view of the longer cat
+        chunk = chunk_for(device)
+        table = torch.cat([period, period.repeat(chunk // SIGN_PERIOD + 1)])
+        table = table[: SIGN_PERIOD + chunk].to(device, copy=True)  # not a view of the longer cat
         _TABLES[device] = table
     return table
 
