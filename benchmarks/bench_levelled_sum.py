@@ -18,7 +18,7 @@ import argparse
 import statistics
 import time
 
-from benchmarks.ranks import run_module_ranks
+from benchmarks.ranks import add_rank_options, run_module_ranks
 
 SKETCH_BINS = 4093
 
@@ -65,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node-size", type=int, default=2)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=20)
-    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--store", help=argparse.SUPPRESS)
+    add_rank_options(p)
     args = p.parse_args(argv)
     if args.rank is not None:
         rank_main(args.rank, args.nodes, args.node_size, args.store, args.rounds, args.calls)

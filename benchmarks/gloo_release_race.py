@@ -18,7 +18,7 @@ import sys
 import time
 import weakref
 
-from benchmarks.ranks import run_module_ranks
+from benchmarks.ranks import add_rank_options, run_module_ranks
 
 BUSY_S = 0.05
 
@@ -61,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--calls", type=int, default=600)
-    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--store", help=argparse.SUPPRESS)
+    add_rank_options(parser)
     args = parser.parse_args(argv)
     if args.rank is not None:
         rank_main(args.rank, args.ranks, args.store, args.calls)
