@@ -15,6 +15,11 @@ planner's ``ranks_per_core``), gloo's link efficiencies, the built-in CPU table.
 over loopback TCP on the same 2 cores; ``--intra-node-bandwidth`` prices it (default: no bottleneck,
 as between GPUs of one machine). Step times are means over steps 4 on of the mean over ranks, as in
 the section's tables; bytes the same means of the node link's bytes sent divided by its 2 ranks.
+
+The hybrid is priced as the recorded runs ran it: they predate the gradient noise scale (option
+``telemetry.noise_scale``, on by default since), so its sketch all-reduce and local pass are left out
+(``"telemetry": {"noise_scale": false}``), and they ran ``gradient_clipping`` 0 (bench_train's ds_config), so
+nothing clipped: no clip's sketch either.
 """
 
 from __future__ import annotations
@@ -24,12 +29,15 @@ import json
 import statistics
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ds_lioncub.planner.cluster import Cluster, Network
 from ds_lioncub.planner.devices import local_costs_for
-from ds_lioncub.planner.model import Candidate, plan
+from ds_lioncub.planner.local_costs import LocalCosts
+from ds_lioncub.planner.model import DEEPSPEED_BUCKET_SIZE, LIONCUB_BUCKET_SIZE, Candidate, plan
+from ds_lioncub.planner.zero3 import hybrid_zero3_candidate
 from ds_lioncub.units import format_rate, parse_rate
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -38,7 +46,11 @@ STAGE0_RUN = RUNS[1e9]  # the run with the stage-0 Lion Cub row: its forward and
 WARMUP = 3  # steps left out of the means (bench_train's report does the same)
 CLUSTER = Cluster(nodes=2, gpus_per_node=2)
 RANKS_PER_CORE = 2.0  # 4 ranks of one thread on the measuring machine's 2 cores
-METHODS = {"lion_zero3": {"compression": "none"}, "lioncub_1bit_zero3_hybrid": {"compression": "1bit"}}
+#: The methods' LionCub options as the recorded runs ran them (module docstring: no noise scale, no clip).
+METHODS: dict[str, dict[str, Any]] = {
+    "lion_zero3": {"compression": "none"},
+    "lioncub_1bit_zero3_hybrid": {"compression": "1bit", "telemetry": {"noise_scale": False}},
+}
 
 
 def load(run: str, method: str) -> dict[str, Any]:
@@ -50,9 +62,31 @@ def mean(result: dict[str, Any], column: str) -> float:
     return statistics.fmean(result["per_step"][column][WARMUP:])
 
 
-def candidate_for(candidates: Sequence[Candidate], method: str) -> Candidate:
-    compression = METHODS[method]["compression"]
-    return next(c for c in candidates if c.compression == compression)
+def shared_cores(costs: LocalCosts) -> LocalCosts:
+    """``costs`` with every entry RANKS_PER_CORE times as long, as ``plan(..., ranks_per_core=...)`` prices it."""
+    scaled = {key: value * RANKS_PER_CORE for key, value in costs.seconds_per_element.items()}
+    return replace(costs, seconds_per_element=scaled)
+
+
+def recorded_candidates(num_params: int, network: Network, costs: LocalCosts) -> dict[str, Candidate]:
+    """Each method's candidate as its run ran: exact ZeRO-3 as the planner lists it (no sketch there), the 1-bit
+    ZeRO-3 hybrid with METHODS's options (``plan`` lists it with the noise scale, which the runs predate)."""
+    exact = next(
+        c
+        for c in plan(num_params, CLUSTER, network, costs, zero_stages=(3,), ranks_per_core=RANKS_PER_CORE)
+        if c.params == METHODS["lion_zero3"]
+    )
+    hybrid = hybrid_zero3_candidate(
+        "1-bit vote",
+        METHODS["lioncub_1bit_zero3_hybrid"],
+        num_params,
+        CLUSTER,
+        network,
+        shared_cores(costs),
+        LIONCUB_BUCKET_SIZE,
+        DEEPSPEED_BUCKET_SIZE,
+    )
+    return {"lion_zero3": exact, "lioncub_1bit_zero3_hybrid": hybrid}
 
 
 def table(intra_node_bandwidth: float | None) -> str:
@@ -69,17 +103,10 @@ def table(intra_node_bandwidth: float | None) -> str:
     steps: dict[tuple[float, str], tuple[float, float]] = {}
     for rate, run in RUNS.items():
         network = Network(rate / 8, None if intra_node_bandwidth is None else intra_node_bandwidth)
-        candidates = plan(
-            load(run, "lion_zero3")["n_params"],
-            CLUSTER,
-            network,
-            costs,
-            zero_stages=(3,),
-            ranks_per_core=RANKS_PER_CORE,
-        )
+        candidates = recorded_candidates(load(run, "lion_zero3")["n_params"], network, costs)
         for method in METHODS:
             result = load(run, method)
-            candidate = candidate_for(candidates, method)
+            candidate = candidates[method]
             planned_bytes = candidate.node_link_bytes_per_step / CLUSTER.gpus_per_node
             measured_bytes = mean(result, "tx_bytes")
             predicted, measured = compute + candidate.seconds_per_step, mean(result, "total_s")

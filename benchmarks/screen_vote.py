@@ -82,7 +82,7 @@ import torch
 
 from benchmarks.screen_clipping import SketchClip, clip_of
 from benchmarks.study_convergence import write_record
-from benchmarks.study_grid import DESIGNS, RESULTS, WIDE_EVAL_WINDOWS, Design, Run, config_dir
+from benchmarks.study_grid import DESIGNS, RESULTS, STUDY_CLIP_RULE, WIDE_EVAL_WINDOWS, Design, Run, config_dir
 from benchmarks.study_report import pair_with_exact
 from ds_lioncub.comm.quantize import sign_with_tie
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
@@ -110,8 +110,8 @@ class StudySettings:
 def study_settings(beta2: float) -> StudySettings:
     """The study's settings, read where the study takes them: beta1 and weight decay from
     :meth:`benchmarks.study_grid.Run.options` (exact Lion's run: these two do not depend on the mode),
-    the schedule and the clipping rule from :func:`ds_lioncub.simulate.train.train_virtual`'s defaults, which
-    the study's runs do not override."""
+    the schedule from :func:`ds_lioncub.simulate.train.train_virtual`'s defaults, which the study's runs do not
+    override, and the study's clipping rule (:data:`benchmarks.study_grid.STUDY_CLIP_RULE`)."""
     options = Run("small", 1, 1, "exact", beta2, 0).options()
     defaults = inspect.signature(train_virtual).parameters
     return StudySettings(
@@ -120,7 +120,7 @@ def study_settings(beta2: float) -> StudySettings:
         warmup_steps=int(defaults["warmup_steps"].default),
         warmup_min_ratio=float(defaults["warmup_min_ratio"].default),
         cos_min_ratio=float(defaults["cos_min_ratio"].default),
-        clip_rule=defaults["clip_rule"].default,
+        clip_rule=STUDY_CLIP_RULE,
     )
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ds_lioncub.simulate.train import ClipRule
+
 #: Runs on the pinned corpus (DeepSpeed 0.19.8's sources: the same bytes on every machine and Python).
 RESULTS = Path(__file__).resolve().parent / "results" / "convergence_pinned"
 #: The first study's runs, on the running Python's standard library (3.11 here); the shipped
@@ -71,6 +73,11 @@ def mode_options(mode: str, workers: int) -> dict[str, Any]:
 #: A mode with this suffix clips with LionCub's option ``clip`` (the mean gradient's sketched norm, max_norm 1.0)
 #: instead of DeepSpeed's rule; its runs train with the design's grad_clip off (:func:`clip_of_run`).
 SKETCH_CLIP_SUFFIX = "_sketchclip"
+
+
+#: The clipping rule of the study's runs: DeepSpeed's (the default before 0.2.0), named so that the runs stay
+#: reproducible now that the default clips the mean gradient; a ``_sketchclip`` mode clips by option clip instead.
+STUDY_CLIP_RULE: ClipRule = "deepspeed"
 
 
 def clip_of_run(options: dict[str, Any], design_clip: float) -> float:

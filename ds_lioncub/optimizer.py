@@ -29,6 +29,7 @@ from ds_lioncub.comm.backend import CompressedBackend
 from ds_lioncub.comm.quantize import tie_sign
 from ds_lioncub.comm.transport import CommStats, LevelledSum, Summing, Transport, make_transport
 from ds_lioncub.config import LionCubConfig, parse_config
+from ds_lioncub.config.clip_rule import refuse_clip_without_norm
 from ds_lioncub.errors import LionCubError, LionCubSetupError
 from ds_lioncub.planner.auto import AutoResolution
 from ds_lioncub.step.bucket_work import check_param_group
@@ -36,6 +37,7 @@ from ds_lioncub.step.clipping import ClipControls, clip_shard_of
 from ds_lioncub.step.local_state import (
     CheckpointedState,
 )
+from ds_lioncub.step.noise_scale import NoiseScale, NoiseScaleState
 from ds_lioncub.step.overlap import OverlapController, OverlapControls
 from ds_lioncub.step.param_selection import names_by_position
 from ds_lioncub.step.parts import StepInParts, SteppedInParts
@@ -82,6 +84,7 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
         # torch.optim.Optimizer.__init__ calls add_param_group, which must know whether set-up is done.
         self._ready = False
         self.options: LionCubConfig = parse_config({"lr": lr, "betas": betas, "weight_decay": weight_decay, **options})
+        refuse_clip_without_norm(self.options)
         self.module = module
         self.process_group = process_group
         self.transport: Transport = self._make_transport(process_group)
@@ -112,6 +115,10 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
         self._traffic_before_step = CommStats()
         #: The factor option ``clip`` scaled the last step's gradients by (1: not clipped); None without clip.
         self.last_clip_coefficient: float | None = None
+        # Whether a caller stepping in parts took this step's sketch already (clip_coefficient_given).
+        self._sketch_given = False
+        # The gradient noise scale's moving averages (option telemetry.noise_scale), fed by the step's sketch.
+        self._noise_scale_state = NoiseScaleState(self.options.telemetry.noise_scale_beta)
         # Per-step records (docs/design.md, section 15).
         self.telemetry = StepTelemetry(vote_stats=self.options.telemetry.vote_stats)
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
@@ -259,6 +266,19 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
         return self.telemetry.totals
 
     @property
+    def noise_scale(self) -> NoiseScale | None:
+        """The job's gradient noise scale so far (option ``telemetry.noise_scale``; docs/user-guide.md, "The gradient
+        noise scale"): B_simple in samples and in voter batches, the smoothed |G|^2 and tr(Sigma), the steps
+        measured. None before the first measured step, and always with compression "none" or a single voter."""
+        return self._noise_scale_state.record()
+
+    def set_noise_scale_batch(self, samples: int | None) -> None:
+        """Say how many samples one voter's gradient averages each step (its micro-batch x its accumulation steps;
+        x the ranks of a node under the ZeRO hybrid), so that :attr:`noise_scale` gives B_simple in samples. The
+        DeepSpeed wiring sets it from the engine; in plain Python it is unknown until set (None: voter batches)."""
+        self._noise_scale_state.set_batch_samples(samples)
+
+    @property
     def momentum_synced_parameters(self) -> list[torch.Tensor]:
         """The parameters whose ``exp_avg`` momentum sync averages."""
         return [p for position, p in enumerate(self._flat_params()) if position in self._momentum_sync.positions]
@@ -285,7 +305,9 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
         # Option clip's all-reduce, when a caller stepping in parts issued it first, is this step's (first part's).
         baseline, self._traffic_before_step = baseline - self._traffic_before_step, CommStats()
         self.telemetry.begin_step(baseline)
-        if self.options.clip is not None:  # before any path reads the gradients (and before the finite check)
+        # Option clip and the noise scale share one sketch, taken before any path reads the gradients (and before
+        # the finite check, which may then refuse the step: the noise scale leaves non-finite steps out).
+        if self.sketches_each_step:
             self._clip_gradients(entries, step)
         context = StepContext(
             self.options.bucket_size,
@@ -318,5 +340,7 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
         aggregation = self._aggregator
         if aggregation is not None:  # error feedback's ratio (one host sync), None without
             self.telemetry.note_feedback(aggregation.state.feedback_kind, aggregation.state.take_feedback_ratio())
+        if self.measures_noise_scale:
+            self.telemetry.note_noise_scale(self.noise_scale)
         self.telemetry.close_step(step, self.transport, self.comm_stats)
         return loss

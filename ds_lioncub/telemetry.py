@@ -27,6 +27,7 @@ from ds_lioncub.aggregation import Aggregator
 from ds_lioncub.comm.packing import pack_signs
 from ds_lioncub.comm.transport import CommStats, Transport
 from ds_lioncub.comm.votes import PendingAggregate, count_set_bits
+from ds_lioncub.step.noise_scale import NoiseScale
 
 #: The prefix of every monitor event LionCub writes.
 MONITOR_PREFIX = "LionCub"
@@ -67,6 +68,10 @@ class StepRecord:
             (a ratio): the residual e after the step (residual form), or ``c - G_i`` after the update, the
             part of its own update its estimate still misses (EF21: the proxy of ``|G - mean c|`` a rank
             can compute); None without.
+        noise_scale: with ``telemetry.noise_scale``: the smoothed gradient noise scale B_simple after this step, in
+            samples (:attr:`ds_lioncub.LionCub.noise_scale`); None when not measured or the samples per voter
+            batch are not known (plain Python, until ``set_noise_scale_batch``).
+        noise_scale_voter_batches: the same in voter batches (a voter's gradient's batch); None when not measured.
     """
 
     step: int
@@ -83,6 +88,8 @@ class StepRecord:
     agreeing_elements: int | None
     feedback_kind: str | None = None
     feedback_ratio: float | None = None
+    noise_scale: float | None = None
+    noise_scale_voter_batches: float | None = None
 
     @property
     def tie_rate(self) -> float | None:
@@ -118,6 +125,10 @@ class StepRecord:
             events.append(("agreement_rate", self.agreement_rate))
         if self.feedback_ratio is not None:
             events.append((FEEDBACK_EVENTS.get(self.feedback_kind or "", "feedback_ratio"), self.feedback_ratio))
+        if self.noise_scale is not None:
+            events.append(("noise_scale", self.noise_scale))
+        if self.noise_scale_voter_batches is not None:
+            events.append(("noise_scale_voter_batches", self.noise_scale_voter_batches))
         return [(f"{MONITOR_PREFIX}/{name}", value) for name, value in events]
 
     @classmethod
@@ -150,6 +161,11 @@ class StepRecord:
             agreeing_elements=None if None in agreeing else sum(a for a in agreeing if a is not None),
             feedback_kind=next((r.feedback_kind for r in reversed(records) if r.feedback_ratio is not None), None),
             feedback_ratio=next((r.feedback_ratio for r in reversed(records) if r.feedback_ratio is not None), None),
+            noise_scale=next((r.noise_scale for r in reversed(records) if r.noise_scale is not None), None),
+            noise_scale_voter_batches=next(
+                (r.noise_scale_voter_batches for r in reversed(records) if r.noise_scale_voter_batches is not None),
+                None,
+            ),
         )
 
 
@@ -246,6 +262,7 @@ class StepTelemetry:
     _votes: VoteCounts = field(default_factory=VoteCounts)
     _held: list[StepRecord] | None = None
     _feedback: tuple[str | None, float | None] = (None, None)
+    _noise_scale: NoiseScale | None = None
 
     def hold(self) -> None:
         """Keep the records of the following ``step`` calls apart until :meth:`release` (or :meth:`drop_held`)."""
@@ -269,10 +286,15 @@ class StepTelemetry:
         self.revoted_buckets = 0
         self._votes = VoteCounts()
         self._feedback = (None, None)
+        self._noise_scale = None
 
     def note_feedback(self, kind: str | None, ratio: float | None) -> None:
         """The step's error-feedback ratio (:attr:`StepRecord.feedback_ratio`), of the aggregation's ``kind``."""
         self._feedback = (kind, ratio) if ratio is not None else (None, None)
+
+    def note_noise_scale(self, noise_scale: NoiseScale | None) -> None:
+        """The smoothed gradient noise scale after the step (:attr:`StepRecord.noise_scale`); None: not measured."""
+        self._noise_scale = noise_scale
 
     def add_bucket(self, local_seconds: float, voted_elements: int) -> None:
         """One aggregated bucket: its local work's seconds (its collectives' taken out) and the elements it
@@ -348,6 +370,8 @@ class StepTelemetry:
             agreeing_elements=int(votes.agreeing.item()) if measured and votes.agreeing is not None else None,
             feedback_kind=self._feedback[0],
             feedback_ratio=self._feedback[1],
+            noise_scale=None if self._noise_scale is None else self._noise_scale.b_simple,
+            noise_scale_voter_batches=None if self._noise_scale is None else self._noise_scale.b_simple_voter_batches,
         )
         if self._held is not None:
             self._held.append(record)

@@ -331,6 +331,11 @@ def main() -> None:
     print("  norm/overflow check otherwise), all-reduce counted as 2*(p-1)/p * bytes;")
     print("bits/param: 8 * bytes/step/rank / params; vs fp32 Lion: that ratio to the lion_fp32 row\n")
     print_table(results)
+    # Which clipping each job ran: a compressed mode clips the ranks' mean gradient by its sketched norm, as exact
+    # Lion's engine clips its averaged gradient (ds_lioncub/config/clip_rule.py).
+    print("\nclipping:")
+    for method, r in results:
+        print(f"  {method.config:<18} {r.get('clipping', '-')}")
     by_config = {m.config: r for m, r in results}
     one_bit, four_bit = by_config.get("lioncub_1bit"), by_config.get("lioncub_4bit_sign")
     if one_bit is not None and four_bit is not None and one_bit["train_loss_rank0"] == four_bit["train_loss_rank0"]:

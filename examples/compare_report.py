@@ -106,9 +106,12 @@ class PlannedCluster:
         from ds_lioncub import planner
 
         network, costs = self.network(link_rate), self.local_costs()
+        # The configs' gradient_clipping, 1.0, at which a compressed mode clips the mean gradient by its sketch: what
+        # the command line plans by default (--clip 1.0).
+        clip = {"max_norm": 1.0}
         if zero_stage is None:  # the planner's default stages, as its command line without --zero-stage
-            return planner.plan(self.num_params, self.shape, network, costs)
-        return planner.plan(self.num_params, self.shape, network, costs, zero_stages=(zero_stage,))
+            return planner.plan(self.num_params, self.shape, network, costs, clip=clip)
+        return planner.plan(self.num_params, self.shape, network, costs, zero_stages=(zero_stage,), clip=clip)
 
     def planner_command(self, link_rate: str = "RATE", zero_stage: int | None = None) -> str:
         """The ``python -m ds_lioncub.planner`` command that prints the same candidates."""

@@ -277,6 +277,16 @@ def describe_precision(ds_config: dict[str, Any]) -> str:
     return "fp32"
 
 
+def clipping_of(engine: Any, lioncub: Any) -> str:
+    """Which clipping the job ran, as LionCub decided it (its one log line says the same): the mean gradient's
+    sketched norm (a compressed mode's default), or DeepSpeed's gradient_clipping, or none."""
+    mean = None if lioncub is None else lioncub.options.mean_clip
+    if mean is not None:
+        return f"LionCub: the ranks' mean gradient at {mean.max_norm:g}, its norm from a {mean.sketch_bins}-bin sketch"
+    clipping = float(engine.gradient_clipping() or 0.0)
+    return f"DeepSpeed's gradient_clipping at {clipping:g}" if clipping > 0 else "none"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
     logging.getLogger("DeepSpeed").setLevel(args.ds_log_level.upper())
@@ -409,6 +419,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             "scheduler": scheduler_block,
             "precision": precision,
             "gradient_clipping": engine.gradient_clipping(),
+            "clipping": clipping_of(engine, lioncub),
             "world_size": world,
             "threads_per_rank": threads,
             "steps": args.steps,

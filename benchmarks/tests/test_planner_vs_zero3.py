@@ -9,6 +9,10 @@ import statistics
 import pytest
 
 from benchmarks import planner_vs_zero3
+from ds_lioncub.planner import Cluster, Network, plan
+from ds_lioncub.planner.devices import local_costs_for
+
+GPT_PARAMS = 12_915_200  # the benchmark GPT (RESULTS.md: "12,915,200 parameters")
 
 
 def per_step(run: str, method: str, column: str) -> list[float]:
@@ -36,6 +40,26 @@ def test_the_table_has_a_row_per_run_and_method(capsys: pytest.CaptureFixture[st
     assert "460 ms" in text.splitlines()[0]
     rows = [line for line in text.splitlines() if line.startswith(("| 1 Gbit/s |", "| 250 Mbit/s |"))]
     assert len(rows) == 4
-    # The hand counts (tests/unit/test_planner_zero3.py): 3 x 3 x 3,228,800 x 4 / 2 and 2 x (807,200 + 4) / 2.
+    # The hand counts (tests/unit/test_planner_zero3.py): 3 x 3 x 3,228,800 x 4 / 2 and 2 x (807,200 + 4) / 2, the
+    # hybrid without the noise scale's sketch, which the recorded runs predate.
     assert text.count("| 58,118,400 |") == 2 and text.count("| 807,204 |") == 2
     assert "measured 1.42x" in text and "measured 3.50x" in text
+
+
+def test_the_hybrid_is_the_planners_without_the_noise_scales_sketch() -> None:
+    """The table prices the runs as they ran: plan()'s 1-bit ZeRO-3 hybrid, which pays the noise scale's sketch
+    (4093 fp64 bins + the squared norm, all-reduced inside the node, then by each of the 2 vote groups across the 2
+    nodes), less exactly that sketch's bytes; exact ZeRO-3 the planner's own."""
+    n, network = GPT_PARAMS, Network(1e9 / 8, 1e9 / 8)
+    costs = local_costs_for("cpu", None, None)
+    recorded = planner_vs_zero3.recorded_candidates(n, network, costs)
+    planned = plan(n, Cluster(2, 2), network, costs, zero_stages=(3,), ranks_per_core=planner_vs_zero3.RANKS_PER_CORE)
+    [exact] = [c for c in planned if c.params == {"compression": "none"}]
+    [hybrid] = [c for c in planned if c.params == {"compression": "1bit", "hybrid": {"node_size": 2}}]
+    assert recorded["lion_zero3"] == exact
+    sketch = 2 * 8 * (4093 + 1) * (2 - 1) // 2  # one rank's ring all-reduce of the sketch over 2 ranks
+    without = recorded["lioncub_1bit_zero3_hybrid"]
+    assert without.label == hybrid.label and without.params["telemetry"] == {"noise_scale": False}
+    assert without.bytes_per_step_per_rank == hybrid.bytes_per_step_per_rank - 2 * sketch  # in the node, across
+    assert without.node_link_bytes_per_step == hybrid.node_link_bytes_per_step - 2 * sketch  # 2 groups across
+    assert without.seconds_per_step < hybrid.seconds_per_step and without.local_seconds < hybrid.local_seconds

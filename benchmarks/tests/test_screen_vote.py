@@ -17,7 +17,7 @@ from benchmarks.screen_vote import (
     tail_kept,
     train_candidate,
 )
-from benchmarks.study_grid import Design, Run
+from benchmarks.study_grid import STUDY_CLIP_RULE, Design, Run
 from ds_lioncub.comm.quantize import sign_with_tie
 from ds_lioncub.simulate.tasks.gpt import GPTConfig
 from ds_lioncub.simulate.tasks.gpt_task import GPTTask
@@ -39,7 +39,7 @@ def test_the_screens_vote_is_the_virtual_worlds_one_bit_vote() -> None:
     # What the study trains for its 1-bit cell (its options, the design's lr, train_virtual's schedule).
     options = {**Run("small", 6, 4, "1bit", 0.99, 3).options(), "lr": design.lr}
     assert options["compression"] == "1bit"
-    reference = train_virtual(TINY, options, 4, 6, 3, grad_clip=design.grad_clip)
+    reference = train_virtual(TINY, options, 4, 6, 3, grad_clip=design.grad_clip, clip_rule=STUDY_CLIP_RULE)
     assert screened["train_losses"] == reference.train_losses
     assert screened["val_loss"] == reference.val_loss
 
@@ -197,3 +197,21 @@ def test_a_narrow_sketch_estimates_the_mean_norm_without_bias() -> None:
     assert sum(estimates) / 200 == pytest.approx(norm2, rel=3 * 0.0125)
     with pytest.raises(ValueError, match="write the sketch's width after"):
         make_candidate("vote+sketchclip")
+
+
+def test_a_sketchclip_run_is_the_default_run_and_the_named_old_rule_is_the_studys() -> None:
+    """Since 0.2.0 a compressed mode clips the mean gradient by its sketched norm by default: the study's
+    ``1bit_sketchclip`` run (option clip, DeepSpeed's clipping 0) and a default run of ``1bit`` with the design's
+    clipping are the same run, bit for bit; the study's own ``1bit`` runs name DeepSpeed's old rule and differ."""
+    design = Design(lr=3e-3, grad_clip=0.05, global_batch=8)  # a norm low enough to clip every step
+    plain = {**Run("small", 6, 4, "1bit", 0.99, 3).options(), "lr": design.lr}
+    sketchclip = {**Run("small", 6, 4, "1bit_sketchclip", 0.99, 3).options(), "lr": design.lr}
+    sketchclip["clip"] = {**sketchclip["clip"], "max_norm": design.grad_clip}
+    as_studied = train_virtual(TINY, sketchclip, 4, 6, 3, grad_clip=0.0)
+    default = train_virtual(TINY, plain, 4, 6, 3, grad_clip=design.grad_clip)
+    assert default.train_losses == as_studied.train_losses and default.val_loss == as_studied.val_loss
+    old_rule = train_virtual(TINY, plain, 4, 6, 3, grad_clip=design.grad_clip, clip_rule=STUDY_CLIP_RULE)
+    assert old_rule.train_losses != default.train_losses
+    # The old rule, by a plain loop: every worker scaled by one factor from the mean of the workers' own norms.
+    reference = train_candidate("vote", TINY, design, workers=4, beta2=0.99, seed=3, steps=6)
+    assert reference["train_losses"] == old_rule.train_losses

@@ -28,9 +28,11 @@ from ds_lioncub.config.sections import (
     ConsistencyCheckConfig,
     ErrorFeedbackConfig,
     HybridConfig,
+    MeanClip,
     MomentumSyncConfig,
     NetworkConfig,
     TelemetryConfig,
+    clip_block,
 )
 from ds_lioncub.config.strict_types import (
     Flag,
@@ -154,18 +156,22 @@ class LionCubConfig(DeepSpeedConfigModel):
     see its block. Only ``compression="kbit"`` with ``quantizer="l1"``; at every ZeRO stage (under the ZeRO
     hybrid each rank keeps the state of its shard); not yet with ``overlap``."""
 
-    clip: ClipConfig | None = None
-    """Clip the ranks' mean gradient by its norm, estimated from a sketch (default: no clipping by LionCub):
-    ``{"max_norm": 1.0}``, see its block. Every mode; in place of DeepSpeed's ``gradient_clipping``, which
-    then must be 0. Under ZeRO it needs the hybrid (compressed modes): exact Lion clips with DeepSpeed's."""
+    clip: Annotated[ClipConfig | None, BeforeValidator(clip_block)] = None
+    """How the gradients are clipped, see its block. Under DeepSpeed a compressed mode clips the ranks' mean
+    gradient by its sketched norm at ``gradient_clipping`` (DeepSpeed's default 1.0) when this is not given, in
+    place of DeepSpeed's own clipping; ``{"rule": "deepspeed"}`` keeps DeepSpeed's rule; ``{"max_norm": 1.0}``
+    (or ``1.0``) sets the norm. In Python (``LionCub(...)`` without DeepSpeed) nothing clips unless this sets a
+    ``max_norm``. Under ZeRO, rule ``"mean"`` needs the hybrid (compressed modes): exact Lion clips with
+    DeepSpeed's ``gradient_clipping``, which clips its averaged gradient exactly."""
 
     hybrid: HybridConfig | None = None
     """Options of compressed LionCub under ZeRO stage 1, 2 or 3, the hybrid (used there even when not given):
     ``node_size``, the ranks per node, defaults to the launcher's."""
 
     telemetry: TelemetryConfig = TelemetryConfig()
-    """Opt-in parts of the per-step telemetry (``{"vote_stats": true}``); every step's record is
-    ``opt.last_step_telemetry`` (docs/user-guide.md, "What each step did")."""
+    """What the per-step telemetry measures beyond bytes and seconds: the gradient noise scale (on by default for
+    compressed modes, ``{"noise_scale": false}`` turns it off) and the vote's statistics (``{"vote_stats": true}``);
+    every step's record is ``opt.last_step_telemetry`` (docs/user-guide.md, "What each step did")."""
 
     #: Every rule across options, in the order they are checked (ds_lioncub.config.rules): a config with several
     #: problems is refused with the first rule's message. A new option that depends on another adds its rule there.
@@ -205,6 +211,15 @@ class LionCubConfig(DeepSpeedConfigModel):
                 raise ValueError(rule.message(self))
         return self
 
+    @property
+    def mean_clip(self) -> MeanClip | None:
+        """What LionCub clips by (option ``clip``, rule ``"mean"`` with a ``max_norm``), else None: DeepSpeed's rule,
+        or nothing clips. Under DeepSpeed the wiring resolves the rule first (:mod:`ds_lioncub.config.clip_rule`)."""
+        clip = self.clip
+        if clip is None or clip.rule != "mean" or clip.max_norm is None:
+            return None
+        return MeanClip(max_norm=clip.max_norm, sketch_bins=clip.sketch_bins)
+
     def summary(self) -> str:
         """The options that shape this mode's step, as ``name=value`` pairs (for the set-up log line)."""
         names = ["compression", "lr", "betas", "weight_decay", "bucket_size"]
@@ -231,8 +246,8 @@ class LionCubConfig(DeepSpeedConfigModel):
                 else (f", beta={feedback.beta}, reset_interval={feedback.reset_interval}, storage={feedback.storage!r}")
             )
             pairs.append(f"error_feedback=(kind={feedback.kind!r}{knobs})")
-        if self.clip is not None:
-            pairs.append(f"clip=(max_norm={self.clip.max_norm}, sketch_bins={self.clip.sketch_bins})")
+        if self.mean_clip is not None:
+            pairs.append(f"clip=(max_norm={self.mean_clip.max_norm}, sketch_bins={self.mean_clip.sketch_bins})")
         if self.telemetry.vote_stats:
             pairs.append("telemetry.vote_stats=True")
         return ", ".join(pairs)
@@ -241,7 +256,6 @@ class LionCubConfig(DeepSpeedConfigModel):
 # What to add for a required field that is missing (pydantic's own "Field required" shows the enclosing block as
 # the value, which reads as if that block were the bad value).
 _MISSING_FIXES = {
-    "clip.max_norm": 'add "max_norm", the norm to clip the mean gradient to, e.g. "clip": {"max_norm": 1.0}',
     "network.bandwidth": 'add "bandwidth" with your nodes\' link rate, e.g. "bandwidth": "1gbit" ("100gbit", "10GB/s")',
 }
 

@@ -9,6 +9,7 @@ the rules across options are :mod:`ds_lioncub.config.rules`.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
@@ -117,6 +118,20 @@ class TelemetryConfig(DeepSpeedConfigModel):
     and a packing of the result; per step one 8-byte integer all-reduce (left out of ``comm_stats()``).
     About 30% of a world-of-one CPU step's time (benchmarks/RESULTS.md). Compressed modes only."""
 
+    noise_scale: Flag = True
+    """Measure the job's gradient noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018) as it trains,
+    from each voter's gradient and the voters' mean (:mod:`ds_lioncub.step.noise_scale`; docs/user-guide.md,
+    "The gradient noise scale"). Read it as ``LionCub.noise_scale``, in the step records and, under DeepSpeed,
+    as monitor event ``LionCub/noise_scale`` (in samples). Costs one sketch of the gradients and one all-reduce of
+    ``clip.sketch_bins + 1`` fp64 numbers per step, shared with option ``clip`` when that clips. Compressed modes
+    with two or more voters only: with compression ``"none"`` the gradients are averaged before LionCub sees them,
+    and one voter has no second batch size, so there is no estimate (the option is then ignored)."""
+
+    noise_scale_beta: Real = Field(0.99, ge=0, lt=1, allow_inf_nan=False)
+    """The weight of the past in the moving averages of |G|^2 and tr(Sigma) the noise scale divides (each step's
+    estimate of either is very noisy; the averages are divided, not the steps' ratios). 0.99 averages over about
+    100 steps."""
+
 
 class ErrorFeedbackConfig(DeepSpeedConfigModel):
     """Error feedback on the k-bit L1 path: what the quantizer rounds off one step is fed into the next.
@@ -165,27 +180,93 @@ class ErrorFeedbackConfig(DeepSpeedConfigModel):
         return self
 
 
-class ClipConfig(DeepSpeedConfigModel):
-    """Gradient clipping by the norm of the ranks' mean gradient, as exact Lion clips, estimated from a sketch.
+#: The fewest bins option ``clip`` takes: below it the estimated norm strays too far for a clip to be trusted
+#: (benchmarks/RESULTS.md, "The default clip": at 256 bins the factor's spread is within about +-9% (2 sigma); at
+#: 1 or 2 bins a gradient whose factor is 0.2 drew factors from 0.08 to 1.0).
+SKETCH_BINS_FLOOR = 256
 
-    Under compression every rank keeps its own gradient, and DeepSpeed's ``gradient_clipping`` scales it by a
-    factor from the ranks' own norms, several times the norm of their mean: at 64 workers that costs the
-    1-bit vote more than half of its gap to exact Lion (benchmarks/RESULTS.md). Here every rank adds its
-    gradient into a sketch of ``sketch_bins`` numbers, one all-reduce sums them, and every rank scales its
-    gradient by ``min(1, max_norm / (estimated norm + 1e-6))`` (:mod:`ds_lioncub.step.clipping`). DeepSpeed's
-    ``gradient_clipping`` must then be 0: the engine refuses both.
+ClipRuleName = Literal["mean", "deepspeed"]
+
+
+@dataclass(frozen=True)
+class MeanClip:
+    """What LionCub clips by when it clips: the ranks' mean gradient to ``max_norm``, its norm from ``sketch_bins``
+    bins (:attr:`LionCubConfig.mean_clip <ds_lioncub.config.LionCubConfig.mean_clip>`)."""
+
+    max_norm: float
+    sketch_bins: int
+
+
+class ClipConfig(DeepSpeedConfigModel):
+    """How a compressed mode clips: the norm of the ranks' mean gradient, as exact training clips (the default).
+
+    Under compression every rank keeps its own gradient and never forms the mean, so DeepSpeed's own rule scales
+    every rank's gradient by a factor from the ranks' *own* norms, which with few samples per rank are several
+    times the norm of their mean: it clips harder, every step, and at 64 voters that costs the 1-bit vote 5 points
+    of loss (benchmarks/RESULTS.md, "Where the gap comes from"). Rule ``"mean"`` adds every rank's gradient into a
+    sketch of ``sketch_bins`` numbers, one all-reduce sums them, and every rank scales its gradient by
+    ``min(1, max_norm / (estimated norm of the mean + 1e-6))`` (:mod:`ds_lioncub.step.clipping`).
+
+    Under DeepSpeed a compressed mode clips by rule ``"mean"`` at ``gradient_clipping`` (DeepSpeed's default 1.0)
+    whether or not this block is given, and DeepSpeed's own clipping is turned off for the engine, so nothing clips
+    twice. ``{"rule": "deepspeed"}`` keeps DeepSpeed's rule, to reproduce a run made before 0.2.0. A number is read
+    as ``max_norm`` (``"clip": 1.0`` is ``"clip": {"max_norm": 1.0}``).
     """
 
     model_config = ConfigDict(use_attribute_docstrings=True)
 
-    max_norm: Real = Field(gt=0, allow_inf_nan=False)
-    """The largest norm the ranks' mean gradient keeps (DeepSpeed's ``gradient_clipping``; 1.0 is usual)."""
+    rule: ClipRuleName = "mean"
+    """``"mean"``: clip the ranks' mean gradient by its sketched norm (what exact training does); ``"deepspeed"``:
+    leave clipping to DeepSpeed's ``gradient_clipping``, which under compression scales every rank's gradient by the
+    mean of the ranks' own norms (the rule before 0.2.0; it trains worse at many voters)."""
 
-    sketch_bins: Whole = Field(4093, ge=1, le=1 << 19)
+    max_norm: OptionalReal = Field(None, gt=0, allow_inf_nan=False)
+    """The largest norm the ranks' mean gradient keeps. Under DeepSpeed it defaults to the ds_config's
+    ``gradient_clipping``; written in both, the two must agree. ``LionCub(...)`` in Python needs it."""
+
+    sketch_bins: Whole = Field(4093, le=1 << 19)
     """K, the numbers each rank sums into: an all-reduce of 8K bytes per step, and an estimate whose relative
     error is about ``sqrt(2 / K)`` of the squared norm (2% at the default). A prime keeps the columns of
-    power-of-two wide matrices apart. More than 2**19 is refused (the sketch works in 2**20-element chunks, and its
-    table of signs, 1,048,573 long, must not be a multiple of it)."""
+    power-of-two wide matrices apart. At least 256 (fewer make the estimated norm, and so the factor, stray by
+    more than 9%); more than 2**19 is refused (the sketch works in 2**20-element chunks, and its table of signs,
+    1,048,573 long, must not be a multiple of it)."""
+
+    @field_validator("sketch_bins")
+    @classmethod
+    def _enough_bins(cls, bins: int) -> int:
+        if bins < SKETCH_BINS_FLOOR:
+            raise ValueError(
+                f"fewer than {SKETCH_BINS_FLOOR} bins make the estimated norm, and so the clipping factor, stray by "
+                f"more than 9% from step to step (at 1 or 2 bins some steps do not clip at all); use at least "
+                f"{SKETCH_BINS_FLOOR}, or leave out sketch_bins for the default 4093 (8 bytes each per step)"
+            )
+        return bins
+
+    @model_validator(mode="after")
+    def _deepspeed_rule_takes_no_knobs(self) -> ClipConfig:
+        given = sorted(self.model_fields_set & {"max_norm", "sketch_bins"})
+        if self.rule == "deepspeed" and given:
+            raise ValueError(
+                f"rule 'deepspeed' clips with DeepSpeed's gradient_clipping, so {' and '.join(given)} would not be "
+                f"used; drop {' and '.join(given)}, or drop rule to clip the mean gradient"
+            )
+        return self
+
+
+def clip_block(value: Any) -> Any:
+    """``"clip": 1.0`` is ``{"max_norm": 1.0}``; a boolean is ambiguous (off, or DeepSpeed's rule?) and refused."""
+    if isinstance(value, bool):
+        raise ValueError(
+            'true/false is not a clipping rule. To keep DeepSpeed\'s rule write "clip": {"rule": "deepspeed"}; '
+            'to clip nothing set "gradient_clipping": 0; to clip the mean gradient write "clip": {"max_norm": 1.0}'
+        )
+    if isinstance(value, int | float):
+        return {"max_norm": value}
+    if value is not None and not isinstance(value, dict | ClipConfig):
+        raise ValueError(
+            'must be a block such as {"max_norm": 1.0} or {"rule": "deepspeed"}, or a number (the max_norm)'
+        )
+    return value
 
 
 class HybridConfig(DeepSpeedConfigModel):

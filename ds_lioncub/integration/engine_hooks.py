@@ -33,6 +33,7 @@ from typing import Any
 from ds_lioncub._version import __version__
 from ds_lioncub.comm.transport import make_transport
 from ds_lioncub.config import parse_config
+from ds_lioncub.config.clip_rule import resolve_clipping
 from ds_lioncub.consistency.fingerprint import check_same_on_every_rank, describe_parameters
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.integration import checkpoint
@@ -123,6 +124,13 @@ def _wrap_configure_basic_optimizer(original: Callable[..., Any]) -> Callable[..
             params = options.model_dump(include=options.model_fields_set)
         # The same message on every rank, before anything is allocated (an MPI transport would be).
         refuse_before_construction(engine, options)
+        # Option clip's max_norm may come from gradient_clipping; the wiring resolves it again (idempotently), for a
+        # LionCub however it was made, and switches DeepSpeed's clipping off where LionCub clips.
+        written = "gradient_clipping" in (getattr(engine._config, "_param_dict", None) or {})
+        clipping = float(engine.gradient_clipping() or 0.0)
+        resolved = resolve_clipping(options, clipping, written, int(engine.zero_optimization_stage())).options
+        if resolved.clip is not None:
+            params["clip"] = resolved.clip.model_dump(include=resolved.clip.model_fields_set | {"max_norm"})
         return LionCub(model_parameters, process_group=engine.seq_data_parallel_group, module=engine.module, **params)
 
     return configure_basic_optimizer

@@ -22,7 +22,8 @@ broadcast and checkpoint metadata are unchanged):
 Clipping: DeepSpeed's ``gradient_clipping`` clips each node's averaged gradient by that node's norm. LionCub's
 option ``clip`` clips by the sketched norm of the nodes' mean gradient instead: :meth:`HybridZeroOptimizer.step`
 sketches each rank's shards before ZeRO's step loop (one all-reduce over the whole world) and gives LionCub the
-factor for every param group's call (:func:`clip_factor_of_shards`).
+factor for every param group's call (:func:`clip_factor_of_shards`). The same sketch feeds the gradient noise scale
+(option ``telemetry.noise_scale``, :mod:`ds_lioncub.step.noise_scale`), so it runs whenever either is on.
 """
 
 from __future__ import annotations
@@ -87,10 +88,11 @@ class HybridZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def step(self, closure: Any = None) -> Any:
         lioncub = self.optimizer
-        if not isinstance(lioncub, LionCub) or lioncub.options.clip is None:
+        if not isinstance(lioncub, LionCub) or not lioncub.sketches_each_step:
             return super().step(closure)
-        # ZeRO unscales and steps one param group at a time; the factor must cover them all, so it comes first,
-        # from the reduced gradients of this rank's shards as ZeRO will flatten them (loss-scaled under fp16).
+        # ZeRO unscales and steps one param group at a time; the factor (and the noise scale) must cover them all, so
+        # the sketch comes first, from the reduced gradients of this rank's shards as ZeRO will flatten them
+        # (loss-scaled under fp16). None: LionCub does not clip, the sketch only measured the noise scale.
         factor = clip_factor_of_shards(lioncub, self.averaged_gradients, len(self.bit16_groups), float(self.loss_scale))
         with lioncub.clip_coefficient_given(factor):
             return super().step(closure)
@@ -123,13 +125,14 @@ def gradient_pieces(reduced: Any) -> list[torch.Tensor]:
 
 def clip_factor_of_shards(
     lioncub: LionCub, averaged_gradients: dict[int, Any], shards: int, loss_scale: float
-) -> float:
+) -> float | None:
     """Option ``clip``'s factor for LionCub's next step from this rank's ``shards`` reduced gradients (ZeRO's
     ``averaged_gradients``: shard i of param group i at stages 1-2, of sub-group i at stage 3, numbered as
     LionCub numbers ZeRO's calls), divided by ``loss_scale``: a collective over LionCub's agreement group (the
-    world), before ZeRO's loop over the shards."""
+    world), before ZeRO's loop over the shards. The same sketch updates the noise scale when it is measured
+    (the world-wide sum of the ranks' squared norms is the sum of the nodes'); None when LionCub does not clip."""
     pieces = [gradient_pieces(averaged_gradients.get(i)) for i in range(shards)]
-    return lioncub.clip_coefficient(pieces, lioncub.next_step, loss_scale)
+    return lioncub.sketch_step(pieces, lioncub.next_step, loss_scale)
 
 
 def zero_class_for(vote_group: dist.ProcessGroup | None) -> type[HybridZeroOptimizer]:

@@ -88,10 +88,11 @@ class HybridZeroStage3(DeepSpeedZeroOptimizer_Stage3):
 
     def step(self, closure: Any = None) -> Any:
         lioncub = self._lioncub()
-        if lioncub.options.clip is None:
+        if not lioncub.sketches_each_step:
             with lioncub.optimizer_step_in_parts():
                 return super().step(closure)
-        # Option clip: the factor of the whole step, from every sub-group's reduced gradient, before the first part.
+        # Option clip and the noise scale: one sketch of the whole step, from every sub-group's reduced gradient,
+        # before the first part (the factor is None when LionCub does not clip).
         factor = clip_factor_of_shards(lioncub, self.averaged_gradients, len(self.fp16_groups), float(self.loss_scale))
         with lioncub.clip_coefficient_given(factor), lioncub.optimizer_step_in_parts():
             return super().step(closure)

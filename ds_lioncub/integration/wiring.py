@@ -21,9 +21,11 @@ from typing import Any
 import deepspeed
 import torch
 
+from ds_lioncub._logging import get_logger
 from ds_lioncub.comm.topology import create_groups, plan_hybrid, resolve_node_size
 from ds_lioncub.comm.transport import make_transport
 from ds_lioncub.config import LionCubConfig
+from ds_lioncub.config.clip_rule import resolve_clipping
 from ds_lioncub.consistency.fingerprint import agreed_text
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE, HybridSetup, check_node_blocks_on_one_host
@@ -82,6 +84,7 @@ def resolve_auto_for_engine(engine: Any, options: LionCubConfig, model_parameter
         exact_comm_dtypes=(exact_dtype,),
         exact_bucket_size=bucket,
         device=device,
+        default_clip=float(engine.gradient_clipping() or 0.0),
     )
     log_auto_resolution(resolution, int(engine.global_rank))
     return resolution.options
@@ -108,7 +111,7 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
             "LionCub: hybrid applies under ZeRO stage 1, 2 or 3 (shard inside a node, vote across nodes); at stage 0 "
             "every rank is a voter already. Drop hybrid, or set zero_optimization.stage to 1, 2 or 3."
         )
-    refuse_two_clippings(optimizer.options, float(engine.gradient_clipping() or 0.0), stage)
+    resolve_engine_clipping(engine, optimizer)
     if compression == "none":
         # Under ZeRO each rank steps its own partition: those are not replicas to compare.
         optimizer.bind(
@@ -119,6 +122,7 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
         _refuse_what_overlap_cannot_do(engine, optimizer)
         optimizer.bind(engine.seq_data_parallel_group, engine.module, gradients_averaged=False)
         engine.enable_backward_allreduce = False
+        optimizer.set_noise_scale_batch(voter_batch_samples(engine, 1))
         return
     _refuse_what_the_hybrid_cannot_do(engine, optimizer, stage)
     world = engine.seq_data_parallel_group
@@ -141,26 +145,20 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
         agreement_levels=(groups.node_group, groups.vote_group),
     )
     setattr(engine, ENGINE_ATTRIBUTE, setup)
+    optimizer.set_noise_scale_batch(voter_batch_samples(engine, layout.node_size))
 
 
-def refuse_two_clippings(options: LionCubConfig, clipping: float, stage: int) -> None:
-    """Option ``clip`` replaces DeepSpeed's ``gradient_clipping`` (``clipping``; DeepSpeed's default is 1.0): never
-    both; under ZeRO only with the hybrid (also what ``python -m ds_lioncub.simulate`` says)."""
-    clip = options.clip
-    if clip is None:
-        return
-    if clipping > 0:
-        raise LionCubConfigError(
-            f"LionCub: option clip (max_norm {clip.max_norm}) and DeepSpeed's gradient_clipping ({clipping:g}; 1.0 "
-            f'when the ds_config leaves it out) would both clip the gradients. Set "gradient_clipping": 0 in the '
-            f"ds_config (clip.max_norm takes its place), or drop clip."
-        )
-    if options.compression == "none" and stage in (1, 2, 3):
-        raise LionCubConfigError(
-            f"LionCub: option clip under ZeRO stage {stage} needs a compressed mode (the hybrid). With compression "
-            f"'none' ZeRO averages the gradients before LionCub's step, and DeepSpeed's gradient_clipping clips their "
-            f"mean exactly: drop clip and set gradient_clipping to {clip.max_norm:g}."
-        )
+def resolve_engine_clipping(engine: Any, optimizer: LionCub) -> None:
+    """Which clipping runs in this engine (:mod:`ds_lioncub.config.clip_rule`): LionCub's options take the resolved
+    ``clip``, DeepSpeed's ``gradient_clipping`` becomes 0 where LionCub clips (before the engine builds the fp16/bf16
+    or ZeRO wrapper, which read it then), and rank 0 logs the one line that says which clipping runs."""
+    written = "gradient_clipping" in (getattr(engine._config, "_param_dict", None) or {})
+    stage = int(engine.zero_optimization_stage())
+    resolution = resolve_clipping(optimizer.options, float(engine.gradient_clipping() or 0.0), written, stage)
+    optimizer.options = resolution.options
+    engine._config.gradient_clipping = resolution.engine_clipping
+    if int(engine.global_rank) == 0:
+        get_logger().info(resolution.description)
 
 
 def _refuse_what_overlap_cannot_do(engine: Any, optimizer: LionCub) -> None:
@@ -177,6 +175,13 @@ def _refuse_what_overlap_cannot_do(engine: Any, optimizer: LionCub) -> None:
             "LionCub: overlap=True arms the backward of the accumulation boundary, which unmanaged gradient "
             "accumulation does not mark. Drop overlap, or let the engine manage gradient accumulation."
         )
+
+
+def voter_batch_samples(engine: Any, ranks_per_voter: int) -> int:
+    """The samples in one voter's gradient each step, for the noise scale in samples: a rank's micro-batch x the
+    accumulation steps (the engine averages the micro-batches' gradients), x the ranks whose gradients a voter
+    averages (a node's under the ZeRO hybrid; 1 at stage 0)."""
+    return int(engine.train_micro_batch_size_per_gpu()) * int(engine.gradient_accumulation_steps()) * ranks_per_voter
 
 
 def _node_size_option(optimizer: LionCub) -> int | None:

@@ -107,6 +107,7 @@ def resolve_auto(
     exact_bucket_size: int | None = None,
     local_costs: LocalCosts | None = None,
     device: Device = "cpu",
+    default_clip: float = 0.0,
 ) -> AutoResolution:
     """The concrete options for ``options`` with ``compression="auto"`` (others are returned as they are).
 
@@ -116,7 +117,8 @@ def resolve_auto(
     buckets; under DeepSpeed the engine's dtype and buckets). ``device``: where the ranks' local work runs
     ("cpu" or "cuda"): it picks the local cost table (the built-in CPU table, or the H100's measured table,
     scaled to ``network.device_bandwidth`` where that is set; ``local_costs`` overrides either) and the link
-    efficiencies left unset (gloo's, or NCCL's).
+    efficiencies left unset (gloo's, or NCCL's). ``default_clip``: the max_norm a compressed mode clips the mean
+    gradient at when the options do not set clip (DeepSpeed's gradient_clipping under the engine; 0 in Python).
     """
     if options.compression != "auto":
         return AutoResolution(options, "", fell_back=False)
@@ -158,7 +160,7 @@ def resolve_auto(
         bucket_size=options.bucket_size,
         exact_bucket_size=options.bucket_size if exact_bucket_size is None else exact_bucket_size,
         hybrid_with_one_rank_per_node=zero_stage != 0,
-        clip=None if options.clip is None else options.clip.model_dump(),
+        clip=_planned_clip(options, default_clip),
     )
     # The fastest mode that the convergence study does not show losing Lion's loss at these voters and beta2.
     sync = options.momentum_sync.model_dump() if options.momentum_sync.interval else None
@@ -190,6 +192,21 @@ def resolve_auto(
         f"{format_seconds(exact.seconds_per_step)} for exact Lion, for {where}.{caveat}{skipped}"
     )
     return AutoResolution(_concrete(options, best.params, zero_stage), sentence, bool(skipped), tuple(candidates))
+
+
+def _planned_clip(options: LionCubConfig, default_clip: float) -> dict[str, Any] | None:
+    """Option clip's block as the compressed candidates will run it (:mod:`ds_lioncub.config.clip_rule`): the given
+    mean rule, DeepSpeed's rule, or, when the options say nothing, the mean rule at ``default_clip`` (DeepSpeed's
+    gradient_clipping under the engine; 0, no clipping, for LionCub built in Python)."""
+    clip = options.clip
+    if clip is not None and clip.rule == "deepspeed":
+        return {"rule": "deepspeed"}
+    mean = options.mean_clip
+    if mean is not None:
+        return {"max_norm": mean.max_norm, "sketch_bins": mean.sketch_bins}
+    if clip is None and default_clip > 0:
+        return {"max_norm": default_clip}
+    return None
 
 
 def auto_node_size(options: LionCubConfig, environ: Mapping[str, str]) -> int:

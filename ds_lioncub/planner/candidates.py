@@ -69,9 +69,9 @@ def flat_candidate(
         votes.add(aggregation_collectives(options, bucket, p), "spanning", node_size, network)
     if p > 1 and options.check_finite:
         alone.add(wire.finite_check_collectives(p), "spanning", node_size, network)
-    alone.add(clip_collectives(options, p), "spanning", node_size, network)
+    alone.add(clip_collectives(options, p, p), "spanning", node_size, network)
     aggregation = aggregation_local_cost(costs, options) * num_params if p > 1 else 0.0
-    local = (costs.cost(LION_UPDATE) + clip_local_cost(costs, options)) * num_params + aggregation
+    local = (costs.cost(LION_UPDATE) + clip_local_cost(costs, options, p)) * num_params + aggregation
     return priced_candidate(label, params, 0, alone, local, votes, len(buckets))
 
 
@@ -108,8 +108,9 @@ def hybrid_candidate(
     for ranks, placement in levels:
         if options.check_finite:
             alone.add(wire.finite_check_collectives(ranks), placement, node_size, network)
-        alone.add(clip_collectives(options, ranks), placement, node_size, network)
-    local = (costs.cost(LION_UPDATE) + aggregation_local_cost(costs, options) + clip_local_cost(costs, options)) * shard
+        alone.add(clip_collectives(options, ranks, nodes), placement, node_size, network)
+    sketch = clip_local_cost(costs, options, nodes)
+    local = (costs.cost(LION_UPDATE) + aggregation_local_cost(costs, options) + sketch) * shard
     return priced_candidate(
         f"{label}, ZeRO-{zero_stage} hybrid", hybrid_params, zero_stage, alone, local, votes, len(buckets)
     )

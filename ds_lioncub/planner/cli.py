@@ -6,7 +6,7 @@
            [--device cpu|cuda] [--gpu NAME | --device-bandwidth RATE]
            [--intra-node-bandwidth RATE] [--latency T] [--json] [--local-costs FILE]
            [--ring-efficiency E] [--all-to-all-efficiency E] [--ranks-per-core R] [--beta2 B]
-           [--zero-stage 0|2|3] [--clip MAX_NORM]
+           [--zero-stage 0|2|3] [--clip MAX_NORM] [--clip-rule mean|deepspeed]
     python -m ds_lioncub.planner --calibrate [--device cpu|cuda] [--save FILE]
 
 The default output is a table of every feasible candidate, fastest predicted step first, with what
@@ -25,9 +25,12 @@ arguments exit with status 2 and argparse's message.
 
 The candidates are those of ZeRO stages 0 and 2 (stage 2 with more than one node); ``--zero-stage S``
 lists one stage's alone, for a job whose stage is fixed: 0, 2, or 3 (exact Lion under ZeRO-3 over the
-world, and the ZeRO-3 hybrid with more than one node; :mod:`ds_lioncub.planner.zero3`). ``--clip MAX_NORM`` runs
-every compressed candidate with option clip (docs/design.md, section 17.5): priced with its sketch, judged by the
-study's cells of the mode with clip, and its ds_config blocks set ``"gradient_clipping": 0``.
+world, and the ZeRO-3 hybrid with more than one node; :mod:`ds_lioncub.planner.zero3`). Every compressed candidate
+clips the ranks' mean gradient by its sketched norm at ``--clip MAX_NORM`` (default 1.0, DeepSpeed's default
+gradient_clipping, at which LionCub clips by default under DeepSpeed; 0: no clipping; docs/design.md, section
+17.5): priced with its sketch, judged by the study's cells of the mode with clip, and its ds_config blocks write
+``"clip": {"max_norm": ...}`` and ``"gradient_clipping": 0``. ``--clip-rule deepspeed`` plans DeepSpeed's own
+rule instead (``"clip": {"rule": "deepspeed"}``), judged by the cells without clip.
 
 The device (:mod:`ds_lioncub.planner.devices`) picks the local cost table and the link efficiencies
 (the fraction of the link rate each kind of collective reaches,
@@ -143,6 +146,13 @@ def _beta(text: str) -> float:
     return value
 
 
+def _non_negative_number(text: str) -> float:
+    value = _as_float(text)
+    if not (value >= 0 and value != float("inf")):
+        raise LionCubConfigError(f"LionCub: {text!r} must be a number >= 0")
+    return value
+
+
 def _positive_number(text: str) -> float:
     value = _as_float(text)
     if not (value > 0 and value != float("inf")):
@@ -249,10 +259,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--clip",
-        type=_argument(_positive_number),
+        type=_argument(_non_negative_number),
+        default=1.0,
         metavar="MAX_NORM",
-        help="plan every compressed mode with LionCub's option clip at this max_norm (the mean gradient's norm, "
-        "sketched; DeepSpeed's gradient_clipping 0): priced with its sketch and judged by its own study cells",
+        help="the max_norm every compressed mode clips the ranks' mean gradient at, by its sketched norm, as LionCub "
+        "does by default under DeepSpeed (at gradient_clipping): priced with its sketch and judged by the study's "
+        "cells with clip (default 1.0, DeepSpeed's gradient_clipping default; 0: no clipping)",
+    )
+    parser.add_argument(
+        "--clip-rule",
+        choices=("mean", "deepspeed"),
+        default="mean",
+        help='\'deepspeed\': plan the compressed modes with DeepSpeed\'s own clipping rule ("clip": {"rule": '
+        '"deepspeed"}, the default before 0.2.0), judged by the study\'s cells without clip (default: mean)',
     )
     parser.add_argument("--json", action="store_true", help="print the recommendation and candidates as JSON")
     parser.add_argument(
@@ -358,7 +377,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default.all_to_all if args.all_to_all_efficiency is None else args.all_to_all_efficiency,
     )
     network = Network(args.inter_node_bandwidth, args.intra_node_bandwidth, args.latency, efficiency)
-    clip = None if args.clip is None else {"max_norm": args.clip}
+    clip: dict[str, Any] | None = {"max_norm": args.clip} if args.clip > 0 else None
+    if args.clip_rule == "deepspeed":
+        clip = {"rule": "deepspeed"}
     candidates = plan(
         args.params, cluster, network, costs, ranks_per_core=args.ranks_per_core, clip=clip, **_stages(args)
     )

@@ -23,9 +23,10 @@ beta2 takes the nearest studied value. A k-bit vote of sign fields is the 1-bit 
 (the sum of the workers' signs, the same tie rule; tests/unit/test_virtual_world.py shows them
 bit-identical), so it takes the 1-bit vote's evidence. The study ran the default tie rule and L1
 clip; other settings of them take the same evidence. A mode with option ``clip`` (the mean gradient's
-sketched norm in place of DeepSpeed's per-rank clipping) has cells of its own (``"1bit+clip"``), whatever
-its max_norm and sketch width; where the study has none for the mode, it takes the mode's cells without
-clip (and says so): clip fixes the clipping, not what the mode's own arithmetic loses.
+sketched norm in place of DeepSpeed's per-rank clipping, the default under DeepSpeed since 0.2.0) has cells of
+its own (``"1bit+clip"``), whatever its max_norm and sketch width; a mode that keeps DeepSpeed's rule
+(``{"rule": "deepspeed"}``) has the plain ones (``"1bit"``); where the study has none for the mode, it takes the
+mode's cells without clip (and says so): clip fixes the clipping, not what the mode's own arithmetic loses.
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ def study_mode(params: Mapping[str, Any]) -> str | None:
     synced = bool(sync.get("interval")) and sync.get("layers", "auto") == "auto" and int(sync["interval"]) <= 10
     voted = params.get("aggregation", "vote") == "vote"
     # Option clip changes what the workers' updates are made of (the mean gradient's norm clips them): its own cells.
-    clipped = CLIP_SUFFIX if params.get("clip") else ""
+    clip = params.get("clip")
+    clipped = CLIP_SUFFIX if clip and clip.get("rule", "mean") == "mean" else ""
     if compression == "1bit" or (params.get("quantizer", "sign") == "sign" and voted):
         return ("1bit+sync" if synced else "1bit") + clipped
     if params.get("quantizer") == "l1" and voted:

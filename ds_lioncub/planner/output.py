@@ -26,8 +26,9 @@ def ds_config_blocks(candidate: Candidate) -> dict[str, Any]:
     if candidate.params.get("compression") == "none" and candidate.params.get("comm_dtype") == "bf16":
         # Under DeepSpeed the engine runs exact Lion's all-reduce, in its communication dtype.
         blocks["communication_data_type"] = "bf16"
-    if "clip" in candidate.params:
-        blocks["gradient_clipping"] = 0  # option clip takes DeepSpeed's place (its default is 1.0)
+    clip = candidate.params.get("clip")
+    if clip and clip.get("rule", "mean") == "mean":
+        blocks["gradient_clipping"] = 0  # option clip's max_norm, written out; DeepSpeed's own clipping is off
     return blocks
 
 

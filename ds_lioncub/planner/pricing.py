@@ -19,6 +19,7 @@ from ds_lioncub.comm import wire
 from ds_lioncub.comm.kbit import KbitCodec
 from ds_lioncub.comm.schedule import DEFAULT_PIPELINE_CHUNK_NUMEL, chunk_bounds
 from ds_lioncub.config import LionCubConfig, parse_config
+from ds_lioncub.config.clip_rule import measures_noise_scale, sketch_bins_of
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.planner.cluster import Network
 from ds_lioncub.planner.local_costs import DEFAULT_LOCAL_COSTS, LION_UPDATE, LocalCosts, aggregation_key
@@ -115,19 +116,31 @@ EF21_SPREAD_BYTES = 4
 
 #: Option clip's local work per element, in units of Lion's update, by the table's device: the sketch's pass over
 #: the gradient and the scaling of it, on 8,388,608-element buckets (benchmarks/bench_clip.py; benchmarks/RESULTS.md,
-#: "Option clip", its local cost): 0.9 on this machine's CPU, 2.3 on an H200, where a bucket's few passes of
+#: "Option clip", its local cost): 0.25 on this machine's CPU since the sketch's compiled kernel (0.20-0.22 measured,
+#: "The default clip's sketch, compiled"; 0.9 before), 2.3 on an H200, where a bucket's few passes of
 #: Python-issued kernels weigh against Lion's update at the memory's pace (0.8 from 64 Mi elements up).
-CLIP_LOCAL_PASSES = {"cpu": 0.9, "cuda": 2.3}
+CLIP_LOCAL_PASSES = {"cpu": 0.25, "cuda": 2.3}
 
 
-def clip_collectives(options: LionCubConfig, world_size: int) -> list[wire.Collective]:
-    """Option clip's collectives per step over ``world_size`` ranks (none without clip)."""
-    return [] if options.clip is None else wire.clip_sketch_collectives(options.clip.sketch_bins, world_size)
+def sketch_values(options: LionCubConfig, voters: int) -> int:
+    """The numbers a step's sketch all-reduce carries (0: no sketch): option clip's bins, and one squared norm where
+    the gradient noise scale is measured, which measures with the default bins even when nothing clips."""
+    noise = measures_noise_scale(options, voters, gradients_averaged=False)
+    if options.mean_clip is None and not noise:
+        return 0
+    return sketch_bins_of(options) + (1 if noise else 0)
 
 
-def clip_local_cost(costs: LocalCosts, options: LionCubConfig) -> float:
-    """Seconds per stepped element of option clip's local work (0 without clip)."""
-    return 0.0 if options.clip is None else CLIP_LOCAL_PASSES[costs.device] * costs.cost(LION_UPDATE)
+def clip_collectives(options: LionCubConfig, world_size: int, voters: int) -> list[wire.Collective]:
+    """The sketch's collectives per step over ``world_size`` ranks of ``voters`` voters (option clip, the noise scale;
+    none without either)."""
+    values = sketch_values(options, voters)
+    return [] if values == 0 else wire.clip_sketch_collectives(values, world_size)
+
+
+def clip_local_cost(costs: LocalCosts, options: LionCubConfig, voters: int) -> float:
+    """Seconds per stepped element of the sketch's local work (option clip, the noise scale; 0 without either)."""
+    return 0.0 if sketch_values(options, voters) == 0 else CLIP_LOCAL_PASSES[costs.device] * costs.cost(LION_UPDATE)
 
 
 def aggregation_collectives(options: LionCubConfig, numel: int, world_size: int) -> list[wire.Collective]:
@@ -224,10 +237,13 @@ def predict_aggregation_seconds(
 
 def compressed_modes(world_size: int, clip: Mapping[str, Any] | None = None) -> list[tuple[str, dict[str, Any]]]:
     """(label, params) of the 1-bit vote and every k-bit vote ``KbitCodec`` admits for ``world_size`` voters; with
-    ``clip`` (option clip's block) each with it, labelled so."""
+    ``clip`` (option clip's block) each with it, labelled so when it clips the mean gradient (rule "mean", the default
+    under DeepSpeed); ``{"rule": "deepspeed"}`` keeps DeepSpeed's own clipping, unlabelled as before 0.2.0."""
     modes = _vote_modes(world_size)
     if clip is None:
         return modes
+    if clip.get("rule", "mean") == "deepspeed":
+        return [(label, {**params, "clip": dict(clip)}) for label, params in modes]
     return [(f"{label} + clip", {**params, "clip": dict(clip)}) for label, params in modes]
 
 

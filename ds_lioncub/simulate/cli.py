@@ -4,9 +4,11 @@
     python -m ds_lioncub.simulate ds_config.json --task mypackage.mytask:build_task
 
 Reads the ds_config's ``"optimizer"`` block (``"type": "LionCub"`` and its ``"params"``) and its
-``"gradient_clipping"`` (DeepSpeed's default 1.0 when absent; clipped per worker when ``bf16`` or
-``fp16`` is enabled, as DeepSpeed's wrappers do, else by the mean of the workers' norms; with LionCub's option
-``clip`` it must be 0, as the job requires, and exact Lion clips its mean gradient at ``clip.max_norm``), then for
+``"gradient_clipping"`` (DeepSpeed's default 1.0 when absent), and decides the clipping as the job does
+(:mod:`ds_lioncub.config.clip_rule`, printed in one line): a compressed mode clips the workers' mean gradient by
+its sketched norm, and exact Lion its mean gradient by its norm, at the same max_norm; with
+``"clip": {"rule": "deepspeed"}`` DeepSpeed's rule clips, per worker when ``bf16`` or ``fp16`` is enabled, as
+DeepSpeed's wrappers do, else by the mean of the workers' norms. Then for
 each worker count trains the task twice per seed in the virtual world
 (:class:`~ds_lioncub.simulate.VirtualLionCub`): with the config's mode, and as exact Lion (the same
 options with ``compression="none"``: the fp32 mean of the workers' gradients). Every run sees the
@@ -29,7 +31,7 @@ Options that need a real network are decided per option (:mod:`ds_lioncub.simula
 is refused (it plans for a real network: run the planner and pass the mode). A ZeRO hybrid config
 (a compressed mode at zero_optimization.stage 1, 2 or 3) is simulated as its voters, the nodes: each
 simulated worker is one node with its node's batch (its G ranks' micro-batches, which ZeRO averages in
-full precision), ``--workers`` counts nodes, and each node clips its own gradient; the LionCub options
+full precision), ``--workers`` counts nodes; the LionCub options
 the real hybrid refuses (overlap, MPI, momentum_sync by layer) are refused here too.
 
 The task: ``--task module:function``, a function taking no arguments that returns a
@@ -51,6 +53,7 @@ from typing import Any
 
 import torch
 
+from ds_lioncub.config import parse_config
 from ds_lioncub.errors import LionCubConfigError, LionCubError
 from ds_lioncub.simulate.agreement import AgreementStats
 from ds_lioncub.simulate.ds_config import RunSettings, SimulationConfig, read_ds_config
@@ -86,8 +89,8 @@ def exact_options(options: dict[str, Any]) -> dict[str, Any]:
 def exact_grad_clip(options: dict[str, Any], settings: RunSettings) -> float:
     """How exact Lion beside the mode clips: as the ds_config says, or, where the mode clips with option clip
     (the ds_config's gradient_clipping then 0), by clip.max_norm, which exact Lion applies to the mean gradient."""
-    clip = options.get("clip")
-    return settings.grad_clip if not clip else float(clip["max_norm"])
+    clip = parse_config(options).mean_clip
+    return settings.grad_clip if clip is None else clip.max_norm
 
 
 def load_task(spec: str) -> Task:
@@ -237,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         check_runs(task, config.options, args.workers, args.seeds, args.steps, args.warmup_steps)
         print(
             f"[simulate] task {task.name}, {args.steps} steps, seeds {args.seeds}, options {config.options}, "
-            f"gradient clipping {config.settings.grad_clip} ({config.settings.clip_rule})",
+            f"{config.settings.clipping}",
             flush=True,
         )
         unit = "nodes" if config.hybrid else "workers"

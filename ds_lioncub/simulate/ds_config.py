@@ -10,9 +10,11 @@ N ranks run as M nodes of G ranks, and node k is one Lion Cub worker. Inside a n
 G ranks' gradients in full precision, so a node's gradient is the mean over its G ranks' micro-batches,
 which is the gradient of the node's batch (up to fp32 rounding); across nodes the nodes vote. So a
 simulated worker is one node with its node's batch, ``--workers`` counts nodes, and ``hybrid`` is
-dropped from the virtual world's options. DeepSpeed clips each node's averaged gradient by that node's
-own norm (docs/user-guide.md, the ZeRO hybrid), so the clip rule is per worker. The LionCub options the
-real hybrid refuses (``overlap``, ``comm_backend_name="mpi"``, ``momentum_sync`` by layer;
+dropped from the virtual world's options. Clipping is decided as the job decides it
+(:mod:`ds_lioncub.config.clip_rule`): a compressed mode clips the voters' mean gradient by its sketched norm
+(LionCub's option ``clip``, here too), unless the config keeps DeepSpeed's rule, which under bf16/fp16 or the
+hybrid clips each worker (node) by its own norm, and otherwise by the mean of the workers' norms. The LionCub
+options the real hybrid refuses (``overlap``, ``comm_backend_name="mpi"``, ``momentum_sync`` by layer;
 :mod:`ds_lioncub.integration.wiring`) are refused here too, with the same message. DeepSpeed settings the
 hybrid also refuses (optimizer or parameter offload, ZenFlow, elastic checkpoints) change no step's
 math and are not read here.
@@ -26,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from ds_lioncub.config import LionCubConfig, parse_config
+from ds_lioncub.config.clip_rule import ClipResolution, resolve_clipping
 from ds_lioncub.errors import LionCubConfigError
-from ds_lioncub.integration.wiring import hybrid_refusal, refuse_two_clippings
+from ds_lioncub.integration.wiring import hybrid_refusal
 from ds_lioncub.simulate.train import ClipRule
 
 #: Options that do not change a step's math: dropped from the virtual world's options, each with this reason
@@ -51,12 +54,16 @@ class RunSettings:
     """What the ds_config says about a run besides the optimizer's options.
 
     Fields:
-        grad_clip: DeepSpeed's gradient_clipping (0 disables).
-        clip_rule: "per_worker" under bf16/fp16 or the ZeRO hybrid, else "deepspeed" (see ds_lioncub.simulate.train).
+        grad_clip: DeepSpeed's gradient_clipping as the job runs it (0 where LionCub's option clip clips instead, or
+            where nothing clips).
+        clip_rule: "mean" where LionCub clips (the options then carry clip with its max_norm); with DeepSpeed's rule
+            "per_worker" under bf16/fp16 or the ZeRO hybrid, else "deepspeed" (see ds_lioncub.simulate.train).
+        clipping: the line that says which clipping runs, as the job logs it.
     """
 
     grad_clip: float
     clip_rule: ClipRule
+    clipping: str
 
 
 @dataclass(frozen=True)
@@ -125,19 +132,31 @@ def read_ds_config(path: Path) -> SimulationConfig:
             f"the ds_config's scheduler ({scheduler.get('type')}) is not used; the lr follows WarmupCosineLR over "
             f"--steps, peaking at the optimizer's lr"
         )
+    resolution = clipping_of(config, parsed, stage)
+    settings = RunSettings(
+        grad_clip=resolution.engine_clipping,
+        clip_rule="mean"
+        if resolution.options.mean_clip is not None
+        else "per_worker"
+        if mixed or hybrid
+        else "deepspeed",
+        clipping=resolution.description,
+    )
+    if resolution.options.clip is not None:  # the resolved block: its max_norm may come from gradient_clipping
+        options["clip"] = resolution.options.clip.model_dump(include=resolution.options.clip.model_fields_set)
+    kept = {name: value for name, value in options.items() if name not in DROPPED_OPTIONS and name != "hybrid"}
+    node_size = parsed.hybrid.node_size if parsed.hybrid is not None else None
+    return SimulationConfig(kept, settings, stage, hybrid, node_size, tuple(notes))
+
+
+def clipping_of(config: dict[str, Any], options: LionCubConfig, stage: int) -> ClipResolution:
+    """Which clipping the DeepSpeed job of ``config`` runs (DeepSpeed's gradient_clipping defaults to 1.0)."""
     clip = config.get("gradient_clipping", 1.0)
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
         raise LionCubConfigError(
             f"LionCub: the ds_config's gradient_clipping must be a number >= 0 (0 disables clipping), got {clip!r}."
         )
-    refuse_two_clippings(parsed, float(clip), stage)  # as the DeepSpeed job refuses them
-    settings = RunSettings(
-        grad_clip=float(clip),
-        clip_rule="per_worker" if mixed or hybrid else "deepspeed",
-    )
-    kept = {name: value for name, value in options.items() if name not in DROPPED_OPTIONS and name != "hybrid"}
-    node_size = parsed.hybrid.node_size if parsed.hybrid is not None else None
-    return SimulationConfig(kept, settings, stage, hybrid, node_size, tuple(notes))
+    return resolve_clipping(options, float(clip), "gradient_clipping" in config, stage)
 
 
 def zero_stage(config: dict[str, Any]) -> int:
@@ -185,8 +204,7 @@ def hybrid_note(options: LionCubConfig, stage: int) -> str:
     note = (
         f"hybrid config (compression={options.compression!r} under ZeRO stage {stage}): the voters are the nodes, "
         f"so each simulated worker is one node ({ranks}' micro-batches, averaged in full precision inside the "
-        f"node, are the node's batch) and --workers counts nodes; gradient clipping is per node, as DeepSpeed "
-        f"clips each node's averaged gradient by its own norm"
+        f"node, are the node's batch) and --workers counts nodes"
     )
     if options.compression == "kbit" and options.quantizer == "l1":
         note += (

@@ -12,16 +12,19 @@ scheduler starts at 0 before its first step, which only moves the momentum).
 
 Gradient clipping (``grad_clip``, the examples' 1.0; 0 disables it) follows ``clip_rule``:
 
-- ``"deepspeed"`` (default): what a DeepSpeed job at ZeRO stage 0 in fp32 does (``clip_grad_norm_``
-  averages the ranks' gradient norms and every rank scales its gradient by one common factor
-  ``min(1, grad_clip / (norm + 1e-6))``). With compression every rank holds its own gradient, so the
-  norm is the mean over the workers of their own norms; with ``compression="none"`` the engine
-  averages the gradients first, so it is the norm of the mean gradient (and exact Lion's trajectory
-  does not depend on N). Lion is invariant to a constant gradient scale; a common factor that changes
-  from step to step reweighs the momentum's history, the same for every worker.
-- ``"per_worker"``: each worker clips its own gradient by its own norm (DeepSpeed's bf16/fp16
-  wrappers do this). With ``compression="none"`` the engine averages before any clipping, so exact
-  Lion clips the mean gradient by its norm under either rule.
+- ``"mean"`` (default, what a DeepSpeed job does since 0.2.0, :mod:`ds_lioncub.config.clip_rule`): a compressed
+  mode clips the workers' mean gradient by its sketched norm, LionCub's option ``clip`` at ``max_norm = grad_clip``
+  (added to the options unless they set ``clip`` themselves); exact Lion clips its mean gradient by its norm.
+- ``"deepspeed"``: DeepSpeed's own rule (``"clip": {"rule": "deepspeed"}``, the default before 0.2.0) at ZeRO
+  stage 0 in fp32 (``clip_grad_norm_`` averages the ranks' gradient norms and every rank scales its gradient by
+  one common factor ``min(1, grad_clip / (norm + 1e-6))``). With compression every rank holds its own gradient,
+  so the norm is the mean over the workers of their own norms; with ``compression="none"`` the engine averages
+  the gradients first, so it is the norm of the mean gradient (and exact Lion's trajectory does not depend on
+  N). Lion is invariant to a constant gradient scale; a common factor that changes from step to step reweighs
+  the momentum's history, the same for every worker.
+- ``"per_worker"``: DeepSpeed's rule under its bf16/fp16 wrappers: each worker clips its own gradient by its own
+  norm. With ``compression="none"`` the engine averages before any clipping, so exact Lion clips the mean
+  gradient by its norm under every rule.
 
 Seed statistics (:func:`seed_summary`): over S seeds, a quantity's mean and the half-width of the
 mean's two-sided 95% Student-t interval, t(S - 1) x the per-seed values' sample standard deviation
@@ -48,7 +51,7 @@ from ds_lioncub.simulate.gradients import Batch, GradientBuffers, Method, worker
 from ds_lioncub.simulate.world import VirtualLionCub
 from ds_lioncub.student_t import MeanInterval, mean_interval
 
-ClipRule = Literal["deepspeed", "per_worker"]
+ClipRule = Literal["mean", "deepspeed", "per_worker"]
 
 
 class Task(Protocol):
@@ -133,12 +136,14 @@ def lr_ratio(step: int, total_steps: int, warmup_steps: int, warmup_min_ratio: f
 
 
 def clip_worker_gradients(grads: list[list[torch.Tensor]], max_norm: float, rule: ClipRule, exact: bool) -> None:
-    """Scale ``grads[i][j]`` in place as ``rule`` says (module docstring); ``exact``: compression "none"."""
-    if rule not in ("deepspeed", "per_worker"):
-        raise LionCubConfigError(f"LionCub: clip_rule must be 'deepspeed' or 'per_worker', got {rule!r}")
+    """Scale ``grads[i][j]`` in place as ``rule`` says (module docstring); ``exact``: compression "none". Rule
+    ``"mean"`` scales every worker by the exact norm of the workers' mean gradient (the reference; on a compressed
+    mode :func:`train_virtual` lets LionCub's option ``clip`` do it from its sketch, as the job does)."""
+    if rule not in ("mean", "deepspeed", "per_worker"):
+        raise LionCubConfigError(f"LionCub: clip_rule must be 'mean', 'deepspeed' or 'per_worker', got {rule!r}")
     if max_norm <= 0:
         return
-    if exact:  # the engine averages first: one norm, of the mean gradient
+    if exact or rule == "mean":  # the norm of the mean gradient (exact Lion's engine averages first)
         total = [g.clone() for g in grads[0]]
         for worker in grads[1:]:
             torch._foreach_add_(total, worker)
@@ -171,7 +176,7 @@ def train_virtual(
     warmup_min_ratio: float = 0.1,
     cos_min_ratio: float = 0.1,
     grad_clip: float = 1.0,
-    clip_rule: ClipRule = "deepspeed",
+    clip_rule: ClipRule = "mean",
     gradient_method: Method = "auto",
     agreement_stats: bool = True,
     drift_stats: bool = False,
@@ -206,6 +211,10 @@ def train_virtual(
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     exact = options.get("compression", "1bit") == "none"
+    if clip_rule == "mean" and not exact and grad_clip > 0:
+        if "clip" not in options:
+            options = {**options, "clip": {"max_norm": grad_clip}}
+        grad_clip = 0.0  # option clip clips (at the options' own max_norm when they set one)
     optimizer = VirtualLionCub(
         named,
         workers=workers,

@@ -47,7 +47,8 @@ from ds_lioncub.step.bucket_work import (
     prepare_sign_message,
     whole_tensor_mean_abs,
 )
-from ds_lioncub.step.clipping import clip_coefficient, gradient_sketch
+from ds_lioncub.step.clipping import clip_coefficient, gradient_sketch, sketch_and_square_norm
+from ds_lioncub.step.noise_scale import NoiseScale, NoiseScaleState, measures_noise_scale, sketch_bins_of
 from ds_lioncub.step.param_selection import names_by_position, select_parameters
 
 #: Options that describe a real network or job, which a virtual world has none of: refused when given.
@@ -79,7 +80,8 @@ class VirtualLionCub(torch.optim.Optimizer):
             tie_break, l1_clip, comm_dtype, bucket_size, check_finite, momentum_sync, clip), validated as
             LionCub validates them (a k-bit all-reduce too narrow for N workers raises LionCub's error).
             Options that need a real network or job (:data:`NETWORK_OPTIONS`, ``compression="auto"``,
-            ``telemetry``) are refused.
+            ``telemetry.vote_stats``) are refused; ``telemetry.noise_scale`` (on by default) measures the gradient
+            noise scale as LionCub's ranks do (:attr:`noise_scale`).
 
     ``step(worker_grads)`` takes ``worker_grads[i][j]``, worker i's gradient of parameter j in the
     order of ``params`` (``None``: zeros, as on a real rank whose parameter got no gradient).
@@ -109,10 +111,11 @@ class VirtualLionCub(torch.optim.Optimizer):
                 "LionCub: VirtualLionCub takes a concrete mode, not compression='auto' (it plans for a real "
                 "network); run python -m ds_lioncub.planner for your cluster and pass the mode it recommends."
             )
-        if "telemetry" in options:
+        telemetry = options.get("telemetry")
+        if isinstance(telemetry, dict) and "vote_stats" in telemetry:
             raise LionCubConfigError(
-                "LionCub: VirtualLionCub does not take telemetry; pass agreement_stats=True for the vote's "
-                "agreement with exact Lion, and read worker_comm_stats(i) for bytes."
+                "LionCub: VirtualLionCub does not take telemetry.vote_stats; pass agreement_stats=True for the "
+                "vote's agreement with exact Lion, and read worker_comm_stats(i) for bytes."
             )
         self.options: LionCubConfig = parse_config({"lr": lr, "betas": betas, "weight_decay": weight_decay, **options})
         self.workers = workers
@@ -124,6 +127,8 @@ class VirtualLionCub(torch.optim.Optimizer):
         self.last_clip_coefficient: float | None = None
         #: How the compressed steps' sign errors add up over steps, per tensor (``drift_stats=True``), else None.
         self.drift: DriftTally | None = DriftTally() if drift_stats else None
+        # The gradient noise scale, fed by the same sketch and all-reduce as on LionCub's ranks.
+        self._noise_scale_state = NoiseScaleState(self.options.telemetry.noise_scale_beta)
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
         self._ready = False
         super().__init__(params, defaults)
@@ -189,6 +194,22 @@ class VirtualLionCub(torch.optim.Optimizer):
             )
         return None if self._aggregators is None else self._aggregators[worker].state
 
+    @property
+    def noise_scale(self) -> NoiseScale | None:
+        """The gradient noise scale so far, as :attr:`ds_lioncub.LionCub.noise_scale` on the ranks of a real job
+        (the same summed bits, so the same value); None before the first measured step, with compression "none",
+        or one worker."""
+        return self._noise_scale_state.record()
+
+    def set_noise_scale_batch(self, samples: int | None) -> None:
+        """The samples in one worker's gradient each step, for :attr:`noise_scale` in samples (None: voter
+        batches), as :meth:`ds_lioncub.LionCub.set_noise_scale_batch`."""
+        self._noise_scale_state.set_batch_samples(samples)
+
+    @property
+    def _measures_noise_scale(self) -> bool:
+        return measures_noise_scale(self.options, self.workers, False)
+
     def worker_comm_stats(self, worker: int) -> CommStats:
         """The collectives and bytes worker ``worker`` would have sent so far, counted as LionCub counts them."""
         return self.network.transports[worker].stats + CommStats()
@@ -213,7 +234,7 @@ class VirtualLionCub(torch.optim.Optimizer):
             ]
             for i in range(self.workers)
         ]
-        if self.options.clip is not None:
+        if self.options.mean_clip is not None or self._measures_noise_scale:  # one sketch serves both
             self._clip_gradients(entries, step)
         plan = plan_buckets([params[j].numel() for j in taking_part], self.options.bucket_size)
         if self.exact:
@@ -316,14 +337,21 @@ class VirtualLionCub(torch.optim.Optimizer):
             self.drift.end_step()
 
     def _clip_gradients(self, entries: list[list[Entry]], step: int) -> None:
-        """Option ``clip``, as LionCub clips on every rank: each worker's sketch through its own all-reduce, then
-        every worker's gradients scaled in place by the common factor (:mod:`ds_lioncub.step.clipping`)."""
-        clip = self.options.clip
-        assert clip is not None
-        sketches = [gradient_sketch([[entry.grad] for entry in mine], clip.sketch_bins, step, 0) for mine in entries]
+        """The step's sketch, as LionCub takes it on every rank: each worker's sketch (with its squared norm when the
+        noise scale is measured) through its own all-reduce; the noise scale's update, and option ``clip``'s common
+        factor scaling every worker's gradients in place (:mod:`ds_lioncub.step.clipping`)."""
+        clip = self.options.mean_clip
+        bins = sketch_bins_of(self.options)
+        noise = self._measures_noise_scale
+        make = sketch_and_square_norm if noise else gradient_sketch
+        sketches = [make([[entry.grad] for entry in mine], bins, step, 0) for mine in entries]
         for transport, sketch in zip(self.network.transports, sketches, strict=True):
             transport.all_reduce_sum(sketch)
-        coefficient = clip_coefficient(sketches[0], self.workers, clip.max_norm)
+        if noise:
+            self._noise_scale_state.update(sketches[0], self.workers)
+        if clip is None:
+            return
+        coefficient = clip_coefficient(sketches[0][:bins], self.workers, clip.max_norm)
         if coefficient < 1.0:
             torch._foreach_mul_([entry.grad for mine in entries for entry in mine], coefficient)
         self.last_clip_coefficient = coefficient

@@ -1,6 +1,7 @@
 """Option ``clip`` on real gloo ranks (p = 1-4): every mode of ``scenarios.clip_modes`` equal, bit for bit, to the
 plain loop (tests/support/clip_reference.py feeding tests/support/reference.py) and to the virtual world on the
-same gradients, with one all-reduce of the sketch per step more than the same mode without clip.
+same gradients, with one all-reduce of the sketch per step more than the same mode without clip (or, where the noise
+scale's sketch runs anyway, that one all-reduce carrying clip's bins instead of the default's).
 
 The gloo jobs of tests/distributed/conftest.py trained those modes (pipelined and serial bucket schedules) in the
 launch the distributed tier runs anyway; nothing is launched here.
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from ds_lioncub.comm import wire
+from ds_lioncub.step.noise_scale import DEFAULT_SKETCH_BINS
 from tests.distributed.test_virtual_world_vs_ranks import virtual_run
 from tests.support import scenarios as sc
 from tests.support.checks import trained_mode_equals_reference
@@ -53,16 +55,25 @@ def test_each_mode_equals_the_plain_loop_and_the_virtual_world_on_every_rank(ran
 
 def test_clip_adds_one_all_reduce_of_the_sketch_per_step(ranks: list[dict[str, Any]]) -> None:
     """Counted on the real ranks against the same mode without clip: one fp64 all-reduce of sketch_bins numbers
-    per step (a world of one has no collectives), and the virtual world counts what the ranks sent."""
+    per step (a world of one has no collectives). A compressed mode measures the noise scale (on by default), whose
+    sketch of the default bins and a squared norm the mode without clip sends already: with clip the same one
+    all-reduce carries clip's bins and the squared norm. The virtual world counts what the ranks sent."""
     p = len(ranks)
-    extra = wire.all_reduce_bytes(8 * sc.CLIP["sketch_bins"], p) if p > 1 else 0
+    bins = int(sc.CLIP["sketch_bins"])
+    noise_sketch = wire.all_reduce_bytes(8 * (DEFAULT_SKETCH_BINS + 1), p)
     for mode, options in sc.clip_modes(p).items():
         virtual = virtual_run(p, options)
+        if p == 1:
+            collectives, extra = 0, 0
+        elif options["compression"] == "none":
+            collectives, extra = 1, wire.all_reduce_bytes(8 * bins, p)
+        else:
+            collectives, extra = 0, wire.all_reduce_bytes(8 * (bins + 1), p) - noise_sketch
         for rank in range(p):
             for step in range(1, sc.TRAIN_STEPS + 1):
                 clipped = ranks[rank][f"clip/train-stats/{mode}/{step}"]
                 plain = ranks[rank][f"train-stats/{UNCLIPPED[mode]}/{step}"]
-                assert clipped.collectives == plain.collectives + (1 if p > 1 else 0), (mode, rank, step)
+                assert clipped.collectives == plain.collectives + collectives, (mode, rank, step)
                 assert clipped.bytes_sent == plain.bytes_sent + extra, (mode, rank, step)
                 counted = virtual[f"stats/{rank}/{step}"]
                 assert (counted.collectives, counted.bytes_sent) == (clipped.collectives, clipped.bytes_sent)

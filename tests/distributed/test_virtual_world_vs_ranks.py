@@ -3,7 +3,8 @@
 The gloo jobs of tests/distributed/conftest.py trained every mode of ``scenarios.training_modes`` on p
 real ranks, each rank on its own gradients. Here one process runs p virtual workers fed those same
 per-rank gradients. Every mode must leave the parameters (equal on every rank), each worker's momentum
-(after every momentum-sync step too) and each rank's traffic exactly as the real ranks left them.
+(after every momentum-sync step too) and each rank's traffic exactly as the real ranks left them, and
+measure the same gradient noise scale (telemetry.noise_scale, on by default) after every step.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def virtual_run(world_size: int, options: dict[str, Any], device: str | torch.de
         before = [optimizer.worker_comm_stats(i) for i in range(world_size)]
         on_cpu = [param.detach().cpu() for param in params.values()]
         optimizer.step([[grad.to(device) for grad in sc.model_grads(on_cpu, rank, step)] for rank in range(world_size)])
+        results[f"noise/{step}"] = optimizer.noise_scale
         for rank in range(world_size):
             results[f"stats/{rank}/{step}"] = optimizer.worker_comm_stats(rank) - before[rank]
             for name, momentum in zip(PARAM_NAMES, optimizer.worker_momentum(rank), strict=True):
@@ -76,3 +78,18 @@ def test_every_worker_counts_the_bytes_its_rank_sent(ranks: list[dict[str, Any]]
                     expected.bytes_sent,
                     expected.bytes_received,
                 ), (mode, rank, step)
+
+
+def test_every_mode_measures_the_noise_scale_its_ranks_measured(ranks: list[dict[str, Any]]) -> None:
+    """The same summed sketch and squared norms on every rank and in the virtual world: the same estimate, exactly
+    (a compressed mode with two voters or more measures one; compression "none" and one voter do not)."""
+    p = len(ranks)
+    for mode, options in sc.training_modes(p).items():
+        virtual = virtual_run(p, options)
+        measured = p > 1 and options["compression"] != "none"
+        for step in range(1, sc.TRAIN_STEPS + 1):
+            expected = virtual[f"noise/{step}"]
+            assert (expected is not None) == measured, (mode, step)
+            assert expected is None or expected.steps == step
+            for rank in range(p):
+                assert ranks[rank][f"train-noise/{mode}/{step}"] == expected, (mode, rank, step)

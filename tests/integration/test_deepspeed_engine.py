@@ -20,6 +20,7 @@ import torch
 
 from ds_lioncub import parse_config
 from ds_lioncub.comm import wire
+from ds_lioncub.config.clip_rule import DEFAULT_SKETCH_BINS
 from ds_lioncub.planner.auto import resolve_auto
 from ds_lioncub.planner.model import DEEPSPEED_BUCKET_SIZE
 from tests.support.checks import same_message_on_every_rank
@@ -265,7 +266,8 @@ def _csv_rows(directory: Path, event: str) -> list[tuple[int, str]]:
 
 def test_telemetry_is_written_through_deepspeeds_csv_monitor(launched: dict[str, Any]) -> None:
     """The CSV monitor's LionCub/ rows: rank 0's records, at the engine's sample count, with bytes equal to
-    comm_stats() and to the wire formulas for the 1-bit vote's buckets plus the 4-byte non-finite check."""
+    comm_stats() and to the wire formulas for the 1-bit vote's buckets plus the 4-byte non-finite check and the
+    default clip's sketch."""
     ranks = _configs(launched)["lioncub_1bit_telemetry"]
     directory = launched["out"] / "csv" / TELEMETRY_JOB
     records = ranks[0]["telemetry"]
@@ -273,20 +275,31 @@ def test_telemetry_is_written_through_deepspeeds_csv_monitor(launched: dict[str,
     steps = [samples_per_step * step for step in range(1, STEPS + 1)]
     buckets = reference_bucket_sizes(ranks[0]["parameter_numels"], TELEMETRY_BUCKET_SIZE)
     assert len(buckets) > 1
-    expected_bytes = wire.all_reduce_bytes(4, 2) + sum(wire.vote_1bit_bytes(n, 2) for n in buckets)
+    # The non-finite check, the default clip's sketch (with the noise scale's squared norm) and the buckets' votes.
+    sketch = wire.all_reduce_bytes(8 * (DEFAULT_SKETCH_BINS + 1), 2)
+    expected_bytes = wire.all_reduce_bytes(4, 2) + sketch + sum(wire.vote_1bit_bytes(n, 2) for n in buckets)
     for event in ("bytes_sent", "bytes_received"):
         rows = _csv_rows(directory, f"LionCub/{event}")
         assert [step for step, _ in rows] == steps, event
         assert [int(value) for _, value in rows] == [expected_bytes] * STEPS, event
         assert [int(value) for _, value in rows] == [getattr(t, event) for t in ranks[0]["comm_per_step"]], event
     collectives = _csv_rows(directory, "LionCub/collectives")
-    assert [int(value) for _, value in collectives] == [1 + 2 * len(buckets)] * STEPS
+    assert [int(value) for _, value in collectives] == [2 + 2 * len(buckets)] * STEPS
     for event in ("skipped", "revoted_buckets"):
         assert [int(value) for _, value in _csv_rows(directory, f"LionCub/{event}")] == [0] * STEPS, event
     for event in ("tie_rate", "agreement_rate", "comm_seconds", "local_seconds"):
         rows = _csv_rows(directory, f"LionCub/{event}")
         assert [float(value) for _, value in rows] == [getattr(record, event) for record in records], event
     assert all(0 < record.tie_rate < 1 and 0 < record.agreement_rate < 1 for record in records)
+    # The gradient noise scale, in samples and in voter batches: a voter's batch is 16 samples here (one rank a
+    # voter, micro-batch 16, no accumulation), which the wiring takes from the engine.
+    measured = [(step, r) for step, r in zip(steps, records, strict=True) if r.noise_scale is not None]
+    assert measured, "the noise scale was never measured"
+    noise_rows = [(step, float(value)) for step, value in _csv_rows(directory, "LionCub/noise_scale")]
+    assert noise_rows == [(step, r.noise_scale) for step, r in measured]
+    for _, record in measured:
+        assert record.noise_scale_voter_batches is not None
+        assert record.noise_scale == pytest.approx(16 * record.noise_scale_voter_batches, rel=1e-12)
     # Telemetry and the bucket size change nothing: the same run as lioncub_1bit, bit for bit.
     plain = _configs(launched)["lioncub_1bit"][0]["params"]
     for name, value in ranks[0]["params"].items():
@@ -414,6 +427,7 @@ def test_auto_resolves_to_the_planners_choice_alike_on_every_rank(launched: dict
         0,
         exact_comm_dtypes=("fp32",),  # the engine's gradient all-reduce in an fp32 job
         exact_bucket_size=DEEPSPEED_BUCKET_SIZE,
+        default_clip=1.0,  # the config's gradient_clipping, which a compressed mode clips the mean gradient at
     )
     assert expected.options.compression != "none" and not expected.fell_back
     assert ranks[0]["options"] == expected.options.model_dump()

@@ -135,7 +135,7 @@ def _simulate(records: Records, case: HybridCase, steps: int | None = None) -> Z
         sub_groups=groups,
         weight_decays=[decays[owner] for owner in owners],
         gradient_accumulation_steps=case.accumulation,
-        gradient_clipping=case.clipping,
+        gradient_clipping=case.simulated_clipping(),
         lr=lr,
         betas=BETAS,
         **options,

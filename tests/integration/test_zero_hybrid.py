@@ -21,6 +21,8 @@ import pytest
 import torch
 from torch import Tensor
 
+from ds_lioncub.comm import wire
+from ds_lioncub.config.clip_rule import DEFAULT_SKETCH_BINS
 from tests.support.checks import same_message_on_every_rank
 from tests.support.clip_reference import clipped_grads_fn
 from tests.support.feedback_checks import assert_feedback_resume_bitwise, assert_rank_feedback_matches
@@ -75,9 +77,9 @@ BITWISE = [
     "zero2_1bit_accumulation2",
     "zero2_1bit_two_param_groups",
     "zero2_1bit_option_clip_two_param_groups",
-    "zero1_kbit_l1_4bit_alltoall_option_clip",
+    "zero1_kbit_l1_4bit_alltoall_default_clip",
     "zero2_1bit_option_clip_nan_on_one_rank",
-    "zero2_1bit_option_clip_accumulation2",
+    "zero2_1bit_default_clip_accumulation2",
     "zero2_1bit_momentum_sync_all",
     "zero2_1bit_node_size1",
     "zero2_1bit_node_size4",
@@ -180,7 +182,7 @@ def _simulate(records: Records, case: HybridCase, steps: int | None = None) -> H
         param_groups=groups,
         gradient_accumulation_steps=case.accumulation,
         accumulate_after_reduce=case.stage == 2,
-        gradient_clipping=case.clipping,
+        gradient_clipping=case.simulated_clipping(),
         lr=lr,
         betas=BETAS,
         weight_decay=decays,
@@ -433,7 +435,9 @@ def test_binding_clip_scales_each_node_by_its_own_norm(launched: dict[str, Any])
             )
 
 
-@pytest.mark.parametrize("name", ["zero2_1bit_option_clip_two_param_groups", "zero1_kbit_l1_4bit_alltoall_option_clip"])
+@pytest.mark.parametrize(
+    "name", ["zero2_1bit_option_clip_two_param_groups", "zero1_kbit_l1_4bit_alltoall_default_clip"]
+)
 def test_option_clip_scales_every_node_by_the_sketched_norm_of_their_mean(launched: dict[str, Any], name: str) -> None:
     """Every rank applied the simulation's factor (the nodes' shards sketched and summed over the world) at every
     step; some steps clip and some do not, so the factor is not a constant."""
@@ -575,7 +579,11 @@ def _expected_bytes_per_step(case: HybridCase, shard: int) -> int:
     nodes = WORLD // node_size
     finite_check = 2 * (node_size - 1) * 4 // node_size + 2 * (nodes - 1) * 4 // nodes
     if nodes == 1:
-        return finite_check  # a vote of one node communicates nothing
+        return finite_check  # a vote of one node communicates nothing, and one voter has no noise scale
+    # The gradient noise scale (on by default): the default sketch's bins and the rank's squared norm, in fp64,
+    # summed over the world in the same two levels.
+    sketch = 8 * (DEFAULT_SKETCH_BINS + 1)
+    finite_check += wire.all_reduce_bytes(sketch, node_size) + wire.all_reduce_bytes(sketch, nodes)
     if case.options["compression"] == "1bit":
         padded = 8 * nodes * math.ceil(shard / (8 * nodes))
         return 2 * (nodes - 1) * padded // (8 * nodes) + finite_check
@@ -588,7 +596,8 @@ def _expected_bytes_per_step(case: HybridCase, shard: int) -> int:
 )
 def test_lioncub_traffic_is_the_shards_vote_across_nodes_only(launched: dict[str, Any], name: str) -> None:
     """1 bit per shard element each way for a 1-bit vote of 2 nodes: 14 bytes for a shard of 98 (the full
-    model's vote at stage 0 sends 42), the same every step on every rank."""
+    model's vote at stage 0 sends 42), plus the small sums every rank agrees on (the non-finite check, the noise
+    scale's sketch), the same every step on every rank."""
     case = TRAINED_BY_NAME[name]
     records = _trained(launched, name)
     expected = _expected_bytes_per_step(case, records[0]["geometry"]["partition_size"][0])

@@ -32,6 +32,33 @@ def brute_force_sketch(grads: list[Tensor], bins: int, step: int, shard: int = 0
     return sketch
 
 
+def plain_sketch_and_squares(
+    tensors: list[list[Tensor]], bins: int, step: int, shard: int = 0, first_tensor: int = 0
+) -> Tensor:
+    """:func:`~ds_lioncub.step.clipping.sketch_and_square_norm` on a CPU from the module's definition of its order,
+    one element at a time in Python floats (IEEE doubles): each bin adds ``sign * value`` (the element's fp32 value)
+    one element after another, the pieces of a tensor in order, tensor after tensor; K more bins add the squares the
+    same way, and the last number is their pairwise fold (zeros up to a power of two ``2h``, then ``s[j] + s[j + h]``
+    for ``j < h``, halving ``h`` down to 1)."""
+    table = sign_table(torch.device("cpu"))[:SIGN_PERIOD].tolist()
+    sums, squares = [0.0] * bins, [0.0] * bins
+    for t, pieces in enumerate(tensors):
+        offset, i = sign_offset(step, first_tensor + t, shard), 0
+        for piece in pieces:
+            for value in piece.detach().reshape(-1).float().tolist():
+                sums[i % bins] += table[(offset + i) % SIGN_PERIOD] * value
+                squares[i % bins] += value * value
+                i += 1
+    size = 1
+    while size < bins:
+        size *= 2
+    folded = squares + [0.0] * (size - bins)
+    while len(folded) > 1:
+        half = len(folded) // 2
+        folded = [folded[j] + folded[j + half] for j in range(half)]
+    return torch.tensor([*sums, folded[0]], dtype=torch.float64)
+
+
 def clip_factor(rank_grads: list[list[Tensor]], bins: int, step: int, max_norm: float) -> float:
     """The factor every rank scales its gradients by at ``step``: ``min(1, max_norm / (|mean sketch| + 1e-6))``."""
     total = torch.zeros(bins, dtype=torch.float64)

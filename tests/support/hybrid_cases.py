@@ -29,7 +29,9 @@ WEIGHT_DECAY = 0.1
 BIAS_WEIGHT_DECAY = 0.0
 BINDING_CLIP = 0.05  # far below every node's gradient norm here, so every step clips
 # LionCub's option clip: a norm the 2 nodes' mean gradient crosses during the run; fewer bins than a shard holds.
-OPTION_CLIP = {"max_norm": 0.7, "sketch_bins": 31}
+OPTION_CLIP = {"max_norm": 0.7, "sketch_bins": 263}
+# DeepSpeed's own clipping rule, kept by name (the default before 0.2.0).
+DEEPSPEED_RULE = {"rule": "deepspeed"}
 NAN_RANK, NAN_STEP = 3, 3
 WARMUP = {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2, "warmup_num_steps": 4, "warmup_type": "linear"}
 
@@ -104,6 +106,20 @@ class HybridCase:
                 config[key] = copy.deepcopy(value)
         return config
 
+    def lioncub_clip(self) -> tuple[float, int] | None:
+        """(max_norm, sketch_bins) where LionCub clips the mean gradient, as docs/options.md (clip) states the rule:
+        a compressed mode clips at clip.max_norm, else at the ds_config's gradient_clipping, with 4093 bins unless
+        clip.sketch_bins says otherwise; never with compression "none" or ``{"rule": "deepspeed"}``."""
+        clip = self.options.get("clip") or {}
+        if self.options.get("compression", "1bit") == "none" or clip.get("rule") == "deepspeed":
+            return None
+        max_norm = clip.get("max_norm", self.clipping)
+        return (max_norm, clip.get("sketch_bins", 4093)) if max_norm else None
+
+    def simulated_clipping(self) -> float:
+        """DeepSpeed's gradient_clipping as the job runs it: off (0) where LionCub clips instead."""
+        return 0.0 if self.lioncub_clip() is not None else self.clipping
+
     def model_parameters(self, model: nn.Module) -> Any:
         """What ``deepspeed.initialize`` gets as ``model_parameters``."""
         if not self.bias_groups:
@@ -128,9 +144,9 @@ class HybridCase:
             "error_feedback",
         )
         options = {name: self.options[name] for name in names if name in self.options}
-        clip = self.options.get("clip")
-        if clip:
-            options["sketch_clip"] = (clip["max_norm"], clip["sketch_bins"])
+        clip = self.lioncub_clip()
+        if clip is not None:
+            options["sketch_clip"] = clip
         sync = self.options.get("momentum_sync")
         if sync:
             options["momentum_sync_interval"] = sync["interval"]
@@ -193,7 +209,10 @@ TRAINED = [
         options={"compression": "kbit", "bits": 4, "quantizer": "l1", "aggregation": "mean"},
     ),
     HybridCase("zero2_1bit_positive_ties", options={"compression": "1bit", "tie_break": "positive"}),
-    HybridCase("zero2_1bit_binding_clip", clipping=BINDING_CLIP),
+    # DeepSpeed's own rule, named (the default before 0.2.0): each node clipped by its own norm, bit for bit as before.
+    HybridCase(
+        "zero2_1bit_binding_clip", clipping=BINDING_CLIP, options={"compression": "1bit", "clip": DEEPSPEED_RULE}
+    ),
     HybridCase(
         "zero2_1bit_nan_on_one_rank", nan_at=(NAN_RANK, NAN_STEP), options={"compression": "1bit", **VOTE_STATS}
     ),
@@ -207,24 +226,24 @@ TRAINED = [
         bias_groups=True,
         options={"compression": "1bit", "clip": OPTION_CLIP},
     ),
+    # The default: gradient_clipping alone clips the mean gradient by its sketch (here with fewer bins).
     HybridCase(
-        "zero2_1bit_option_clip_accumulation2", accumulation=2, options={"compression": "1bit", "clip": OPTION_CLIP}
+        "zero2_1bit_default_clip_accumulation2",
+        accumulation=2,
+        clipping=OPTION_CLIP["max_norm"],
+        options={"compression": "1bit", "clip": {"sketch_bins": OPTION_CLIP["sketch_bins"]}},
     ),
     HybridCase(
         "zero2_1bit_option_clip_nan_on_one_rank",
         nan_at=(NAN_RANK, NAN_STEP),
         options={"compression": "1bit", "clip": OPTION_CLIP},
     ),
+    # The default with no clip block at all: the mean gradient at gradient_clipping, 4093 bins.
     HybridCase(
-        "zero1_kbit_l1_4bit_alltoall_option_clip",
+        "zero1_kbit_l1_4bit_alltoall_default_clip",
         stage=1,
-        options={
-            "compression": "kbit",
-            "bits": 4,
-            "quantizer": "l1",
-            "kbit_algorithm": "alltoall",
-            "clip": OPTION_CLIP,
-        },
+        clipping=OPTION_CLIP["max_norm"],
+        options={"compression": "kbit", "bits": 4, "quantizer": "l1", "kbit_algorithm": "alltoall"},
     ),
     HybridCase("zero2_1bit_momentum_sync_all", options=_sync_all(2)),
     HybridCase("zero2_1bit_node_size1", node_size=1),
@@ -321,10 +340,10 @@ REFUSED: dict[str, tuple[HybridCase, tuple[str, ...]]] = {
     ),
     "clip_and_gradient_clipping": (
         HybridCase("clip_and_gradient_clipping", clipping=1.0, options={"compression": "1bit", "clip": OPTION_CLIP}),
-        ("option clip", "gradient_clipping (1;", 'Set "gradient_clipping": 0'),
+        ("clip.max_norm (0.7)", "gradient_clipping (1) ask for two different clippings", "gradient_clipping to 0.7"),
     ),
     "clip_exact_under_zero": (
         HybridCase("clip_exact_under_zero", node_size=None, options={"compression": "none", "clip": OPTION_CLIP}),
-        ("option clip under ZeRO stage 2", "gradient_clipping to 0.7"),
+        ("option clip under ZeRO stage 2", "drop clip and set gradient_clipping"),
     ),
 }

@@ -19,10 +19,13 @@ AUTO_NETWORK = {"bandwidth": "1gbit", "intra_node_bandwidth": "1gbit"}
 LAUNCHED_WORLD = 2
 LAUNCHED_NODE_SIZE = 2  # the deepspeed launcher's ranks on this machine (LOCAL_SIZE)
 HYPER = ("lr", "betas", "weight_decay")
+# What the command line plans by default: the mean gradient clipped at DeepSpeed's default gradient_clipping, 1.0,
+# which the job's base config (configs/lioncub_1bit.json) also writes.
+PLANNED_CLIP = {"max_norm": 1.0}
 
 
 def recommended(num_params: int) -> Candidate:
-    return plan(num_params, PLANNED_CLUSTER, Network(parse_rate(PLANNED_BANDWIDTH)))[0]
+    return plan(num_params, PLANNED_CLUSTER, Network(parse_rate(PLANNED_BANDWIDTH)), clip=PLANNED_CLIP)[0]
 
 
 def planned_configs(base: dict[str, Any], num_params: int) -> list[tuple[str, dict[str, Any]]]:

@@ -31,7 +31,7 @@ VOTE_STATS = {"telemetry": {"vote_stats": True}}
 #: Option clip in the scenarios: a norm below one rank's gradient norm (1.07) and the 2-rank mean's (0.79-0.88),
 #: and between the 3- and 4-rank means' (0.56-0.69), so that some of their steps clip and some do not; fewer bins
 #: than any tensor but b2 has elements, so that elements collide.
-CLIP = {"max_norm": 0.58, "sketch_bins": 61}
+CLIP = {"max_norm": 0.58, "sketch_bins": 257}
 
 # overlap=True against overlap=False on real ranks: (options, accumulation steps, clip norm or None, the rank
 # that leaves b2 out of its loss or None, (rank, step) of an inf gradient or None); ranks -1 mean the last.

@@ -18,6 +18,7 @@ from typing import Any
 
 from tests.support.hybrid_cases import (
     BINDING_CLIP,
+    DEEPSPEED_RULE,
     NAN_RANK,
     NAN_STEP,
     OPTION_CLIP,
@@ -93,7 +94,7 @@ TRAINED = [
         options={"compression": "kbit", "bits": 8, "quantizer": "l1", "kbit_algorithm": "alltoall", **VOTE_STATS},
     ),
     zero3("zero3_1bit_accumulation2", accumulation=2),
-    zero3("zero3_1bit_binding_clip", clipping=BINDING_CLIP),
+    zero3("zero3_1bit_binding_clip", clipping=BINDING_CLIP, options={"compression": "1bit", "clip": DEEPSPEED_RULE}),
     zero3("zero3_1bit_warmup_lr", scheduler={"type": "WarmupLR", "params": WARMUP}),
     # Three sub-groups per rank: three step() calls per optimizer step, one tie rule and one step count.
     zero3(

@@ -4,17 +4,22 @@ factor against DeepSpeed's formula, and LionCub and the virtual world against a 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
 from ds_lioncub import LionCub
+from ds_lioncub.comm import packing
 from ds_lioncub.errors import LionCubConfigError, LionCubSetupError
+from ds_lioncub.op_builder import LionCubPackingCPUBuilder
 from ds_lioncub.simulate import VirtualLionCub
 from ds_lioncub.step import clipping
 from ds_lioncub.step.clipping import clip_coefficient, gradient_sketch
 from tests.support import scenarios as sc
-from tests.support.clip_reference import brute_force_sketch, clipped_grads_fn
+from tests.support.clip_reference import brute_force_sketch, clipped_grads_fn, plain_sketch_and_squares
+from tests.support.implementations import load_op_or_skip
 from tests.support.reference import simulate_lioncub
 from tests.support.scenario_optimizer import fresh_params, scenario_settings
 
@@ -22,19 +27,21 @@ from tests.support.scenario_optimizer import fresh_params, scenario_settings
 def test_the_sketch_is_every_element_scattered_into_its_bin() -> None:
     generator = torch.Generator().manual_seed(1)
     grads = [torch.randn(shape, generator=generator) for shape in ((40, 64), (64,), (64, 8), (8,), (1,))]
-    for bins in (1, 7, 61, 64, 4093):
+    for bins in (1, 7, 61, 64, 4093):  # the function takes any width; the option refuses fewer than 256
         for step in (1, 2, 17):
             got = gradient_sketch([[g] for g in grads], bins, step, shard=0)
             assert torch.allclose(got, brute_force_sketch(grads, bins, step), rtol=1e-12, atol=1e-12), (bins, step)
 
 
 def test_pieces_and_chunks_walk_the_same_elements(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tensor given as pieces that start mid-row, walked in chunks of a few rows, sketches as the whole tensor."""
+    """A tensor given as pieces that start mid-row, walked in chunks of a few rows (the passes of a device other than
+    the CPU) or by the CPU's kernel, sketches as the whole tensor."""
     flat = torch.randn(1000, generator=torch.Generator().manual_seed(2))
     whole = brute_force_sketch([flat], 13, 5)
     monkeypatch.setattr(clipping, "CHUNK", 40)  # 3 rows of 13 per chunk
     pieces = [flat[:5], flat[5:6], flat[6:300], flat[300:]]
-    assert torch.allclose(gradient_sketch([pieces], 13, 5, shard=0), whole, rtol=1e-12, atol=1e-12)
+    for sketch in (gradient_sketch, clipping.sketch_in_passes):
+        assert torch.allclose(sketch([pieces], 13, 5, shard=0), whole, rtol=1e-12, atol=1e-12), sketch
 
 
 def test_the_gpus_longer_chunks_walk_the_same_elements(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,7 +54,7 @@ def test_the_gpus_longer_chunks_walk_the_same_elements(monkeypatch: pytest.Monke
     assert torch.equal(table[clipping.SIGN_PERIOD :], table[: clipping.CUDA_CHUNK])
     flat = torch.randn(clipping.CUDA_CHUNK + 5 * 4093 + 17, generator=torch.Generator().manual_seed(7))
     for step in (1, 3):
-        got = gradient_sketch([[flat[:100]], [flat]], 4093, step, shard=0)
+        got = clipping.sketch_in_passes([[flat[:100]], [flat]], 4093, step, shard=0)
         want = brute_force_sketch([flat[:100], flat], 4093, step)
         assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), step
 
@@ -77,6 +84,59 @@ def test_other_shards_and_tensors_draw_other_signs() -> None:
     assert not torch.equal(base, gradient_sketch([[g]], 4093, 1, shard=1))
     assert not torch.equal(base, gradient_sketch([[g]], 4093, 1, shard=0, first_tensor=1))
     assert not torch.equal(base, gradient_sketch([[g]], 4093, 2, shard=0))
+
+
+# ---------------------------------------------------------------------- the CPU's order of the sums, bit for bit
+
+
+@pytest.fixture(params=["compiled", "torch"])
+def cpu_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The CPU's sketch on the compiled kernel (skipped where the op does not build) and on its torch reference."""
+    if request.param == "compiled":
+        load_op_or_skip(LionCubPackingCPUBuilder())
+    packing.set_packing_path(request.param)
+    try:
+        yield request.param
+    finally:
+        packing.set_packing_path(None)
+
+
+def step_reading_near_the_end(tensor: int, within: int) -> int:
+    """The first step at which tensor ``tensor`` (shard 0) starts reading the signs ``within`` of the table's end."""
+    return next(s for s in range(1, 1 << 24) if clipping.sign_offset(s, tensor, 0) >= clipping.SIGN_PERIOD - within)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_on_a_cpu_the_sketch_and_the_squares_are_the_plain_loop_bit_for_bit(cpu_path: str, dtype: torch.dtype) -> None:
+    """Odd sizes: pieces that start and end mid-row, several tensors, rows that read across the table's end."""
+    generator = torch.Generator().manual_seed(8)
+    a, b, c = (torch.randn(n, generator=generator).to(dtype) for n in (1000, 77, 1))
+    a[::9] = 0.0
+    tensors = [[a[:5], a[5:6], a[6:300], a[300:]], [b], [c]]
+    near_the_end = step_reading_near_the_end(0, 150)
+    for bins in (1, 7, 13, 61, 4093):
+        for step, first_tensor in ((near_the_end, 0), (3, 5)):
+            got = clipping.sketch_and_square_norm(tensors, bins, step, 0, first_tensor)
+            want = plain_sketch_and_squares(tensors, bins, step, 0, first_tensor)
+            assert torch.equal(got, want), (bins, step)
+            assert torch.equal(clipping.gradient_sketch(tensors, bins, step, 0, first_tensor), want[:bins])
+
+
+def test_on_a_cpu_adding_tensor_after_tensor_continues_each_bins_sum(cpu_path: str) -> None:
+    generator = torch.Generator().manual_seed(9)
+    tensors = [[torch.randn(n, generator=generator)] for n in (100, 33, 250)]
+    sketch = torch.zeros(13, dtype=torch.float64)
+    for t, pieces in enumerate(tensors):
+        clipping.add_to_sketch(sketch, pieces, clipping.sign_offset(4, t, 2))
+    assert torch.equal(sketch, plain_sketch_and_squares(tensors, 13, 4, shard=2)[:13])
+
+
+def test_the_table_of_sign_bits_holds_the_tables_signs() -> None:
+    table = clipping.sign_table(torch.device("cpu"))[: clipping.SIGN_PERIOD].numpy()
+    bits = np.unpackbits(clipping.sign_bits_table(torch.device("cpu")).numpy(), bitorder="little")
+    assert bits.size >= clipping.SIGN_PERIOD + 64
+    plus = (table > 0).astype(np.uint8)
+    assert np.array_equal(bits[: clipping.SIGN_PERIOD + 64], np.concatenate([plus, plus[:64]]))
 
 
 def test_with_a_bin_per_element_the_estimate_is_the_norm() -> None:
@@ -165,14 +225,28 @@ def test_a_step_in_parts_without_a_given_factor_is_refused() -> None:
 @pytest.mark.parametrize(
     ("clip", "message"),
     [
-        ({}, 'clip.max_norm is required: add "max_norm"'),
+        # In Python there is no gradient_clipping to take the norm from.
+        ({}, "Pass clip={'max_norm': 1.0}"),
+        ({"max_norm": None}, "Pass clip={'max_norm': 1.0}"),
         ({"max_norm": 0}, "clip.max_norm=0: Input should be greater than 0"),
-        ({"max_norm": 1.0, "sketch_bins": 0}, "clip.sketch_bins=0"),
+        ({"max_norm": 1.0, "sketch_bins": 0}, "clip.sketch_bins=0: fewer than 256 bins"),
+        ({"max_norm": 1.0, "sketch_bins": 2}, "use at least 256, or leave out sketch_bins"),
         ({"max_norm": 1.0, "sketch_bins": (1 << 19) + 1}, "clip.sketch_bins=524289"),
         ({"max_norm": 1.0, "bins": 7}, "unknown option 'clip.bins'"),
+        ({"rule": "deepspeed", "max_norm": 1.0}, "so max_norm would not be used; drop max_norm"),
+        ({"rule": "exact"}, "clip.rule='exact'"),
+        (False, 'To keep DeepSpeed\'s rule write "clip": {"rule": "deepspeed"}'),
+        ("1.0", 'must be a block such as {"max_norm": 1.0}'),
     ],
 )
-def test_bad_clip_options_are_refused_naming_the_fix(clip: dict[str, object], message: str) -> None:
-    with pytest.raises(LionCubConfigError, match="LionCub: invalid options") as raised:
+def test_bad_clip_options_are_refused_naming_the_fix(clip: object, message: str) -> None:
+    with pytest.raises(LionCubConfigError, match="^LionCub: ") as raised:
         LionCub([torch.nn.Parameter(torch.zeros(3))], clip=clip)
     assert message in str(raised.value)
+
+
+def test_a_number_is_the_max_norm() -> None:
+    """``"clip": 1.0`` reads as ``{"max_norm": 1.0}`` (the form a user tries first)."""
+    optimizer = LionCub([torch.nn.Parameter(torch.zeros(3))], clip=0.5)
+    assert optimizer.options.mean_clip is not None and optimizer.options.mean_clip.max_norm == 0.5
+    assert optimizer.options.mean_clip.sketch_bins == 4093

@@ -340,6 +340,7 @@ NUMERIC_FIELD_CONTEXT: dict[str, dict[str, Any]] = {
     "hybrid.node_size": {},
     "clip.max_norm": {},
     "clip.sketch_bins": {"clip": {"max_norm": 1.0}},
+    "telemetry.noise_scale_beta": {},
     "error_feedback.beta": {**KBIT_L1, "error_feedback": {"kind": "residual"}},
     "error_feedback.reset_interval": {**KBIT_L1, "error_feedback": {"kind": "residual"}},
     "network.bandwidth": {"compression": "auto"},
@@ -418,6 +419,7 @@ def test_numeric_fields_are_all_known() -> None:
         "betas.1": 0.5,
         "bits": 8,
         "error_feedback.beta": 0.5,
+        "telemetry.noise_scale_beta": 0.5,
         "network.ring_efficiency": 1,
         "network.all_to_all_efficiency": 1,
     }

@@ -110,15 +110,17 @@ def test_the_planner_passes_over_a_faster_mode_that_loses_and_says_so() -> None:
 
 
 def test_the_cli_names_what_it_passed_over_in_the_table_and_the_json(tmp_path: Path) -> None:
-    # 4 nodes x 8 ranks at 1 Gbit/s: the 1-bit vote under the ZeRO-2 hybrid wins on speed (32 -> 4 voters).
+    # 4 nodes x 8 ranks at 1 Gbit/s: the 1-bit vote under the ZeRO-2 hybrid wins on speed (32 -> 4 voters). The
+    # command line plans compressed modes with the mean clip (DeepSpeed's default gradient_clipping, 1.0), so the
+    # cell that judges them is the one with clip.
     evidence = tmp_path / "study.json"
-    evidence.write_text(json.dumps({"cells": [cell("1bit", 4, 7.5, 2.0).__dict__]}))  # [5.5, 9.5]: a loss
+    evidence.write_text(json.dumps({"cells": [cell("1bit+clip", 4, 7.5, 2.0).__dict__]}))  # [5.5, 9.5]: a loss
     base = [sys.executable, "-m", "ds_lioncub.planner", "--params", "1.5e9", "--nodes", "4", "--gpus-per-node", "8"]
     base += ["--inter-node-bandwidth", "1gbit", "--convergence-evidence", str(evidence)]
     table = subprocess.run(base, cwd=REPO, capture_output=True, text=True, timeout=300, check=True).stdout
     assert "+7.5 [+5.5, +9.5]!" in table
     assert "Faster but not recommended" in table
-    assert "1-bit vote, ZeRO-2 hybrid: loss vs Lion +7.5% (95% CI +5.5 to +9.5, 3 seeds) at 4 workers" in table
+    assert "1-bit vote + clip, ZeRO-2 hybrid: loss vs Lion +7.5% (95% CI +5.5 to +9.5, 3 seeds) at 4 workers" in table
     recommended = next(line for line in table.splitlines() if line.startswith("Recommended:"))
     assert "sign vote" not in recommended and "1-bit" not in recommended  # every sign vote is the 1-bit vote
     output = json.loads(subprocess.run([*base, "--json"], cwd=REPO, capture_output=True, text=True, check=True).stdout)
@@ -128,7 +130,7 @@ def test_the_cli_names_what_it_passed_over_in_the_table_and_the_json(tmp_path: P
         "seeds": 3,
     }
     assert output["passed_over"][0]["why"].startswith("loss vs Lion +7.5% (95% CI +5.5 to +9.5, 3 seeds)")
-    assert study_mode(output["recommended"]["params"]) != "1bit"
+    assert study_mode(output["recommended"]["params"]) != "1bit+clip"
     assert "uncertain_loss" not in output["recommended"]  # the study has no cell for it: nothing to say
     parse_config(output["recommended"]["params"])
 
@@ -162,18 +164,19 @@ def test_auto_says_when_every_faster_mode_loses(monkeypatch: pytest.MonkeyPatch)
 def test_a_recommendation_the_study_cannot_clear_shows_its_interval_in_the_cli_and_auto(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The 1-bit vote at 4 voters (the ZeRO-2 hybrid of 4 nodes), +3.3 [+0.3, +6.3]: not shown to lose, kept.
+    # The 1-bit vote with the command line's default mean clip at 4 voters (the ZeRO-2 hybrid of 4 nodes), +3.3
+    # [+0.3, +6.3]: not shown to lose, kept.
     evidence = tmp_path / "study.json"
-    evidence.write_text(json.dumps({"cells": [cell("1bit", 4, 3.3, 3.0).__dict__]}))
+    evidence.write_text(json.dumps({"cells": [cell("1bit+clip", 4, 3.3, 3.0).__dict__]}))
     base = [sys.executable, "-m", "ds_lioncub.planner", "--params", "1.5e9", "--nodes", "4", "--gpus-per-node", "8"]
     base += ["--inter-node-bandwidth", "1gbit", "--convergence-evidence", str(evidence)]
     table = subprocess.run(base, cwd=REPO, capture_output=True, text=True, timeout=300, check=True).stdout
     lines = table.splitlines()
     recommended = next(i for i, line in enumerate(lines) if line.startswith("Recommended:"))
-    assert lines[recommended].startswith("Recommended: 1-bit vote, ZeRO-2 hybrid,")
+    assert lines[recommended].startswith("Recommended: 1-bit vote + clip, ZeRO-2 hybrid,")
     assert lines[recommended + 1] == (
-        "1-bit vote, ZeRO-2 hybrid: loss vs Lion +3.3% (95% CI +0.3 to +6.3, 3 seeds) at 4 workers, beta2 0.99: "
-        "not shown to exceed 2%, nor to stay below it."
+        "1-bit vote + clip, ZeRO-2 hybrid: loss vs Lion +3.3% (95% CI +0.3 to +6.3, 3 seeds) at 4 workers, beta2 "
+        "0.99: not shown to exceed 2%, nor to stay below it."
     )
     assert "+3.3 [+0.3, +6.3]" in lines[4] and "Faster but not recommended" not in table
     output = json.loads(subprocess.run([*base, "--json"], cwd=REPO, capture_output=True, text=True, check=True).stdout)

@@ -20,6 +20,7 @@ import torch
 from ds_lioncub import LionCub
 from ds_lioncub.comm import wire
 from ds_lioncub.errors import LionCubConfigError, NonFiniteGradientError
+from ds_lioncub.step.noise_scale import DEFAULT_SKETCH_BINS
 from tests.support import scenarios as sc
 from tests.support.scenario_optimizer import fresh_params, scenario_settings
 from tests.support.thread_world import (
@@ -140,11 +141,14 @@ def test_overlap_gives_the_same_bits_and_launches_every_bucket_during_backward(
             if mode == "1bit":
                 # The step's telemetry counts the votes launched during its backward. The reverse plan's
                 # buckets (584, 1024, 1024, 512 elements) pad differently from the forward plan's (1024,
-                # 1024, 576, 520), and the verdict all-reduces [non-finite, 4 buckets], not one flag.
+                # 1024, 576, 520), and the verdict all-reduces [non-finite, 4 buckets], not one flag. Both take the
+                # noise scale's sketch (telemetry.noise_scale, on by default): one fp64 all-reduce of bins + 1.
+                noise = wire.all_reduce_bytes(8 * (DEFAULT_SKETCH_BINS + 1), p)
                 on = sum(wire.vote_1bit_bytes(n, p) for n in (584, 1024, 1024, 512)) + wire.all_reduce_bytes(20, p)
                 off_bytes = sum(wire.vote_1bit_bytes(n, p) for n in (1024, 1024, 576, 520)) + wire.all_reduce_bytes(
                     4, p
                 )
+                on, off_bytes = on + noise, off_bytes + noise
                 assert (record.bytes_sent, off_record.bytes_sent) == (on, off_bytes)
 
 

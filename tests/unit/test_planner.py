@@ -50,6 +50,7 @@ from ds_lioncub.planner.model import (
     collective_seconds,
     pipelined_seconds,
 )
+from ds_lioncub.planner.pricing import CLIP_LOCAL_PASSES
 from ds_lioncub.units import format_rate
 from tests.support.launch import REPO
 
@@ -65,6 +66,9 @@ class ZeroCosts(LocalCosts):
 
 
 # ---------------------------------------------------------------------------------------------- the protocols, by hand
+
+#: What the planner's command line plans by default: the mean gradient clipped at DeepSpeed's default 1.0.
+CLI_CLIP = {"max_norm": 1.0}
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -99,10 +103,18 @@ def expected_aggregation_bytes(params: dict[str, Any], n: int, p: int) -> int:
     return (p - 1) * n_pad * bits // 8 // p + (p - 1) * n_pad // (8 * p)
 
 
+#: The gradient noise scale's sketch (option telemetry.noise_scale, on by default): every compressed step with 2+
+#: voters all-reduces the default 4093 fp64 bins and the rank's squared norm, even when nothing clips.
+NOISE_SCALE_SKETCH = 8 * (4093 + 1)
+
+
 def expected_step_bytes(candidate: Candidate, n: int, cluster: Cluster) -> int:
-    """Bytes one rank sends in a step of ``candidate``: buckets, the finite check, ZeRO inside the node."""
+    """Bytes one rank sends in a step of ``candidate``: buckets, the finite check, the noise scale's sketch, ZeRO
+    inside the node (no option clip: ``plan``'s default)."""
     params, world = candidate.params, cluster.world_size
-    finite_check = ring_all_reduce(4, world)  # one int32 per rank, compressed modes only
+    # one int32 per rank, and the sketch when two ranks or more vote: compressed modes only
+    sketch = ring_all_reduce(NOISE_SCALE_SKETCH, world) if world > 1 else 0
+    finite_check = ring_all_reduce(4, world) + sketch
     if params["compression"] == "none":
         if candidate.zero_stage == 0:
             buckets = [DEEPSPEED_BUCKET_SIZE] * (n // DEEPSPEED_BUCKET_SIZE) + [n % DEEPSPEED_BUCKET_SIZE]
@@ -116,8 +128,10 @@ def expected_step_bytes(candidate: Candidate, n: int, cluster: Cluster) -> int:
     shard = ceil_div(n, g)  # docs/design.md section 12: ZeRO-2 inside the node, the vote over the nodes
     zero = (g - 1) * shard * 4 + (g - 1) * shard * 4
     buckets = [LIONCUB_BUCKET_SIZE] * (shard // LIONCUB_BUCKET_SIZE) + [shard % LIONCUB_BUCKET_SIZE]
-    finite_check = ring_all_reduce(4, g) + ring_all_reduce(4, m)  # inside the node, then across the nodes
-    return zero + sum(expected_aggregation_bytes(params, b, m) for b in buckets if b) + finite_check
+    # Inside the node, then across the nodes; the sketch likewise, its voters the m nodes (the hybrid needs m > 1).
+    finite_check = ring_all_reduce(4, g) + ring_all_reduce(4, m)
+    sketch = ring_all_reduce(NOISE_SCALE_SKETCH, g) + ring_all_reduce(NOISE_SCALE_SKETCH, m) if m > 1 else 0
+    return zero + sum(expected_aggregation_bytes(params, b, m) for b in buckets if b) + finite_check + sketch
 
 
 @pytest.mark.parametrize(
@@ -282,10 +296,14 @@ def test_a_large_vote_overlaps_its_chunks_and_a_step_its_buckets() -> None:
     assert one_vote == pytest.approx(flow_shop_makespan([vote_local] * pieces, [wire_per_piece] * pieces))
     assert one_vote < pieces * (wire_per_piece + vote_local)
     candidates = {(c.label, c.zero_stage): c for c in plan(n, Cluster(p, 1), network, zero_stages=(0,))}
-    step_local = (costs.cost("1bit") + costs.cost("lion_update")) * LIONCUB_BUCKET_SIZE
-    finite_check = sum(collective_seconds(c, "spanning", 1, network) for c in wire.finite_check_collectives(p))
+    # Each bucket's local work: the vote, Lion's update and the noise scale's sketch pass (on by default, 2 voters).
+    sketch_pass = CLIP_LOCAL_PASSES["cpu"] * costs.cost("lion_update")
+    step_local = (costs.cost("1bit") + costs.cost("lion_update") + sketch_pass) * LIONCUB_BUCKET_SIZE
+    # Alone, not beside the buckets: the finite check and the sketch's all-reduce of 4093 bins + the squared norm.
+    agreed = wire.finite_check_collectives(p) + wire.clip_sketch_collectives(4093 + 1, p)
+    agreed_seconds = sum(collective_seconds(c, "spanning", 1, network) for c in agreed)
     one_bit = candidates[("1-bit vote", 0)]
-    expected = finite_check + flow_shop_makespan([step_local] * pieces, [wire_per_piece] * pieces)
+    expected = agreed_seconds + flow_shop_makespan([step_local] * pieces, [wire_per_piece] * pieces)
     assert one_bit.seconds_per_step == pytest.approx(expected)
     # Exact Lion all-reduces, then steps: nothing overlaps.
     exact = candidates[("exact Lion, fp32 all-reduce", 0)]
@@ -466,8 +484,12 @@ def test_cli_json_matches_the_schema_and_the_model() -> None:
     # The recommendation (the 1-bit ZeRO-2 hybrid, 4 voters) with the shipped study's cell for it: its interval
     # reaches 2 % (the study cannot tell), so the JSON carries it.
     assert set(output["recommended"]) == {"params", "zero_stage", "uncertain_loss"}
+    # Its study cell: the mode's with option clip, which compressed modes run by default under DeepSpeed.
+    assert convergence.study_mode(output["recommended"]["params"]) == "1bit+clip"
     shipped = json.loads(convergence.EVIDENCE_FILE.read_text())["cells"]
-    (study,) = [c for c in shipped if (c["mode"], c["workers"], c["beta2"]) == ("1bit", 4, 0.99)]
+    cell = convergence.assess(output["recommended"]["params"], 4, 0.99).cell
+    assert cell is not None
+    (study,) = [c for c in shipped if (c["mode"], c["workers"], c["beta2"]) == (cell.mode, cell.workers, cell.beta2)]
     uncertain = output["recommended"]["uncertain_loss"]
     assert (uncertain["gap_percent"], uncertain["half_width_percent"], uncertain["seeds"]) == (
         study["gap_percent"],
@@ -487,7 +509,7 @@ def test_cli_json_matches_the_schema_and_the_model() -> None:
         "params": rows[0]["params"],
         "zero_stage": rows[0]["zero_stage"],
     }
-    expected = plan(1_500_000_000, Cluster(4, 8), Network(GBIT, None, 50e-6))
+    expected = plan(1_500_000_000, Cluster(4, 8), Network(GBIT, None, 50e-6), clip=CLI_CLIP)
     assert [(row["params"], row["zero_stage"], row["bytes_per_step_per_rank"]) for row in rows] == [
         (c.params, c.zero_stage, c.bytes_per_step_per_rank) for c in expected
     ]
@@ -508,7 +530,7 @@ def test_cli_table_shows_every_candidate_and_the_block_to_paste(capsys: pytest.C
     ]
     assert main(args) == 0
     text = capsys.readouterr().out
-    candidates = plan(100_000, Cluster(2, 8), Network(parse_rate("400gbit"), None, 5e-6))
+    candidates = plan(100_000, Cluster(2, 8), Network(parse_rate("400gbit"), None, 5e-6), clip=CLI_CLIP)
     assert all(candidate.label in text for candidate in candidates)
     block = json.loads(text[text.index("ds_config:") + len("ds_config:") :])
     assert block["optimizer"] == {"type": "LionCub", "params": candidates[0].params}
@@ -521,7 +543,7 @@ def test_cli_link_efficiency_flags_reach_the_model(capsys: pytest.CaptureFixture
     assert main(args + flags) == 0
     rows = json.loads(capsys.readouterr().out)["candidates"]
     network = Network(GBIT, None, DEFAULT_LATENCY, LinkEfficiency(0.5, 1.0))
-    expected = plan(100_000_000, Cluster(4, 1), network)
+    expected = plan(100_000_000, Cluster(4, 1), network, clip=CLI_CLIP)
     assert [(row["params"], row["seconds_per_step"]) for row in rows] == [
         (c.params, pytest.approx(c.seconds_per_step)) for c in expected
     ]
@@ -529,12 +551,15 @@ def test_cli_link_efficiency_flags_reach_the_model(capsys: pytest.CaptureFixture
 
 
 def test_ranks_sharing_cores_multiply_every_candidates_local_work(capsys: pytest.CaptureFixture[str]) -> None:
-    alone = {(c.label, c.zero_stage): c for c in plan(10**7, Cluster(2, 4), Network(GBIT))}
-    shared = plan(10**7, Cluster(2, 4), Network(GBIT), ranks_per_core=2.0)
+    alone = {(c.label, c.zero_stage): c for c in plan(10**7, Cluster(2, 4), Network(GBIT), clip=CLI_CLIP)}
+    shared = plan(10**7, Cluster(2, 4), Network(GBIT), ranks_per_core=2.0, clip=CLI_CLIP)
     assert len(shared) == len(alone)
     # The same as a table measured twice as slow, entry by entry.
     doubled = {key: 2 * value for key, value in DEFAULT_LOCAL_COSTS.seconds_per_element.items()}
-    slow = {(c.label, c.zero_stage): c for c in plan(10**7, Cluster(2, 4), Network(GBIT), LocalCosts(doubled))}
+    slow = {
+        (c.label, c.zero_stage): c
+        for c in plan(10**7, Cluster(2, 4), Network(GBIT), LocalCosts(doubled), clip=CLI_CLIP)
+    }
     for c in shared:
         one = alone[(c.label, c.zero_stage)]
         assert c.local_seconds == pytest.approx(2 * one.local_seconds) and c.comm_seconds == one.comm_seconds
@@ -856,15 +881,17 @@ def test_bytes_out_of_a_node_per_step() -> None:
     [hybrid] = [c for c in candidates if c.params.get("hybrid") and c.compression == "1bit"]
     shard = ceil_div(n, 8)
     votes = expected_aggregation_bytes({"compression": "1bit"}, shard, 4)
-    # The finite check sums inside the node (nothing leaves it), then each of the 8 vote groups across the 4 nodes.
-    assert hybrid.node_link_bytes_per_step == 8 * (votes + ring_all_reduce(4, 4))
+    # The finite check and the noise scale's sketch (4093 fp64 bins + the squared norm) sum inside the node (nothing
+    # leaves it), then each of the 8 vote groups across the 4 nodes.
+    agreed = ring_all_reduce(4, 4) + ring_all_reduce(NOISE_SCALE_SKETCH, 4)
+    assert hybrid.node_link_bytes_per_step == 8 * (votes + agreed)
     [exact] = [c for c in candidates if c.params == {"compression": "none"} and c.zero_stage == 0]
     assert exact.node_link_bytes_per_step == exact.bytes_per_step_per_rank == ring_all_reduce(4 * n, 32)
     [flat] = [c for c in candidates if c.params == {"compression": "1bit"}]
     n_pad = padded(n, 32)  # all-to-all: each of 8 ranks sends the 24 off-node chunks; all-gather: a ring
-    assert flat.node_link_bytes_per_step == 8 * (n_pad // 8) * 24 // 32 + 31 * n_pad // (8 * 32) + ring_all_reduce(
-        4, 32
-    )
+    # The finite check's and the sketch's rings over the 32 ranks each cross the node link as one rank's bytes.
+    agreed_flat = ring_all_reduce(4, 32) + ring_all_reduce(NOISE_SCALE_SKETCH, 32)
+    assert flat.node_link_bytes_per_step == 8 * (n_pad // 8) * 24 // 32 + 31 * n_pad // (8 * 32) + agreed_flat
 
 
 class FakeEngine:
@@ -886,6 +913,9 @@ class FakeEngine:
     def zero_reduce_bucket_size(self) -> int:
         return 200_000_000
 
+    def gradient_clipping(self) -> float:
+        return 1.0  # DeepSpeed's default, which compressed modes clip the mean gradient at
+
 
 def test_under_deepspeed_auto_plans_with_the_engines_stage_dtype_and_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in NODE_SIZE_VARIABLES:
@@ -898,7 +928,12 @@ def test_under_deepspeed_auto_plans_with_the_engines_stage_dtype_and_buckets(mon
         [{"params": list(model.parameters())}],
     )
     expected = plan(
-        1_001_000, Cluster(2, 2), Network(10e6 / 8, None, 1e-3), zero_stages=(2,), exact_bucket_size=200_000_000
+        1_001_000,
+        Cluster(2, 2),
+        Network(10e6 / 8, None, 1e-3),
+        zero_stages=(2,),
+        exact_bucket_size=200_000_000,
+        clip=CLI_CLIP,
     )[0]
     assert expected.zero_stage == 2 and expected.compression != "none"
     assert hybrid.compression == expected.compression and hybrid.hybrid is not None and hybrid.hybrid.node_size == 2

@@ -30,36 +30,58 @@ def test_a_mode_with_clip_has_cells_of_its_own() -> None:
     assert study_mode({"compression": "none", "clip": CLIP}) is None
 
 
+#: The numbers the noise scale's sketch all-reduces without option clip (telemetry.noise_scale, on by default, with
+#: 2+ voters): the default 4093 bins and the rank's squared norm.
+NOISE_SCALE_VALUES = 4093 + 1
+
+
+@pytest.mark.parametrize("bins", [4093, 8191])
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize(("nodes", "gpus"), [(4, 8), (16, 1)])
-def test_every_compressed_candidate_runs_with_clip_and_pays_its_sketch(nodes: int, gpus: int, device: str) -> None:
-    """Against the same candidate without clip: the sketch's all-reduce over the world in the bytes, and
-    the table's device's CLIP_LOCAL_PASSES Lion updates per stepped element in the local seconds."""
+def test_every_compressed_candidate_runs_with_clip_and_pays_its_sketch(
+    nodes: int, gpus: int, device: str, bins: int
+) -> None:
+    """Against the same candidate without clip, which already pays the noise scale's sketch (its default bins + 1)
+    and its CLIP_LOCAL_PASSES: clip adds the difference of the two sketches' all-reduces (clip's bins + 1, the same
+    sketch serving the noise scale), and no second local pass."""
     n, cluster, network = 300_000_000, Cluster(nodes, gpus), Network(parse_rate("10gbit"))
     stages = (0, 2, 3) if nodes > 1 and gpus > 1 else (0,)
     costs = DEFAULT_LOCAL_COSTS if device == "cpu" else measured_gpu_costs("H200")
     assert costs is not None and costs.device == device
+    clip = {**CLIP, "sketch_bins": bins}
     plain = {(c.label, c.zero_stage): c for c in plan(n, cluster, network, costs, zero_stages=stages)}
-    clipped = plan(n, cluster, network, costs, zero_stages=stages, clip=CLIP)
+    clipped = plan(n, cluster, network, costs, zero_stages=stages, clip=clip)
     assert len(clipped) == len(plain)
-    lion = costs.cost(LION_UPDATE)
     world = nodes * gpus
     for candidate in clipped:
         if candidate.compression == "none":
             assert "clip" not in candidate.params and (candidate.label, candidate.zero_stage) in plain
             continue
-        assert candidate.params["clip"] == CLIP and " + clip" in candidate.label
+        assert candidate.params["clip"] == clip and " + clip" in candidate.label
         base = plain[(candidate.label.replace(" + clip", ""), candidate.zero_stage)]
         added_bytes = candidate.bytes_per_step_per_rank - base.bytes_per_step_per_rank
-        sketch = 8 * CLIP["sketch_bins"]
+        sketch, noise_only = 8 * (bins + 1), 8 * NOISE_SCALE_VALUES
         if candidate.zero_stage == 0:  # one all-reduce over the world
-            assert added_bytes == wire.all_reduce_bytes(sketch, world), candidate.label
+            added = wire.all_reduce_bytes(sketch, world) - wire.all_reduce_bytes(noise_only, world)
         else:  # the hybrid's: inside the node, then across the nodes
-            assert added_bytes == wire.all_reduce_bytes(sketch, gpus) + wire.all_reduce_bytes(sketch, nodes)
-        stepped = n if candidate.zero_stage == 0 else wire.zero_partition_numel(n, gpus)
-        added_local = candidate.local_seconds - base.local_seconds
-        assert added_local == pytest.approx(CLIP_LOCAL_PASSES[device] * lion * stepped, rel=1e-9), candidate.label
-        assert candidate.seconds_per_step > base.seconds_per_step
+            with_clip = wire.all_reduce_bytes(sketch, gpus) + wire.all_reduce_bytes(sketch, nodes)
+            added = with_clip - wire.all_reduce_bytes(noise_only, gpus) - wire.all_reduce_bytes(noise_only, nodes)
+        assert added_bytes == added, candidate.label
+        assert (added_bytes > 0) == (bins > 4093), candidate.label  # at the default width clip's sketch is free
+        # One sketch pass serves the clip and the noise scale: the baseline's is already priced.
+        assert candidate.local_seconds == pytest.approx(base.local_seconds, rel=1e-12), candidate.label
+        assert candidate.seconds_per_step >= base.seconds_per_step
+
+
+def test_the_baseline_without_clip_pays_the_noise_scales_sketch_pass() -> None:
+    """The local pass CLIP_LOCAL_PASSES prices lands on every compressed candidate with 2+ voters, clip or not: the
+    1-bit vote over 2 ranks steps its n elements with Lion's update, the vote, and the sketch's pass."""
+    n, costs = 10**6, DEFAULT_LOCAL_COSTS
+    [vote] = [
+        c for c in plan(n, Cluster(2, 1), Network(parse_rate("10gbit")), costs) if c.params == {"compression": "1bit"}
+    ]
+    expected = (costs.cost(LION_UPDATE) * (1 + CLIP_LOCAL_PASSES["cpu"]) + costs.cost("1bit")) * n
+    assert vote.local_seconds == pytest.approx(expected, rel=1e-12)
 
 
 def test_auto_picks_the_vote_with_clip_where_only_the_plain_vote_loses(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,10 +92,17 @@ def test_auto_picks_the_vote_with_clip_where_only_the_plain_vote_loses(monkeypat
     slow = {"compression": "auto", "network": {"bandwidth": "1gbit"}, "betas": (0.9, 0.99)}
     resolved = resolve_auto(parse_config({**slow, "clip": CLIP}), 1_500_000_000, 64, 1, 0)
     assert resolved.options.compression != "none" and resolved.options.clip is not None
-    assert resolved.options.clip.model_dump() == CLIP
-    # Without clip the plain vote's cell loses, so auto passes over every sign vote.
+    assert resolved.options.clip.model_dump() == {"rule": "mean", **CLIP}
+    # Without clip (LionCub in Python: nothing clips) the plain vote's cell loses, so auto passes over every sign vote.
     plain = resolve_auto(parse_config(slow), 1_500_000_000, 64, 1, 0)
     assert study_mode(plain.options.model_dump()) != "1bit"
+    # Under DeepSpeed a compressed mode clips the mean at gradient_clipping unless told otherwise: the clip cells.
+    engine_default = resolve_auto(parse_config(slow), 1_500_000_000, 64, 1, 0, default_clip=1.0)
+    assert study_mode(engine_default.options.model_dump()) == "1bit+clip"
+    kept = resolve_auto(
+        parse_config({**slow, "clip": {"rule": "deepspeed"}}), 1_500_000_000, 64, 1, 0, default_clip=1.0
+    )
+    assert study_mode(kept.options.model_dump()) not in ("1bit", "1bit+clip")
 
 
 def test_the_command_line_plans_with_clip_and_its_blocks_turn_deepspeeds_clipping_off(
@@ -89,8 +118,18 @@ def test_the_command_line_plans_with_clip_and_its_blocks_turn_deepspeeds_clippin
     table = capsys.readouterr().out
     blocks = json.loads(table[table.index("{") :])
     assert blocks["optimizer"]["params"]["clip"] == {"max_norm": 0.5} and blocks["gradient_clipping"] == 0
+    # The default plans DeepSpeed's default gradient_clipping, 1.0, as LionCub runs it; 0 clips nothing.
+    assert main([*cluster, "--json"]) == 0
+    default = json.loads(capsys.readouterr().out)["candidates"]
+    assert all(c["params"]["clip"] == {"max_norm": 1.0} for c in default if c["params"]["compression"] != "none")
+    assert main([*cluster, "--clip", "0", "--json"]) == 0
+    assert all("clip" not in c["params"] for c in json.loads(capsys.readouterr().out)["candidates"])
+    # DeepSpeed's own rule, named in the params to paste, whose blocks then leave gradient_clipping alone.
+    assert main([*cluster, "--clip-rule", "deepspeed", "--json"]) == 0
+    kept = [c for c in json.loads(capsys.readouterr().out)["candidates"] if c["params"]["compression"] != "none"]
+    assert kept and all(c["params"]["clip"] == {"rule": "deepspeed"} for c in kept)
     with pytest.raises(SystemExit):
-        main([*cluster, "--clip", "0"])
+        main([*cluster, "--clip", "-1"])
 
 
 def test_a_mode_not_measured_with_clip_is_judged_by_its_cells_without_it() -> None:

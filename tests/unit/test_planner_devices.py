@@ -235,16 +235,35 @@ def test_under_deepspeed_auto_prices_the_engines_device(monkeypatch: pytest.Monk
     # one rank per node, a fast network: CPU figures say exact Lion, a GPU's say compress
     options = parse_config({"compression": "auto", "network": {"bandwidth": "100gbit", "latency": "5us"}})
     params = [{"params": list(model.parameters())}]
+    # The engine's gradient_clipping is DeepSpeed's default 1.0: a compressed mode is planned clipping the mean there.
+    engine_clip = 1.0
     on_cpu = resolve_auto_for_engine(FakeEngine(0, torch.float32, 16), options, params)
     expected_cpu = resolve_auto(
-        options, 1_001_000, 16, 1, 0, exact_comm_dtypes=("fp32",), exact_bucket_size=500_000_000
+        options,
+        1_001_000,
+        16,
+        1,
+        0,
+        exact_comm_dtypes=("fp32",),
+        exact_bucket_size=500_000_000,
+        default_clip=engine_clip,
     )
     assert on_cpu == expected_cpu.options
     on_gpu = resolve_auto_for_engine(FakeEngine(0, torch.float32, 16, device="cuda"), options, params)
     expected_gpu = resolve_auto(
-        options, 1_001_000, 16, 1, 0, exact_comm_dtypes=("fp32",), exact_bucket_size=500_000_000, device="cuda"
+        options,
+        1_001_000,
+        16,
+        1,
+        0,
+        exact_comm_dtypes=("fp32",),
+        exact_bucket_size=500_000_000,
+        device="cuda",
+        default_clip=engine_clip,
     )
     assert on_gpu == expected_gpu.options
+    # The GPU's figures compress, and the mode runs (and was priced and judged) with the mean clip at 1.0.
+    assert on_gpu.compression != "none" and on_gpu.mean_clip is not None and on_gpu.mean_clip.max_norm == engine_clip
     offloaded = resolve_auto_for_engine(
         FakeEngine(0, torch.float32, 16, device="cuda", cpu_offload=True), options, params
     )

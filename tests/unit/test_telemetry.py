@@ -147,6 +147,12 @@ def test_the_documented_event_names_are_the_written_ones() -> None:
     for kind in ("residual", "ef21"):  # error feedback's ratio, one event per form
         with_feedback = StepRecord(1, False, 2, 3, 3, 0.5, 0.25, 1, 0, 100, 50, 75, kind, 0.1)
         written |= {name for name, _ in with_feedback.monitor_events()}
+    with_noise = StepRecord(
+        1, False, 2, 3, 3, 0.5, 0.25, 1, 0, 100, 50, 75, noise_scale=48.0, noise_scale_voter_batches=3.0
+    )
+    events = dict(with_noise.monitor_events())
+    assert (events["LionCub/noise_scale"], events["LionCub/noise_scale_voter_batches"]) == (48.0, 3.0)
+    written |= set(events)
     design = (REPO / "docs" / "design.md").read_text().split("## 15. Per-step telemetry")[1]
     assert set(re.findall(r"^\| `(LionCub/\w+)` \|", design, flags=re.MULTILINE)) == written
     guide = (REPO / "docs" / "user-guide.md").read_text().split("## With DeepSpeed")[1].split("\n## ")[0]
@@ -157,4 +163,18 @@ def test_the_documented_event_names_are_the_written_ones() -> None:
         "LionCub/agreement_rate",
         "LionCub/ef_residual_ratio",
         "LionCub/ef21_estimate_gap",
+        "LionCub/noise_scale",
+        "LionCub/noise_scale_voter_batches",
     }
+
+
+def test_an_engine_step_records_the_noise_scale_of_its_last_part() -> None:
+    """ZeRO's calls of one engine step make one record: the noise scale after the last call (the estimate is the
+    step's, not a sum)."""
+    parts = [
+        StepRecord(3, False, 1, 1, 1, 0.0, 0.0, 1, 0, 10, None, None, noise_scale=None, noise_scale_voter_batches=2.0),
+        StepRecord(3, False, 1, 1, 1, 0.0, 0.0, 1, 0, 10, None, None, noise_scale=None, noise_scale_voter_batches=2.5),
+    ]
+    combined = StepRecord.combined(parts)
+    assert (combined.noise_scale, combined.noise_scale_voter_batches) == (None, 2.5)
+    assert StepRecord.skipped_step(3).noise_scale_voter_batches is None

@@ -128,6 +128,7 @@ def train_mode(
         results[f"{keys}-stats/{mode}/{step}"] = optimizer.comm_stats() - before
         if pipelined:
             results[f"{prefix}train-telemetry/{mode}/{step}"] = optimizer.last_step_telemetry
+            results[f"{prefix}train-noise/{mode}/{step}"] = optimizer.noise_scale
         if "clip" in options:
             results[f"{keys}-clip/{mode}/{step}"] = optimizer.last_clip_coefficient
         if "momentum_sync" in options:

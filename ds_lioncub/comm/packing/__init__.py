@@ -11,8 +11,10 @@ dtype they are asked to handle is first checked against torch (:mod:`.self_check
 raises instead of computing. Two operations fuse a Lion step's local work with the packing
 (:func:`lion_direction_pack_signs`, :func:`apply_packed_signs`): the compiled kernels do each in one
 pass over memory, the other implementations run the composition of :mod:`ds_lioncub.lion`'s
-equations and the packing, which the kernels equal bit for bit. ``DS_LIONCUB_PACKING`` or
-:func:`set_packing_path` forces one; ``python -m ds_lioncub.report`` shows which one runs and why.
+equations and the packing, which the kernels equal bit for bit. One more is option clip's sketch
+(:func:`sketch_and_squares`), whose kernel reads a gradient once with a bit-packed table of signs.
+``DS_LIONCUB_PACKING`` or :func:`set_packing_path` forces one; ``python -m ds_lioncub.report`` shows
+which one runs and why.
 """
 
 from __future__ import annotations
@@ -233,6 +235,45 @@ def apply_packed_signs(packed: torch.Tensor, pieces: Sequence[ParamPiece]) -> No
     ops_for(flat).apply_packed_signs(flat, pieces)
 
 
+# ====================================================================== option clip's sketch
+
+
+def sketch_and_squares(
+    pieces: Sequence[torch.Tensor],
+    columns: Sequence[int],
+    starts: Sequence[int],
+    signs: torch.Tensor,
+    period: int,
+    out: torch.Tensor,
+) -> None:
+    """Add the sketch of ``pieces`` and the fold of their squares to ``out`` (fp64, ``K + 1`` elements), in place.
+
+    Element ``i`` of ``pieces[p]`` (floating, any shape, read flat) goes to bin ``(columns[p] + i) mod K``
+    with the sign bit ``(starts[p] + i) mod period`` of ``signs`` (the sign layout, 1 = +1; ``period + 64`` bits,
+    the last 64 a copy of the first 64). Each of ``out``'s first K bins adds its elements' signed fp32 values in
+    fp64, one after another in element order, the pieces in the order given; ``out[K]`` adds the pairwise fold
+    (:func:`~ds_lioncub.comm.packing.torch_impl.fold_pairwise`) of K bins that sum the elements' squares the same
+    way. The compiled kernel reads each fp32, bf16 or fp16 element once (other dtypes take the torch reference);
+    every implementation gives the same bits.
+    """
+    bins = out.numel() - 1
+    if out.dim() != 1 or out.dtype != torch.float64 or bins < 1:
+        raise ValueError(
+            f"sketch_and_squares: out must be a 1-d float64 tensor of bins + 1 >= 2, not {tuple(out.shape)}"
+        )
+    if signs.dim() != 1 or signs.dtype != torch.uint8 or period < 1 or signs.numel() * 8 < period + 64:
+        raise ValueError(f"sketch_and_squares: signs must be uint8 holding period + 64 = {period + 64} bits")
+    if not len(pieces) == len(columns) == len(starts):
+        raise ValueError("sketch_and_squares: one column and one start per piece")
+    # Whole-list checks (the step calls this once with every gradient: a loop of checks per piece would cost more
+    # than the kernel on a small model); an implementation refuses pieces on another device than out.
+    if pieces and not (0 <= min(columns) and max(columns) < bins and 0 <= min(starts) and max(starts) < period):
+        raise ValueError(f"sketch_and_squares: a column outside [0, {bins}) or a start outside [0, {period})")
+    if not all(piece.dtype.is_floating_point for piece in pieces):
+        raise ValueError("sketch_and_squares: the pieces must be floating point")
+    ops_for(out).sketch_and_squares(pieces, columns, starts, signs, period, out)
+
+
 __all__ = [
     "FIELD_WIDTHS",
     "PACKING_ENV",
@@ -252,6 +293,7 @@ __all__ = [
     "requested_mode",
     "set_packing_path",
     "sign_bits",
+    "sketch_and_squares",
     "sum_fields_per_position",
     "unpack_fields",
     "unpack_signs",

@@ -20,6 +20,11 @@ Any other bucket (a bf16 gradient beside an fp32 momentum, a momentum view the k
 through) runs the torch composition instead, decided by the dtypes alone, so the same bucket always
 takes the same path; the two give the same bits, a choice of speed only. An op built before these
 kernels existed (a stale prebuilt module) also leaves them to torch.
+
+Option clip's sketch (``sketch_and_squares``) reads fp32, bf16 or fp16 pieces once, with a bit-packed table of
+signs, and adds the signed values and their squares into fp64 bins, each bin one element after another in a
+fixed order (:mod:`ds_lioncub.step.clipping`), which the torch reference repeats with one elementwise add per
+row: the same bits, threads or not (each thread owns a range of bins).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ L1_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # quantize_l1_
 MESSAGE_DTYPE = torch.uint8  # what unpack_fields, unpack_signs, sum_fields and vote_packed_signs read
 # The fused step kernels: momentum with a gradient of the same dtype, and parameters, of these dtypes.
 FUSED_STEP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Option clip's sketch: pieces of these dtypes, into fp64 bins.
+SKETCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CompiledPacking:
@@ -139,6 +146,27 @@ class CompiledPacking:
         scalars = [value for p in pieces for value in (float(p.weight_decay != 0), 1 - p.lr * p.weight_decay, -p.lr)]
         self.module.apply_packed_signs(packed.contiguous(), [piece.param for piece in pieces], scalars)
 
+    def sketch_and_squares(
+        self,
+        pieces: Sequence[torch.Tensor],
+        columns: Sequence[int],
+        starts: Sequence[int],
+        signs: torch.Tensor,
+        period: int,
+        out: torch.Tensor,
+    ) -> None:
+        if not (
+            hasattr(self.module, "sketch_and_squares")
+            and out.dtype == torch.float64
+            and out.is_contiguous()
+            and signs.dtype == MESSAGE_DTYPE
+            and all(piece.dtype in SKETCH_DTYPES for piece in pieces)
+        ):
+            self.fallback.sketch_and_squares(pieces, columns, starts, signs, period, out)
+            return
+        contiguous = [piece if piece.is_contiguous() else piece.contiguous() for piece in pieces]
+        self.module.sketch_and_squares(contiguous, columns, starts, signs.contiguous(), period, out)
+
 
 def _fused_momentum(piece: MomentumPiece) -> bool:
     """Whether the fused kernel reproduces the torch composition for this piece (and can write its momentum)."""
@@ -160,5 +188,6 @@ __all__ = [
     "MESSAGE_DTYPE",
     "SIGN_INPUT_DTYPES",
     "SIGN_OUTPUT_DTYPES",
+    "SKETCH_DTYPES",
     "CompiledPacking",
 ]

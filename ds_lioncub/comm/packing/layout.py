@@ -104,5 +104,24 @@ class PackingOps(Protocol):
         exactly ``unpack_signs`` to fp32 then ``apply_update`` (:mod:`ds_lioncub.lion`) per piece."""
         ...
 
+    def sketch_and_squares(
+        self,
+        pieces: Sequence[torch.Tensor],
+        columns: Sequence[int],
+        starts: Sequence[int],
+        signs: torch.Tensor,
+        period: int,
+        out: torch.Tensor,
+    ) -> None:
+        """Option clip's sketch (:mod:`ds_lioncub.step.clipping`), added to ``out`` (fp64, ``K + 1`` elements) in place.
+
+        Element ``i`` of ``pieces[p]`` (floating, any shape, read flat) goes to bin ``(columns[p] + i) mod K`` with the
+        sign bit ``(starts[p] + i) mod period`` of ``signs`` (uint8, the sign layout, 1 = +1, holding ``period +
+        64`` bits, the last 64 a copy of the first 64). Each bin of ``out[:K]`` adds, in fp64 and one after
+        another, the product of its elements' fp32 values and their signs, in element order, the pieces in the
+        order given; K more bins add the elements' squares the same way, and ``out[K]`` adds their pairwise fold
+        (:func:`~.torch_impl.fold_pairwise`)."""
+        ...
+
 
 __all__ = ["FIELD_WIDTHS", "L1_FIELD_WIDTHS", "MomentumPiece", "PackingOps", "ParamPiece", "packed_length"]

@@ -19,6 +19,10 @@ compares the results exactly:
   tie rules, padding) and ``apply_packed_signs`` (parameters of that dtype, weight decay zero and not,
   several learning rates); the packed message and the updated tensors are compared, NaN as NaN
   (IEEE 754 leaves which NaN payload an operation on two NaNs returns to the hardware);
+- floating dtypes: option clip's ``sketch_and_squares`` (pieces of that dtype, 1 to 1029 elements, in two
+  tensors, into 13, 100 and 4,093 bins that start from non-zero sums, tables of signs of 61 and 1,031 bits
+  read from near their end, so that pieces and rows cross the period, some rows several times; with and
+  without NaN and infinities among the elements), the bins and the squares compared NaN as NaN;
 - uint8, the dtype of every message: ``unpack_fields`` at each width, ``sum_fields_per_position`` at each
   width for 1 to 17 rows, and the fused ``vote_packed_signs`` for 1 to 64 voters (every bit-plane count
   of the compiled kernels), both tie rules, even voter counts that meet ties, rows longer than the
@@ -43,7 +47,8 @@ while that job left the cores half free and up to 0.25 s while it ran four proce
 the lower load: 6 to 18 ms for each float dtype, 17 to 30 ms for uint8 (the torch reference of the
 vote with up to 64 voters is most of it), 2 to 5 ms for bool and int32; almost all of it is the torch
 side. On top of that, the fused step operations (17 cases per float dtype) take 11 to 15 ms of CPU
-time per float dtype (measured alone, load average 3.4 on the same 2 cores). After that, each call
+time per float dtype (measured alone, load average 3.4 on the same 2 cores); the sketch's 6 cases 5 to 8 ms
+per float dtype (load average 2.1, 2026-11-28). After that, each call
 pays one set lookup (about 1 µs). ``python -m ds_lioncub.report`` runs the check and prints its time.
 
 This module is the checker; the cases are :mod:`.self_check_cases`.
@@ -78,6 +83,7 @@ OPERATIONS = (
     "pack_l1_fields",
     "lion_direction_pack_signs",
     "apply_packed_signs",
+    "sketch_and_squares",
 )
 FUSED_STEP_OPERATIONS = ("lion_direction_pack_signs", "apply_packed_signs")
 MESSAGE_OPERATIONS = ("unpack_fields", "sum_fields_per_position", "vote_packed_signs")
@@ -94,7 +100,7 @@ def operations_for(dtype: torch.dtype) -> tuple[str, ...]:
     if dtype.is_complex:
         return ()
     if dtype.is_floating_point:
-        return ("pack_signs", "unpack_signs", "pack_l1_fields", *FUSED_STEP_OPERATIONS)
+        return ("pack_signs", "unpack_signs", "pack_l1_fields", *FUSED_STEP_OPERATIONS, "sketch_and_squares")
     if dtype == torch.bool:
         return ("pack_signs", "pack_fields")
     operations = ["pack_fields"]
@@ -218,6 +224,19 @@ class SelfCheckedPacking:
         for dtype in dict.fromkeys(piece.param.dtype for piece in pieces):
             self._verify("apply_packed_signs", dtype, packed)
         self.ops.apply_packed_signs(packed, pieces)
+
+    def sketch_and_squares(
+        self,
+        pieces: Sequence[torch.Tensor],
+        columns: Sequence[int],
+        starts: Sequence[int],
+        signs: torch.Tensor,
+        period: int,
+        out: torch.Tensor,
+    ) -> None:
+        for dtype in dict.fromkeys(piece.dtype for piece in pieces):
+            self._verify("sketch_and_squares", dtype, out)
+        self.ops.sketch_and_squares(pieces, columns, starts, signs, period, out)
 
 
 def _run_check(ops: PackingOps, record: CheckRecord, operations: list[str], device: torch.device) -> None:

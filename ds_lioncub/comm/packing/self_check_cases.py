@@ -112,6 +112,7 @@ def cases_of(operation: str, dtype: torch.dtype, device: torch.device) -> Iterat
         "pack_l1_fields": _pack_l1_cases,
         "lion_direction_pack_signs": _direction_cases,
         "apply_packed_signs": _apply_cases,
+        "sketch_and_squares": _sketch_cases,
     }
     return builders[operation](dtype, device)
 
@@ -290,4 +291,59 @@ def _apply_cases(dtype: torch.dtype, device: torch.device) -> Iterator[StepCase]
     )
 
 
-__all__ = ["SEED", "Case", "Fresh", "StepCase", "cases_of"]
+# ---------------------------------------------------------------------- option clip's sketch
+
+SKETCH_TENSORS = ((5, 1, 13), (1029, 3, 64))  # two tensors in pieces: the second starts again at bin 0
+SKETCH_LAYOUTS = ((13, 61), (100, 1031), (4093, 61))  # (bins, bits of the table of signs before it repeats)
+
+
+def sketch_signs(period: int, seed: int) -> torch.Tensor:
+    """Random sign bits for a table of ``period``, packed, followed by a copy of its first 64 (what the op reads)."""
+    bits = torch.randint(0, 2, (period,), generator=_generator(seed), device="cpu")
+    extended = bits[torch.arange(period + 64) % period]
+    padded = torch.cat([extended, extended.new_zeros(-extended.numel() % 8)]).view(-1, 8)
+    return (padded << torch.arange(8)).sum(1).to(torch.uint8)
+
+
+def _run_sketch(
+    pieces: list[torch.Tensor],
+    columns: list[int],
+    starts: list[int],
+    signs: torch.Tensor,
+    period: int,
+    initial: torch.Tensor,
+    ops: PackingOps,
+) -> torch.Tensor:
+    out = initial.clone()
+    ops.sketch_and_squares(pieces, columns, starts, signs, period, out)
+    return _nan_as_nan_bytes(out)
+
+
+def _sketch_cases(dtype: torch.dtype, device: torch.device) -> Iterator[StepCase]:
+    for bins, period in SKETCH_LAYOUTS:
+        signs = sketch_signs(period, seed=period).to(device)
+        initial = torch.randn(bins + 1, generator=_generator(bins), dtype=torch.float64).to(device)
+        for specials in (True, False):
+            pieces: list[torch.Tensor] = []
+            columns: list[int] = []
+            starts: list[int] = []
+            for t, sizes in enumerate(SKETCH_TENSORS):
+                elements = _elements(sum(sizes), torch.float32, seed=20 + t) * 3
+                if not specials:
+                    elements = elements.nan_to_num(0.0, 0.0, 0.0)
+                offset = period - 1 - 7 * t  # near the end of the table: pieces read across its period
+                position = 0
+                for piece in elements.to(dtype).to(device).split(sizes):
+                    pieces.append(piece)
+                    columns.append(position % bins)
+                    starts.append((offset + position) % period)
+                    position += piece.numel()
+            yield StepCase(
+                "sketch_and_squares",
+                f"tensors in pieces of {SKETCH_TENSORS} elements, {bins} bins, signs of period {period}, "
+                f"{'with' if specials else 'without'} NaN and infinities",
+                partial(_run_sketch, pieces, columns, starts, signs, period, initial),
+            )
+
+
+__all__ = ["SEED", "SKETCH_LAYOUTS", "Case", "Fresh", "StepCase", "cases_of", "sketch_signs"]

@@ -79,6 +79,22 @@ def _unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     return fields.reshape(-1)[:numel]
 
 
+# Elements the sketch's reference reads per window (bounds its temporaries: fp32 signs, two fp64 rows of this many).
+SKETCH_WINDOW = 1 << 20
+
+
+def fold_pairwise(values: torch.Tensor) -> torch.Tensor:
+    """The sum of ``values`` (1-d, at least one) as one element: padded with zeros to the next power of two ``2h``,
+    then ``v[i] + v[i + h]`` for ``i < h``, halving ``h`` down to 1. A fixed order, which a kernel repeats bit for bit
+    (a torch ``sum`` leaves its order to the build and the CPU)."""
+    size = 1 << (values.numel() - 1).bit_length()
+    folded = torch.cat([values, values.new_zeros(size - values.numel())])
+    while folded.numel() > 1:
+        half = folded.numel() // 2
+        folded = folded[:half] + folded[half:]
+    return folded
+
+
 class TorchPacking:
     """:class:`~.layout.PackingOps` in vectorised torch."""
 
@@ -145,5 +161,39 @@ class TorchPacking:
         for piece, delta in zip(pieces, signs.split(sizes), strict=True):
             apply_update(piece.param, delta, piece.lr, piece.weight_decay)
 
+    def sketch_and_squares(
+        self,
+        pieces: Sequence[torch.Tensor],
+        columns: Sequence[int],
+        starts: Sequence[int],
+        signs: torch.Tensor,
+        period: int,
+        out: torch.Tensor,
+    ) -> None:
+        bins = out.numel() - 1
+        # Row 0: the sketch's bins, row 1: the squares' bins. Each row segment of a piece is added with one
+        # elementwise add, segment after segment, so every bin sums its elements one after another in order.
+        work = torch.stack([out[:bins], torch.zeros_like(out[:bins])])
+        for piece, column, start in zip(pieces, columns, starts, strict=True):
+            flat = piece.detach().reshape(-1)
+            done = 0
+            while done < flat.numel():
+                position = (start + done) % period
+                length = min(flat.numel() - done, period - position, SKETCH_WINDOW)  # never across the period's end
+                values = flat[done : done + length].float()
+                bit = position % 8
+                window = signs[position // 8 : (position + length + 7) // 8]
+                products = values * self.unpack_signs(window, bit + length, torch.float32, None)[bit:]
+                both = torch.stack([products.double(), values.double().square()])
+                bin_, at = (column + done) % bins, 0
+                while at < length:
+                    segment = min(bins - bin_, length - at)
+                    work[:, bin_ : bin_ + segment] += both[:, at : at + segment]
+                    at += segment
+                    bin_ = 0
+                done += length
+        out[:bins].copy_(work[0])
+        out[bins:] += fold_pairwise(work[1])
 
-__all__ = ["TorchPacking", "pad_bytes", "sign_bits"]
+
+__all__ = ["SKETCH_WINDOW", "TorchPacking", "fold_pairwise", "pad_bytes", "sign_bits"]
