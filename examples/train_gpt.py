@@ -350,6 +350,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     losses: list[float] = []
     lrs: list[float] = []
     step_times: list[float] = []
+    # engine.step() alone (DeepSpeed's wrapper, its clipping, LionCub's step): what the clip and the vote cost.
+    optimizer_times: list[float] = []
     lioncub_bytes: list[int] = []
     engine_bytes_per_step: list[int] = []
     engine_calls_before = engine_bytes.calls
@@ -361,14 +363,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         sent_engine = engine_bytes.bytes_sent
         t0 = time.perf_counter()
         step_loss = 0.0
+        optimizer_time = 0.0
         for _ in range(accumulation):
             x, y = get_batch(corpus.train, micro_batch, args.seq_len, data_gen)
             logits, _ = engine(x.to(engine.device))
             loss = fp32_loss(logits, y.to(engine.device))
             engine.backward(loss)  # divides by the accumulation steps; all-reduces at the boundary
+            t_step = time.perf_counter()
             engine.step()  # steps the optimizer (and the scheduler) only at the boundary
+            optimizer_time += time.perf_counter() - t_step
             step_loss += loss.item() / accumulation
         step_times.append(time.perf_counter() - t0)
+        optimizer_times.append(optimizer_time)
         lioncub_bytes.append(lioncub_stats().bytes_sent - sent_lioncub)
         engine_bytes_per_step.append(engine_bytes.bytes_sent - sent_engine)
         losses.append(step_loss)
@@ -404,6 +410,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     # The first steps include lazy state allocation and allocator warmup; leave them out of the mean.
     skip = min(3, args.steps - 1)
     mean_step = sum(step_times[skip:]) / len(step_times[skip:])
+    mean_optimizer_step = sum(optimizer_times[skip:]) / len(optimizer_times[skip:])
 
     summary: dict[str, Any] | None = None
     if rank == 0:
@@ -436,6 +443,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             "lr_first": lrs[0],
             "lr_last": lrs[-1],
             "mean_step_time_s": mean_step,
+            "mean_optimizer_step_time_s": mean_optimizer_step,
             "train_wall_s": train_wall,
             # Per rank, averaged over ranks, per optimizer step.
             "lioncub_bytes_sent_per_step": lioncub_per_step,

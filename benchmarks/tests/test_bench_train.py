@@ -24,6 +24,7 @@ from benchmarks.plain_lion import PlainLion
 from benchmarks.train_methods import METHODS, METHODS_BY_NAME, TrainSettings, ds_config, select_methods
 from ds_lioncub.comm import wire
 from ds_lioncub.config import parse_config
+from ds_lioncub.config.clip_rule import DEFAULT_SKETCH_BINS
 from tests.support.reference import reference_lion_step
 
 # The small GPT of the emulated-cluster runs (the loopback run uses a smaller one).
@@ -334,8 +335,10 @@ def test_emulated_cluster_run_puts_the_expected_bytes_on_the_wire(
     # vote n/8 (all-to-all of half the signs, all-gather of half the vote), padded to 8p elements.
     # On the wire come headers (the counters see one set per 64 KiB offload super-frame: ~0.1%), the
     # ACKs for what the rank receives, and a few small messages (the finiteness check, gloo's own):
-    # measured 1.003x and 1.03x of the model; nothing else may be sent.
-    for name, model in (("lion_fp32", 4 * n), ("lioncub_1bit", math.ceil(n / 16) * 2)):
+    # measured 1.003x and 1.03x of the model; nothing else may be sent. The 1-bit vote also sums the default clip's
+    # sketch (and the noise scale's squared norm): an fp64 all-reduce of 4,094 numbers.
+    sketch = wire.all_reduce_bytes(8 * (DEFAULT_SKETCH_BINS + 1), 2)
+    for name, model in (("lion_fp32", 4 * n), ("lioncub_1bit", math.ceil(n / 16) * 2 + sketch)):
         for step, sent in enumerate(results[name]["per_step"]["tx_bytes"]):
             assert model <= sent <= 1.10 * model, (name, step, sent, model)
     assert all(result["params_in_sync"] for result in results.values())
@@ -380,7 +383,8 @@ def test_emulated_two_by_two_cluster_zero_hybrid_bytes_and_state(
     # Between nodes each rank sends its share of the 1-bit vote of its shard over M = 2 nodes (the link's
     # bytes / 2 ranks): the library's own count, plus headers, ACKs and the small agreement messages.
     shard = hybrid // 4
-    model = wire.vote_1bit_bytes(shard, 2)
+    # And the default clip's sketch, summed across the nodes after inside them (4,094 fp64 numbers).
+    model = wire.vote_1bit_bytes(shard, 2) + wire.all_reduce_bytes(8 * (DEFAULT_SKETCH_BINS + 1), 2)
     for step, sent in enumerate(results["lioncub_1bit_zero2_hybrid"]["per_step"]["tx_bytes"]):
         assert model <= sent <= 1.15 * model, (step, sent, model)
     zero2_sent = train_report.breakdown(results["lion_zero2"], warmup=0).tx_bytes
@@ -415,7 +419,7 @@ def test_emulated_two_by_two_cluster_zero3_hybrid_bytes_between_nodes(
     assert 4 * n <= 4 * zero3 <= 4 * n * 1.01 and 4 * n <= 2 * hybrid <= 4 * n * 1.01
     # Each step: the 1-bit vote of the rank's slices (one sub-group) over M = 2 nodes, with headers, ACKs and
     # the agreement messages; the first step also carries ZeRO-3's one-off check of the module order.
-    model = wire.vote_1bit_bytes(hybrid // 4, 2)
+    model = wire.vote_1bit_bytes(hybrid // 4, 2) + wire.all_reduce_bytes(8 * (DEFAULT_SKETCH_BINS + 1), 2)
     for step, sent in enumerate(results["lioncub_1bit_zero3_hybrid"]["per_step"]["tx_bytes"][1:], 2):
         assert model <= sent <= 1.15 * model, (step, sent, model)
     zero3_sent = train_report.breakdown(results["lion_zero3"], warmup=1).tx_bytes

@@ -130,7 +130,7 @@ def _wrap_configure_basic_optimizer(original: Callable[..., Any]) -> Callable[..
         clipping = float(engine.gradient_clipping() or 0.0)
         resolved = resolve_clipping(options, clipping, written, int(engine.zero_optimization_stage())).options
         if resolved.clip is not None:
-            params["clip"] = resolved.clip.model_dump(include=resolved.clip.model_fields_set | {"max_norm"})
+            params["clip"] = resolved.clip.model_dump(include=resolved.clip.model_fields_set)
         return LionCub(model_parameters, process_group=engine.seq_data_parallel_group, module=engine.module, **params)
 
     return configure_basic_optimizer
