@@ -24,7 +24,7 @@ import torch
 from ds_lioncub._logging import get_logger
 from ds_lioncub.comm.topology import create_groups, plan_hybrid, resolve_node_size
 from ds_lioncub.comm.transport import make_transport
-from ds_lioncub.config import LionCubConfig
+from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.config.clip_rule import resolve_clipping
 from ds_lioncub.consistency.fingerprint import agreed_text
 from ds_lioncub.errors import LionCubConfigError
@@ -154,7 +154,13 @@ def resolve_engine_clipping(engine: Any, optimizer: LionCub) -> None:
     or ZeRO wrapper, which read it then), and rank 0 logs the one line that says which clipping runs."""
     written = "gradient_clipping" in (getattr(engine._config, "_param_dict", None) or {})
     stage = int(engine.zero_optimization_stage())
-    resolution = resolve_clipping(optimizer.options, float(engine.gradient_clipping() or 0.0), written, stage)
+    options = optimizer.options
+    if str(engine.optimizer_name() or "").lower() == "lioncub":
+        # Built from the ds_config, whose clip block the engine hook already resolved (to build LionCub): resolve
+        # the block as written, so that the log line names where the norm came from. The result is the same.
+        given = (engine.optimizer_params() or {}).get("clip")
+        options = options.model_copy(update={"clip": None if given is None else parse_config({"clip": given}).clip})
+    resolution = resolve_clipping(options, float(engine.gradient_clipping() or 0.0), written, stage)
     optimizer.options = resolution.options
     engine._config.gradient_clipping = resolution.engine_clipping
     if int(engine.global_rank) == 0:
