@@ -39,7 +39,7 @@ from ds_lioncub import LionCub
 from ds_lioncub.simulate.tasks.gpt import GPT
 from ds_lioncub.simulate.tasks.gpt_task import CONFIGS
 from ds_lioncub.step import clipping
-from ds_lioncub.step.clipping import CHUNK, SIGN_PERIOD, sign_offset, sign_table, sketch_and_square_norm
+from ds_lioncub.step.clipping import sketch_and_square_norm, sketch_in_passes
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,24 +140,10 @@ def gpt_step_rows(repeats: int) -> list[str]:
 
 def torch_passes(grad: torch.Tensor, bins: int, step: int, squares: bool) -> torch.Tensor:
     """What a CPU computed for ``gradient_sketch`` and, with ``squares``, :func:`sketch_and_square_norm` until
-    2026-11-28, for comparison: passes of :data:`CHUNK` elements, each a product with the fp32 table of signs and a
-    column sum of its rows into fp64 (a partial row added alone), then the squared norm by torch's ``sum`` of the
-    gradient in fp64 (a second read, and an fp64 copy)."""
-    table = sign_table(grad.device)
-    sketch = torch.zeros(bins, dtype=torch.float64, device=grad.device)
-    offset, done = sign_offset(step, 0, 0), 0
-    while done < grad.numel():
-        left = grad.numel() - done
-        column = done % bins
-        rows = 1 if column or left < bins else min(max(1, CHUNK // bins), left // bins)
-        length = min(bins - column, left) if rows == 1 else rows * bins
-        start = (offset + done) % SIGN_PERIOD
-        values = grad[done : done + length].float() * table[start : start + length]
-        if rows == 1 and length < bins:
-            sketch[column : column + length] += values.double()
-        else:
-            sketch += values.view(rows, bins).sum(0, dtype=torch.float64)
-        done += length
+    2026-11-28, for comparison (:func:`~ds_lioncub.step.clipping.sketch_in_passes`): passes of ``CHUNK`` elements,
+    each a product with the fp32 table of signs and a column sum of its rows into fp64 (a partial row added alone),
+    then the squared norm by torch's ``sum`` of the gradient in fp64 (a second read, and an fp64 copy)."""
+    sketch = sketch_in_passes([[grad]], bins, step, 0)  # a CPU walks CHUNK-element passes there
     return torch.cat([sketch, grad.double().square().sum().reshape(1)]) if squares else sketch
 
 

@@ -28,6 +28,7 @@ from ds_lioncub.comm.packing import unpack_signs
 from ds_lioncub.comm.quantize import tie_sign
 from ds_lioncub.comm.transport import CommStats
 from ds_lioncub.config import LionCubConfig, parse_config
+from ds_lioncub.config.clip_rule import measures_noise_scale, sketch_bins_of
 from ds_lioncub.errors import LionCubConfigError, LionCubError, NonFiniteGradientError
 from ds_lioncub.simulate.agreement import AgreementStats, AgreementTally, summed_directions
 from ds_lioncub.simulate.drift import DriftTally
@@ -48,7 +49,7 @@ from ds_lioncub.step.bucket_work import (
     whole_tensor_mean_abs,
 )
 from ds_lioncub.step.clipping import clip_coefficient, gradient_sketch, sketch_and_square_norm
-from ds_lioncub.step.noise_scale import NoiseScale, NoiseScaleState, measures_noise_scale, sketch_bins_of
+from ds_lioncub.step.noise_scale import NoiseScale, NoiseScaleState
 from ds_lioncub.step.param_selection import names_by_position, select_parameters
 
 #: Options that describe a real network or job, which a virtual world has none of: refused when given.

@@ -58,9 +58,10 @@ import torch.distributed as dist
 from ds_lioncub.comm import packing
 from ds_lioncub.comm.transport import CommStats, Summing, Transport
 from ds_lioncub.config import LionCubConfig
+from ds_lioncub.config.clip_rule import measures_noise_scale, sketch_bins_of
 from ds_lioncub.errors import LionCubSetupError
 from ds_lioncub.step.bucket_work import Entry
-from ds_lioncub.step.noise_scale import NoiseScaleState, measures_noise_scale, sketch_bins_of
+from ds_lioncub.step.noise_scale import NoiseScaleState
 from ds_lioncub.step.parts import StepInParts
 
 #: The length of the table of random signs (a prime, so that a table position repeats only after

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ds_lioncub.config.clip_rule import DEFAULT_SKETCH_BINS, measures_noise_scale, sketch_bins_of
 from ds_lioncub.errors import LionCubConfigError
 
 
@@ -139,11 +138,4 @@ class NoiseScaleState:
         return NoiseScale(self.steps, self.voters, self.batch_samples, gradient_square, trace, ratio)
 
 
-__all__ = [
-    "DEFAULT_SKETCH_BINS",
-    "NoiseScale",
-    "NoiseScaleState",
-    "measures_noise_scale",
-    "sketch_bins_of",
-    "step_estimates",
-]
+__all__ = ["NoiseScale", "NoiseScaleState", "step_estimates"]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ds_lioncub.comm import wire
-from ds_lioncub.step.noise_scale import DEFAULT_SKETCH_BINS
+from ds_lioncub.config.clip_rule import DEFAULT_SKETCH_BINS
 from tests.distributed.test_virtual_world_vs_ranks import virtual_run
 from tests.support import scenarios as sc
 from tests.support.checks import trained_mode_equals_reference

@@ -23,6 +23,7 @@ from ds_lioncub.comm import packing
 from ds_lioncub.comm.packing import dispatch
 from ds_lioncub.comm.packing.self_check import SelfCheckedPacking
 from ds_lioncub.errors import LionCubSetupError
+from tests.support.clip_reference import plain_pairwise_fold
 from tests.support.implementations import Implementation
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,14 +52,7 @@ def reference(
             signed = value if bits[(start + i) % len(bits)] else -value
             sums[(column + i) % bins] += signed
             squares[(column + i) % bins] += value * value
-    size = 1
-    while size < bins:
-        size *= 2
-    folded = squares + [0.0] * (size - bins)
-    while len(folded) > 1:
-        half = len(folded) // 2
-        folded = [folded[j] + folded[j + half] for j in range(half)]
-    return torch.tensor([*sums, float(initial[bins]) + folded[0]], dtype=torch.float64)
+    return torch.tensor([*sums, float(initial[bins]) + plain_pairwise_fold(squares)], dtype=torch.float64)
 
 
 def walk(tensors: list[list[torch.Tensor]], bins: int, offsets: list[int], period: int) -> tuple[list[int], list[int]]:

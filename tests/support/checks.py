@@ -15,7 +15,7 @@ import torch
 
 from ds_lioncub.comm import wire
 from ds_lioncub.comm.kbit import KbitCodec
-from ds_lioncub.step.noise_scale import DEFAULT_SKETCH_BINS
+from ds_lioncub.config.clip_rule import DEFAULT_SKETCH_BINS
 from tests.support import scenarios as sc
 from tests.support.reference import (
     brute_force_vote_1bit,

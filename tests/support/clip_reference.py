@@ -49,14 +49,20 @@ def plain_sketch_and_squares(
                 sums[i % bins] += table[(offset + i) % SIGN_PERIOD] * value
                 squares[i % bins] += value * value
                 i += 1
+    return torch.tensor([*sums, plain_pairwise_fold(squares)], dtype=torch.float64)
+
+
+def plain_pairwise_fold(values: list[float]) -> float:
+    """The pairwise fold of the sketch's squares, in Python floats: zeros pad ``values`` to a power of two ``2h``, then
+    ``s[j] + s[j + h]`` for ``j < h``, halving ``h`` down to 1."""
     size = 1
-    while size < bins:
+    while size < len(values):
         size *= 2
-    folded = squares + [0.0] * (size - bins)
+    folded = values + [0.0] * (size - len(values))
     while len(folded) > 1:
         half = len(folded) // 2
         folded = [folded[j] + folded[j + half] for j in range(half)]
-    return torch.tensor([*sums, folded[0]], dtype=torch.float64)
+    return folded[0]
 
 
 def clip_factor(rank_grads: list[list[Tensor]], bins: int, step: int, max_norm: float) -> float:

@@ -16,10 +16,11 @@ import torch
 
 from ds_lioncub import LionCub, LionCubConfigError
 from ds_lioncub.comm import wire
+from ds_lioncub.config.clip_rule import DEFAULT_SKETCH_BINS
 from ds_lioncub.integration.wiring import voter_batch_samples
 from ds_lioncub.simulate import VirtualLionCub
 from ds_lioncub.step.clipping import sketch_and_square_norm
-from ds_lioncub.step.noise_scale import DEFAULT_SKETCH_BINS, NoiseScale, step_estimates
+from ds_lioncub.step.noise_scale import NoiseScale, step_estimates
 from ds_lioncub.telemetry import StepRecord
 from tests.support.thread_world import ThreadLionCub, on_every_rank
 

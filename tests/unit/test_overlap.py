@@ -19,8 +19,8 @@ import torch
 
 from ds_lioncub import LionCub
 from ds_lioncub.comm import wire
+from ds_lioncub.config.clip_rule import DEFAULT_SKETCH_BINS
 from ds_lioncub.errors import LionCubConfigError, NonFiniteGradientError
-from ds_lioncub.step.noise_scale import DEFAULT_SKETCH_BINS
 from tests.support import scenarios as sc
 from tests.support.scenario_optimizer import fresh_params, scenario_settings
 from tests.support.thread_world import (
