@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export DS_ACCELERATOR ?= cpu
 # The venv's tools first (its ninja, deepspeed, ruff, mypy). The JIT op cache no longer depends on which
-# ninja PATH finds (ds_lioncub/comm/packing/jit_cache.py).
+# ninja PATH finds (ds_lioncub/kernels/jit_cache.py).
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: venv dev-tools cuda-toolkit train test test-fast lint check-cuda
@@ -36,9 +36,9 @@ $(VENV)/.cuda-toolkit: requirements-cuda.txt $(VENV)/.installed
 	touch $@
 
 # nvcc and g++ on the CUDA op's sources with the builder's own flags, warnings as errors; then the link
-# and its symbols (ds_lioncub/comm/packing/cuda_build_check.py). About a minute on 2 cores.
+# and its symbols (ds_lioncub/kernels/cuda_build_check.py). About a minute on 2 cores.
 check-cuda: cuda-toolkit
-	$(PY) -m ds_lioncub.comm.packing.cuda_build_check
+	$(PY) -m ds_lioncub.kernels.cuda_build_check
 
 train: venv
 	$(PY) -m examples.compare

@@ -40,7 +40,7 @@ def packing_op_build() -> tuple[Any, BaseException | None]:
     tests fail with the error and the rank subprocesses are told to use the torch path (same bits) rather
     than each retry the build.
     """
-    from ds_lioncub.op_builder import LionCubPackingCPUBuilder
+    from ds_lioncub.kernels.builders import LionCubPackingCPUBuilder
 
     try:
         return LionCubPackingCPUBuilder().load(), None
@@ -61,7 +61,7 @@ def cpu_op(packing_op_build: tuple[Any, BaseException | None]) -> Any:
 @pytest.fixture(scope="session")
 def cuda_op() -> Any:
     """The compiled CUDA packing op (for the ``gpu`` tests, which skip without a CUDA device)."""
-    from ds_lioncub.op_builder import LionCubPackingCUDABuilder
+    from ds_lioncub.kernels.builders import LionCubPackingCUDABuilder
 
     builder = LionCubPackingCUDABuilder()
     if not builder.is_compatible():

@@ -54,7 +54,7 @@ def _extensions():
         ) from None
     # the builders by path: importing the ds_lioncub package would run its DeepSpeed registration
     spec = importlib.util.spec_from_file_location(
-        "_lioncub_op_builder", HERE / "ds_lioncub" / "comm" / "packing" / "builders.py"
+        "_lioncub_op_builder", HERE / "ds_lioncub" / "kernels" / "builders.py"
     )
     op_builder = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(op_builder)

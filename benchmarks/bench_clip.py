@@ -1,6 +1,6 @@
 """Option clip's local cost: the sketch of a bucket's gradient and the scaling of it, in units of Lion's update.
 
-    python -m benchmarks.bench_clip [--numel 8388608 ...] [--repeats 7] [--bins 4093] [--device cpu|cuda]
+    python -m benchmarks.bench_clip [--numel 8388608 ...] [--repeats 7] [--bins 4093] [--device cpu|cuda] [--tensors T]
     python -m benchmarks.bench_clip --gpt-step [--repeats 301] [--threads 1]
 
 On one bucket of ``--numel`` fp32 elements (each size in turn), one torch thread, the median of ``--repeats``
@@ -15,7 +15,11 @@ all-reduce of the sketch is priced as a collective. The last two columns, on a C
 took it before its kernel (until 2026-11-28; :func:`torch_passes`), timed in the same rounds: its bins alone
 (then ``gradient_sketch``), and with the squared norm (then ``sketch_and_square_norm``). On ``--device cuda``
 the bucket lives on the GPU and each call is timed from an idle device to the end of its kernels; the
-sketch's table of signs is made once, before the timing.
+sketch's table of signs is made once, before the timing; the last two columns are then the sketch as a GPU
+took it before #47 (the same passes, which ``DS_LIONCUB_CUDA_KERNELS=v1`` also gives the sketch column), and the
+sketch column is the CUDA op's one kernel (or the torch scan without it, ``DS_LIONCUB_PACKING=torch``).
+``--tensors T`` hands the bucket to the sketch as T tensors of equal size (a step sketches every gradient of
+the model in one call: the passes before #47 issued kernels per tensor and per pass, the kernel one launch).
 
 ``--gpt-step`` times instead what the clip adds to a whole step at the main job's size (:func:`gpt_step_rows`):
 ``LionCub.step()`` with 1-bit compression, alone (a world of one, no process group), on the example GPT's 17
@@ -48,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--bins", type=int, default=4093)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU")
+    parser.add_argument("--tensors", type=int, default=1, help="the bucket as this many tensors of equal size")
     parser.add_argument("--gpt-step", action="store_true", help="time LionCub.step() of the example GPT instead")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of --gpt-step")
     args = parser.parse_args(argv)
@@ -71,22 +76,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     for n in args.numel:
-        print(bucket_row(n, args.bins, args.repeats, device))
+        print(bucket_row(n, args.bins, args.repeats, device, args.tensors))
 
 
-def bucket_row(n: int, bins: int, repeats: int, device: torch.device) -> str:
-    """One table row: the three parts' costs on an ``n``-element bucket, the sketch's and the scaling's also in
-    units of Lion's update."""
+def bucket_row(n: int, bins: int, repeats: int, device: torch.device, tensors: int = 1) -> str:
+    """One table row: the three parts' costs on an ``n``-element bucket (as ``tensors`` tensors), the sketch's and
+    the scaling's also in units of Lion's update."""
     lion, _, grad = lion_update_unit(n, device)
+    pieces = [[part] for part in grad.split(-(-n // tensors))]
     step = iter(range(1, 1 << 30))
     parts = {
         "lion": lion,
-        "sketch": lambda: sketch_and_square_norm([[grad]], bins, next(step), 0),
+        "sketch": lambda: sketch_and_square_norm(pieces, bins, next(step), 0),
         "scaling": lambda: torch._foreach_mul_([grad], 1.0 - 1e-7),
+        "bins before": lambda: torch_passes(pieces, bins, next(step), squares=False),
+        "both before": lambda: torch_passes(pieces, bins, next(step), squares=True),
     }
-    if device.type == "cpu":
-        parts["bins before"] = lambda: torch_passes(grad, bins, next(step), squares=False)
-        parts["both before"] = lambda: torch_passes(grad, bins, next(step), squares=True)
     # Interleaved, one call of each per round, so that a shared machine's load falls on all alike.
     rounds = [{name: median_seconds(run, 1, device) / n for name, run in parts.items()} for _ in range(repeats)]
     lion_update, sketch, scale = (statistics.median(r[name] for r in rounds) for name in ("lion", "sketch", "scaling"))
@@ -138,13 +143,20 @@ def gpt_step_rows(repeats: int) -> list[str]:
     return rows
 
 
-def torch_passes(grad: torch.Tensor, bins: int, step: int, squares: bool) -> torch.Tensor:
+def torch_passes(tensors: list[list[torch.Tensor]], bins: int, step: int, squares: bool) -> torch.Tensor:
     """What a CPU computed for ``gradient_sketch`` and, with ``squares``, :func:`sketch_and_square_norm` until
-    2026-11-28, for comparison (:func:`~ds_lioncub.step.clipping.sketch_in_passes`): passes of ``CHUNK`` elements,
-    each a product with the fp32 table of signs and a column sum of its rows into fp64 (a partial row added alone),
-    then the squared norm by torch's ``sum`` of the gradient in fp64 (a second read, and an fp64 copy)."""
-    sketch = sketch_in_passes([[grad]], bins, step, 0)  # a CPU walks CHUNK-element passes there
-    return torch.cat([sketch, grad.double().square().sum().reshape(1)]) if squares else sketch
+    2026-11-28, and a GPU until #47, for comparison (:func:`~ds_lioncub.step.clipping.sketch_in_passes`): passes of
+    ``chunk_for(device)`` elements, each a product with the fp32 table of signs and a column sum of its rows into
+    fp64 (a partial row added alone), then the squared norm by torch's ``sum`` of each piece in fp64 (a second read,
+    and an fp64 copy)."""
+    sketch = sketch_in_passes(tensors, bins, step, 0)
+    if not squares:
+        return sketch
+    total = torch.zeros(1, dtype=torch.float64, device=sketch.device)
+    for pieces in tensors:
+        for piece in pieces:
+            total += piece.double().square().sum()
+    return torch.cat([sketch, total])
 
 
 if __name__ == "__main__":

@@ -89,6 +89,22 @@ def paired(op: Callable[[], object], copy: Callable[[], object], reps: int, devi
     }
 
 
+class _Kernels:
+    """The compiled op's functions in the generation ``DS_LIONCUB_CUDA_KERNELS`` selects (the packing path's own)."""
+
+    def __init__(self, module: object) -> None:
+        from ds_lioncub.comm.packing.torch_impl import TorchPacking
+        from ds_lioncub.kernels.compiled import CompiledPacking
+
+        self._ops = CompiledPacking(module, TorchPacking())
+
+    def __getattr__(self, name: str) -> Callable[..., object]:
+        function = self._ops.kernel(name)
+        if function is None:
+            raise AttributeError(name)
+        return function
+
+
 def throughput(sizes: list[int], threads: list[int], paths: list[str], p: int, reps: int, device: str) -> list[dict]:
     from ds_lioncub.comm import packing
 
@@ -123,8 +139,9 @@ def throughput(sizes: list[int], threads: list[int], paths: list[str], p: int, r
                 choice = packing.packing_path(dev)  # load (or build) before timing
                 path_cases = {name: (op, nbytes, lambda: x.clone()) for name, (op, nbytes) in cases.items()}
                 if choice.path == "compiled":
-                    # the kernels alone: outputs preallocated, next to a copy into a preallocated buffer
-                    module, dst = choice.module, torch.empty_like(x)
+                    # the kernels alone: outputs preallocated, next to a copy into a preallocated buffer; the CUDA
+                    # op's generation that DS_LIONCUB_CUDA_KERNELS selects (v1: the kernels before #47)
+                    module, dst = _Kernels(choice.module), torch.empty_like(x)
                     packed_out = torch.empty(n // 8, dtype=torch.uint8, device=dev)
                     vote_out = torch.empty(n // 8, dtype=torch.uint8, device=dev)
                     chunk_out = torch.empty(n // (8 * p), dtype=torch.uint8, device=dev)

@@ -38,7 +38,7 @@ from ds_lioncub.planner.devices import local_costs_for
 from ds_lioncub.planner.local_costs import LocalCosts
 from ds_lioncub.planner.model import DEEPSPEED_BUCKET_SIZE, LIONCUB_BUCKET_SIZE, Candidate, plan
 from ds_lioncub.planner.zero3 import hybrid_zero3_candidate
-from ds_lioncub.units import format_rate, parse_rate
+from ds_lioncub.quantities.units import format_rate, parse_rate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = {1e9: "train_zero3_hybrid_1gbit", 250e6: "train_zero3_hybrid_250mbit"}  # link bits/s: results directory

@@ -86,10 +86,10 @@ from benchmarks.study_grid import DESIGNS, RESULTS, STUDY_CLIP_RULE, WIDE_EVAL_W
 from benchmarks.study_report import pair_with_exact
 from ds_lioncub.comm.quantize import sign_with_tie
 from ds_lioncub.lion import apply_update, lion_direction, update_momentum
+from ds_lioncub.quantities.student_t import mean_interval
 from ds_lioncub.simulate.gradients import GradientBuffers, worker_gradients
 from ds_lioncub.simulate.tasks.gpt_task import GPTTask, small_gpt
 from ds_lioncub.simulate.train import ClipRule, clip_worker_gradients, lr_ratio, train_virtual
-from ds_lioncub.student_t import mean_interval
 
 SCREEN_RESULTS = Path(__file__).resolve().parent / "results" / "vote_screen"
 

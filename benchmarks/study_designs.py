@@ -22,8 +22,8 @@ from pathlib import Path
 from benchmarks.study_convergence import reader_parser
 from benchmarks.study_grid import DESIGNS, config_dir
 from benchmarks.study_report import paired
+from ds_lioncub.quantities.student_t import mean_interval, sample_sd, t_quantile
 from ds_lioncub.simulate.train import gap_percent
-from ds_lioncub.student_t import mean_interval, sample_sd, t_quantile
 
 
 def seeds_for(sd: float, goal: float = 1.0, most: int = 1000) -> int | None:

@@ -4,7 +4,7 @@ Reads every run JSON of one study directory. For each (beta2, workers, mode) it 
 with exact Lion's runs of the same worker count and seed, and summarises over the seeds both have:
 
 - gap %: 100 x (mode val - exact val) / exact val per seed; mean ± half-width of the mean's two-sided
-  95% Student-t interval over the n seeds, t(n - 1) x sample sd / sqrt(n) (ds_lioncub.student_t);
+  95% Student-t interval over the n seeds, t(n - 1) x sample sd / sqrt(n) (ds_lioncub.quantities.student_t);
   "real" only where the interval excludes 0 (never with one seed);
 - exact 2 sd %: exact Lion's own seed-to-seed spread at that worker count (2 x the sample standard
   deviation of its val losses, in % of their mean; no interval): how far val loss moves between seeds
@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ds_lioncub.quantities.student_t import mean_interval, sample_sd
 from ds_lioncub.simulate.train import gap_percent
-from ds_lioncub.student_t import mean_interval, sample_sd
 
 MODE_LABELS = {
     "1bit": "1-bit vote",

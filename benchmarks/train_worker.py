@@ -62,8 +62,7 @@ from benchmarks.netcluster.counters import read_sysfs
 from benchmarks.plain_lion import PlainLion
 from benchmarks.train_methods import Method, TrainSettings, ds_config, select_methods
 from ds_lioncub.comm.transport import COMMUNICATING_METHODS
-from ds_lioncub.deepspeed_integration import find_lioncub
-from ds_lioncub.integration import hybrid_zero, hybrid_zero3
+from ds_lioncub.integration import find_lioncub, hybrid_zero, hybrid_zero3
 from examples.corpus import DEFAULT_MAX_BYTES, Corpus, load_corpus
 from examples.gpt import GPT, GPTConfig
 from examples.train_gpt import checked_parameters, evaluate, fp32_loss, get_batch, params_in_sync

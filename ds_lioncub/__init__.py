@@ -3,7 +3,8 @@
 Importing the package registers ``"type": "LionCub"`` with DeepSpeed (:func:`ds_lioncub.integration.register`).
 """
 
-from ds_lioncub import _moved
+# _deepspeed_import first imports DeepSpeed, its import-time messages on stderr (stdout is a tool's output).
+from ds_lioncub import _deepspeed_import, _moved  # noqa: F401
 from ds_lioncub._version import __version__
 from ds_lioncub.comm import CommStats, CompressedBackend
 from ds_lioncub.config import LionCubConfig, parse_config

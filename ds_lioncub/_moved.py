@@ -3,8 +3,9 @@
 ``import ds_lioncub.aggregation_state`` (or ``from ds_lioncub.fingerprint import ...``) gives the module at
 its new path itself, not a copy: the same classes and functions (so ``isinstance``, pickles and
 ``monkeypatch`` see one object), found by the finder below instead of one re-export file per old path at
-the package's root. The old paths will be removed in 0.3.0. ``python -m`` does not follow them: run
-``python -m ds_lioncub.config.reference``.
+the package's root. The old paths will be removed in 0.3.0. ``python -m OLD`` runs the new module's code
+as ``__main__`` and says on stderr where it moved (``python -m ds_lioncub.comm.packing.cuda_build_check``
+runs ``ds_lioncub.kernels.cuda_build_check``).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import os
 import sys
 import warnings
-from types import FrameType, ModuleType
+from types import CodeType, FrameType, ModuleType
 
 #: old module path -> the module's path now.
 MOVED_MODULES = {
@@ -35,6 +37,17 @@ MOVED_MODULES = {
     "ds_lioncub.param_selection": "ds_lioncub.step.param_selection",
     "ds_lioncub.fingerprint": "ds_lioncub.consistency.fingerprint",
     "ds_lioncub.replica_check": "ds_lioncub.consistency.replica_check",
+    # issue #46: the kernels' own package, the quantities, and the two re-export modules of 0.1
+    "ds_lioncub.op_builder": "ds_lioncub.kernels.builders",
+    "ds_lioncub.deepspeed_integration": "ds_lioncub.integration",
+    "ds_lioncub.comm.packing.builders": "ds_lioncub.kernels.builders",
+    "ds_lioncub.comm.packing.jit_cache": "ds_lioncub.kernels.jit_cache",
+    "ds_lioncub.comm.packing.cuda_build_check": "ds_lioncub.kernels.cuda_build_check",
+    "ds_lioncub.comm.packing.compiled": "ds_lioncub.kernels.compiled",
+    "ds_lioncub.comm.packing.self_check": "ds_lioncub.kernels.self_check",
+    "ds_lioncub.comm.packing.self_check_cases": "ds_lioncub.kernels.self_check_cases",
+    "ds_lioncub.units": "ds_lioncub.quantities.units",
+    "ds_lioncub.student_t": "ds_lioncub.quantities.student_t",
 }
 
 
@@ -66,7 +79,9 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in MOVED_MODULES:
             return None
-        return importlib.machinery.ModuleSpec(fullname, self)
+        # The new module's file as the origin: ``python -m OLD`` sets sys.argv[0] to it.
+        new_spec = importlib.util.find_spec(MOVED_MODULES[fullname])
+        return importlib.machinery.ModuleSpec(fullname, self, origin=new_spec.origin if new_spec else None)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         new_path = MOVED_MODULES[spec.name]
@@ -78,6 +93,18 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module = importlib.import_module(new_path)
         self._own_specs[spec.name] = module.__spec__
         return module
+
+    def get_code(self, fullname: str) -> CodeType | None:
+        """``python -m OLD`` (runpy asks the loader for the code, and runs it as ``__main__``): the new module's
+        code, after a line on stderr (a warning raised here would point into runpy, where it is not shown)."""
+        new_path = MOVED_MODULES[fullname]
+        print(
+            f"{fullname} moved to {new_path}: run python -m {new_path} (the old path will be removed in 0.3.0)",
+            file=sys.stderr,
+        )
+        new_spec = importlib.util.find_spec(new_path)
+        loader = None if new_spec is None else new_spec.loader
+        return loader.get_code(new_path) if isinstance(loader, importlib.abc.InspectLoader) else None
 
     def exec_module(self, module: ModuleType) -> None:
         # Creating it under the old path set the module's __spec__ to the old path's: it gets its own back.

@@ -41,7 +41,7 @@ from ds_lioncub.step.noise_scale import NoiseScale, NoiseScaleState
 from ds_lioncub.step.overlap import OverlapController, OverlapControls
 from ds_lioncub.step.param_selection import names_by_position
 from ds_lioncub.step.parts import StepInParts, SteppedInParts
-from ds_lioncub.step.paths import StepContext, participants, run_step_path
+from ds_lioncub.step.paths import StepContext, participants, run_step_path, runs_finite_check
 from ds_lioncub.step.post_step import MomentumSync, PostStepHook, ReplicaCheck, StepDone
 from ds_lioncub.step.setup import check_same_set_up, log_setting, resolve_auto_at_construction
 from ds_lioncub.telemetry import StepRecord, StepTelemetry, TelemetryTotals
@@ -61,7 +61,8 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
             embeddings and output head.
         **options: see :class:`ds_lioncub.config.LionCubConfig` (compression, bits, quantizer,
             aggregation, kbit_algorithm, tie_break, l1_clip, comm_dtype, bucket_size, check_finite,
-            momentum_sync, comm_backend_name, cuda_aware, overlap).
+            momentum_sync, comm_backend_name, cuda_aware, overlap). :meth:`from_config` takes them
+            validated already, as a :class:`~ds_lioncub.config.LionCubConfig`.
 
     A parameter whose gradient is None on a rank counts as a zero gradient there when the world has
     more than one rank (so every rank runs the same collectives, as DDP does); alone, it is skipped.
@@ -79,11 +80,20 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
         *,
         process_group: dist.ProcessGroup | None = None,
         module: nn.Module | None = None,
+        _config: LionCubConfig | None = None,
+        _bound_later: bool = False,
         **options: Any,
     ) -> None:
         # torch.optim.Optimizer.__init__ calls add_param_group, which must know whether set-up is done.
         self._ready = False
-        self.options: LionCubConfig = parse_config({"lr": lr, "betas": betas, "weight_decay": weight_decay, **options})
+        # _config, _bound_later: from_config's (options parsed once, by the caller; the aggregation built by bind()).
+        if _config is not None and options:
+            raise TypeError(f"LionCub: options {sorted(options)} given beside options already parsed")
+        self.options: LionCubConfig = (
+            _config
+            if _config is not None
+            else parse_config({"lr": lr, "betas": betas, "weight_decay": weight_decay, **options})
+        )
         refuse_clip_without_norm(self.options)
         self.module = module
         self.process_group = process_group
@@ -135,7 +145,11 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
             # The resolution may have turned vote_stats off (exact Lion takes no vote): record what runs.
             self.telemetry = StepTelemetry(vote_stats=self.options.telemetry.vote_stats)
             check_same_set_up(self.transport, self.options, self.param_groups, self.parameter_layout())
-        self._aggregator: Aggregator | None = build_aggregation(self.options, self.transport, False)
+        # The aggregation is built once: here, or by bind() when bind() is to follow (from_config's bound_later).
+        self._built_aggregator: Aggregator | None = None
+        self._aggregation_pending = True
+        if not _bound_later:
+            self._build_aggregation()
         # What runs after every step, in order (post_step.StepDone): a new per-step duty is a new hook.
         self._momentum_sync = MomentumSync(self.options.momentum_sync)
         self.post_step_hooks: list[PostStepHook] = [self._momentum_sync, ReplicaCheck(self.options.consistency_check)]
@@ -144,8 +158,38 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
         self._set_up_overlap()
         self._ready = True
         self._resolve_names()
-        # The options as the step runs them, on rank 0, once per (world, aggregation).
-        self._logged_setting = log_setting(self.transport, self.options, self._aggregator, None)
+        # The options as the step runs them, on rank 0, once per (world, aggregation); bind() says it when it builds.
+        self._logged_setting: tuple[int, str] | None = None
+        if not _bound_later:
+            self._logged_setting = log_setting(self.transport, self.options, self._built_aggregator, None)
+
+    @classmethod
+    def from_config(
+        cls,
+        params: Iterable[Any],
+        config: LionCubConfig,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        module: nn.Module | None = None,
+        bound_later: bool = False,
+    ) -> LionCub:
+        """LionCub from options already validated (:func:`~ds_lioncub.config.parse_config`), which are not parsed
+        again; lr, betas and weight_decay, the param groups' defaults, are the config's.
+
+        ``bound_later``: :meth:`bind` follows before the first step (the DeepSpeed wiring, which may move the
+        votes to another group), so the aggregation is built there, once, for the ranks that vote (a step
+        before any bind builds it over ``process_group``).
+        """
+        return cls(
+            params,
+            config.lr,
+            config.betas,
+            config.weight_decay,
+            process_group=process_group,
+            module=module,
+            _config=config,
+            _bound_later=bound_later,
+        )
 
     # ------------------------------------------------------------------ set-up
 
@@ -209,7 +253,7 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
             self.module = module
         self.gradients_are_averaged = gradients_averaged
         self._params_are_replicas = params_are_replicas
-        self._aggregator = build_aggregation(self.options, self.transport, gradients_averaged)
+        self._build_aggregation()
         self._resolve_names()
         self._logged_setting = log_setting(self.transport, self.options, self._aggregator, self._logged_setting)
 
@@ -232,6 +276,22 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
             stacklevel=2,
         )
         return CompressedBackend.from_transport(self.transport)
+
+    @property
+    def _aggregator(self) -> Aggregator | None:
+        """The aggregation the step runs (None: the gradients as they are), built once (:meth:`_build_aggregation`)."""
+        if self._aggregation_pending:  # from_config(bound_later=True) and stepped before any bind()
+            self._build_aggregation()
+        return self._built_aggregator
+
+    @_aggregator.setter
+    def _aggregator(self, aggregator: Aggregator | None) -> None:
+        self._built_aggregator, self._aggregation_pending = aggregator, False
+
+    def _build_aggregation(self) -> None:
+        """The aggregation over the voters' transport, for gradients the caller averages or not: at construction,
+        and again by each :meth:`bind`, which may change either."""
+        self._aggregator = build_aggregation(self.options, self.transport, self.gradients_are_averaged)
 
     def _make_transport(self, process_group: dist.ProcessGroup | None) -> Transport:
         return make_transport(process_group, self.options.comm_backend_name, self.options.cuda_aware)
@@ -306,9 +366,12 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
         baseline, self._traffic_before_step = baseline - self._traffic_before_step, CommStats()
         self.telemetry.begin_step(baseline)
         # Option clip and the noise scale share one sketch, taken before any path reads the gradients (and before
-        # the finite check, which may then refuse the step: the noise scale leaves non-finite steps out).
+        # the finite check, which may then refuse the step: the noise scale leaves non-finite steps out). Its
+        # all-reduce carries the finite check's verdict where the path runs that check (one collective, not two).
+        ranks_not_finite = None
         if self.sketches_each_step:
-            self._clip_gradients(entries, step)
+            carry = runs_finite_check(self._aggregator, self._overlap, self.options.check_finite)
+            ranks_not_finite = self._clip_gradients(entries, step, carry)
         context = StepContext(
             self.options.bucket_size,
             self._pipelined_buckets,
@@ -318,6 +381,7 @@ class LionCub(SteppedInParts, OverlapControls, CheckpointedState, ClipControls, 
             self._flat_params(),
             self.param_names,
             self._first_key_tensor,
+            ranks_not_finite,
         )
         run_step_path(entries, step, positive_ties, self._aggregator, self.transport, self._overlap, context)
         if parts is None:

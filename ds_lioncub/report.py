@@ -1,10 +1,10 @@
 """``python -m ds_lioncub.report``: which packing path is active and why (in the spirit of ``ds_report``).
 
-For a compiled or cupy path it also runs the self-check (:mod:`ds_lioncub.comm.packing.self_check`)
+For a compiled or cupy path it also runs the self-check (:mod:`ds_lioncub.kernels.self_check`)
 for the dtypes training uses and shows whether it passed, or what did not match.
 
 By default the report resolves the path exactly as training would, so on a fresh checkout it may
-JIT-build the CPU op once (about a minute; later runs reuse the cache). ``--no-build`` only looks:
+JIT-build the CPU op once (10-45 s on 2 cores; later runs reuse the cache). ``--no-build`` only looks:
 it reports whether a prebuilt module or a JIT cache exists and what ``auto`` would try.
 """
 
@@ -63,7 +63,7 @@ def _versions() -> list[str]:
     import deepspeed
 
     import ds_lioncub
-    from ds_lioncub.comm.packing.builders import default_build_root, ops_dir
+    from ds_lioncub.kernels.builders import default_build_root, ops_dir
 
     root = default_build_root()
     return [
@@ -77,7 +77,7 @@ def _versions() -> list[str]:
 
 def _ops(color: bool) -> list[str]:
     """Each op: can it build here, is it prebuilt or in the JIT cache; and whether cupy imports."""
-    from ds_lioncub.comm.packing.builders import builders
+    from ds_lioncub.kernels.builders import builders
 
     lines = []
     for builder in builders().values():
@@ -116,8 +116,8 @@ def _active_paths(devices: list[str]) -> list[str]:
 
 def _fused_step(path: str, module: object) -> str:
     """Whether a sign-vote bucket's local work runs as the fused kernels or as the torch composition."""
-    from ds_lioncub.comm.packing.compiled import FUSED_STEP_DTYPES
-    from ds_lioncub.comm.packing.self_check import dtype_name
+    from ds_lioncub.kernels.compiled import FUSED_STEP_DTYPES
+    from ds_lioncub.kernels.self_check import dtype_name
 
     composition = "the torch composition (lion_direction, update_momentum, pack_signs; unpack_signs, apply_update)"
     if path != "compiled":
@@ -133,7 +133,7 @@ def _fused_step(path: str, module: object) -> str:
 
 def _self_check(ops: object) -> str:
     """The self-check of the active implementation against torch, run now for the dtypes training uses."""
-    from ds_lioncub.comm.packing.self_check import TRAINING_DTYPES, SelfCheckedPacking, dtype_name
+    from ds_lioncub.kernels.self_check import TRAINING_DTYPES, SelfCheckedPacking, dtype_name
 
     if not isinstance(ops, SelfCheckedPacking):
         return "not needed: the torch path is the reference the others are checked against"
@@ -152,7 +152,7 @@ def _self_check(ops: object) -> str:
 
 def _predicted_paths(devices: list[str], mode: str) -> list[str]:
     """What ``mode`` would pick for each device type, from what is on disk; loads and builds nothing."""
-    from ds_lioncub.comm.packing.builders import builders
+    from ds_lioncub.kernels.builders import builders
 
     lines = []
     for device in devices:

@@ -227,8 +227,8 @@ class Recommendation:
 
 def recommendations(cluster: PlannedCluster, link_rates: Sequence[str] = LINK_RATES) -> list[Recommendation]:
     """What ``python -m ds_lioncub.planner`` recommends for ``cluster`` at each link rate, with and without
-    ``--zero-stage 0``: the fastest candidate the convergence study does not show losing Lion's loss (at
-    :data:`BETA2`)."""
+    ``--zero-stage 0``: the candidate first to exact Lion's loss (step time x r, at :data:`BETA2`, the job's
+    noise scale unknown)."""
     from ds_lioncub import planner
     from ds_lioncub.planner.convergence import choose, load_evidence
 
@@ -258,10 +258,12 @@ def format_recommendations(found: Sequence[Recommendation], runs: Sequence[RunCo
         for candidate, verdict in r.stage0.skipped:
             name = names.get(_key(candidate.params))
             if name is not None:
-                passed_over.setdefault(name, verdict.note)
+                passed_over.setdefault(
+                    name, f"later to exact Lion's loss ({r.stage0.time_text(candidate)}), {verdict.note}"
+                )
     if passed_over:
         reasons = "; ".join(f"{name}, {why}" for name, why in passed_over.items())
-        lines.append(_paragraph(f"Passed over at stage 0, though faster: {reasons}", "  "))
+        lines.append(_paragraph(f"Passed over at stage 0, though faster per step: {reasons}", "  "))
     uncertain: dict[str, str] = {}
     for r in found:
         name = names.get(_key(r.stage0.best.params))

@@ -39,7 +39,7 @@ from deepspeed.accelerator import get_accelerator
 
 import ds_lioncub  # noqa: F401  (registers "type": "LionCub" with DeepSpeed)
 from ds_lioncub.comm.transport import CommStats
-from ds_lioncub.deepspeed_integration import find_lioncub
+from ds_lioncub.integration import find_lioncub
 from examples.corpus import DEFAULT_MAX_BYTES, Corpus, load_corpus
 from examples.gpt import GPT, GPTConfig
 

@@ -336,8 +336,8 @@ def test_emulated_cluster_run_puts_the_expected_bytes_on_the_wire(
     # On the wire come headers (the counters see one set per 64 KiB offload super-frame: ~0.1%), the
     # ACKs for what the rank receives, and a few small messages (the finiteness check, gloo's own):
     # measured 1.003x and 1.03x of the model; nothing else may be sent. The 1-bit vote also sums the default clip's
-    # sketch (and the noise scale's squared norm): an fp64 all-reduce of 4,094 numbers.
-    sketch = wire.all_reduce_bytes(8 * (DEFAULT_SKETCH_BINS + 1), 2)
+    # sketch (and the noise scale's squared norm and the finiteness verdict): an fp64 all-reduce of 4,095 numbers.
+    sketch = wire.all_reduce_bytes(8 * (DEFAULT_SKETCH_BINS + 2), 2)
     for name, model in (("lion_fp32", 4 * n), ("lioncub_1bit", math.ceil(n / 16) * 2 + sketch)):
         for step, sent in enumerate(results[name]["per_step"]["tx_bytes"]):
             assert model <= sent <= 1.10 * model, (name, step, sent, model)

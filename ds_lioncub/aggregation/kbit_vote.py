@@ -7,7 +7,7 @@ import torch
 from ds_lioncub.aggregation.base import VoteStages
 from ds_lioncub.aggregation.state import Bucket, KbitVoteState
 from ds_lioncub.comm.kbit import KbitCodec
-from ds_lioncub.comm.quantize import l1_segment_scales
+from ds_lioncub.comm.packing import pack_l1_fields_of_means
 from ds_lioncub.comm.transport import Transport
 from ds_lioncub.comm.vocabulary import Aggregation as AggregationKind
 from ds_lioncub.comm.votes import (
@@ -52,12 +52,18 @@ class KbitVote(VoteStages):
         return self.issue(self.pack(bucket, positive_ties), bucket.values.numel(), positive_ties)
 
     def pack(self, bucket: Bucket, positive_ties: bool) -> torch.Tensor:
-        """The message ``start`` would send for ``bucket``: its packed b-bit fields."""
-        sizes, scales = None, None
+        """The message ``start`` would send for ``bucket``: its packed b-bit fields.
+
+        L1: each piece's scale from its mean |c| (:func:`~ds_lioncub.comm.quantize.l1_segment_scales`), the
+        scales, the quantizer and the packing in one pass where compiled (on a GPU no scale crosses to the host)."""
         if self.codec.quantizer == "l1":
+            nbytes = kbit_message_bytes(self.codec, bucket.values.numel())
+            codec = self.codec
             means = piece_means(bucket)
-            sizes, scales = l1_segment_scales(bucket.values, self.codec.levels, self.l1_clip, bucket.piece_sizes, means)
-        return pack_kbit_message(self.codec, bucket.values, positive_ties, scales, sizes)
+            return pack_l1_fields_of_means(
+                bucket.values, means, bucket.piece_sizes, codec.levels, self.l1_clip, codec.bits, nbytes=nbytes
+            )
+        return pack_kbit_message(self.codec, bucket.values, positive_ties)
 
     def issue(self, message: torch.Tensor, numel: int, positive_ties: bool) -> PendingAggregate:
         """``start`` for a message already packed by :meth:`pack` (or, for a vote of signs, to

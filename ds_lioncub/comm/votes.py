@@ -41,6 +41,7 @@ from ds_lioncub.comm.packing import (
     sum_fields_per_position,
     unpack_fields,
     unpack_signs,
+    vote_field_sums,
     vote_packed_signs,
 )
 from ds_lioncub.comm.transport import InFlight, Transport
@@ -175,18 +176,19 @@ def start_kbit_sum(
 
 def reduce_kbit_vote(transport: Transport, codec: KbitCodec, pending: PendingAggregate) -> PendingResult:
     """The vote of the summed fields (ties by the tie rule), packed; all-gathered under "alltoall"."""
-    # The vote straight from the field sums: one integer comparison, no signed sums in int32.
+    # The vote straight from the field sums: one integer comparison, no signed sums in int32, in one pass over the
+    # packed fields (vote_field_sums: unpack or sum, compare and pack; one kernel on a GPU).
     threshold = codec.vote_threshold(pending.positive_ties)
     numel = pending.numel
     received = transport.wait(pending.received)
     if codec.algorithm == "allreduce":
-        fields = unpack_fields(received, codec.bits, numel)
-        # fits uint8: the codec's world-size limit keeps p * 2L (sign: p) < 2**bits
-        voted = pack_fields(fields >= threshold, 1)
+        # the summed message is one row of fields; they fit uint8: the codec's world-size limit keeps p * 2L
+        # (sign: p) < 2**bits
+        voted = vote_field_sums(received.reshape(1, -1), codec.bits, numel, threshold)
         return PendingResult(InFlight(voted), numel, _unpacked_signs(numel), packed_signs=True)
     p = transport.world_size
-    field_sum = sum_fields_per_position(received.view(p, -1), codec.bits, vote_padded_numel(numel, p) // p)
-    gathered = transport.start_all_gather(pack_fields(field_sum >= threshold, 1))
+    chunk_numel = vote_padded_numel(numel, p) // p
+    gathered = transport.start_all_gather(vote_field_sums(received.view(p, -1), codec.bits, chunk_numel, threshold))
     return PendingResult(gathered, numel, _unpacked_signs(numel), packed_signs=True)
 
 

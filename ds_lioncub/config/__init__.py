@@ -4,7 +4,9 @@
   :func:`parse_config`, the one entry both ``LionCub(**options)`` and the ds_config go through;
 - :mod:`~ds_lioncub.config.sections`: the nested blocks (``momentum_sync``, ``consistency_check``,
   ``telemetry``, ``error_feedback``, ``clip``, ``hybrid``, ``network``);
-- :mod:`~ds_lioncub.config.rules`: the combinations of options that cannot work together, one table;
+- :mod:`~ds_lioncub.config.rules`: the combinations of options that cannot work together, one table (and the
+  message for an option the ZeRO hybrid refuses);
+- :mod:`~ds_lioncub.config.clip_rule`: which clipping runs, option ``clip`` against DeepSpeed's ``gradient_clipping``;
 - :mod:`~ds_lioncub.config.strict_types`: the strict reals, integers, flags, rates and durations;
 - :mod:`~ds_lioncub.config.reference`: docs/options.md rendered from the models.
 

@@ -122,7 +122,9 @@ class LionCubConfig(DeepSpeedConfigModel):
 
     check_finite: Flag = True
     """Compressed modes: every step first agrees (one 4-byte all-reduce) that no rank has a NaN/inf
-    gradient, and raises on every rank otherwise, since a vote would hide it."""
+    gradient, and raises on every rank otherwise, since a vote would hide it. Where the step sketches its
+    gradients (option `clip`, `telemetry.noise_scale`), the sketch's all-reduce carries the verdict instead
+    (one more fp64 number), so the check costs no collective of its own."""
 
     momentum_sync: MomentumSyncConfig = MomentumSyncConfig()
     """Selective momentum synchronisation (compressed modes only): every ``interval`` steps average the

@@ -3,7 +3,8 @@
 :data:`CROSS_OPTION_RULES` is checked in order by :class:`~ds_lioncub.config.LionCubConfig`'s validator after
 every option is valid on its own; a config with several problems is refused with the first rule's message
 (:func:`~ds_lioncub.config.parse_config` puts "LionCub: invalid options: " before it). A new option that
-depends on another adds one entry here, not a branch.
+depends on another adds one entry here, not a branch. :func:`hybrid_refusal` is the message for an option the ZeRO
+hybrid refuses (a rule of the options and ZeRO's stage), which the DeepSpeed wiring and the simulator both raise.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ds_lioncub.config.sections import (
     NetworkConfig,
     TelemetryConfig,
 )
+from ds_lioncub.errors import LionCubConfigError
 
 
 class OptionValues(Protocol):
@@ -220,4 +222,14 @@ CROSS_OPTION_RULES: tuple[CrossOptionRule, ...] = (
 )
 
 
-__all__ = ["CROSS_OPTION_RULES", "CrossOptionRule", "OptionValues"]
+def hybrid_refusal(options: OptionValues, stage: int, what: str, fix: str) -> LionCubConfigError:
+    """The error for an option the ZeRO hybrid does not support: what the DeepSpeed wiring raises, and what
+    ``python -m ds_lioncub.simulate`` says for the same ds_config (a rule of the options and ZeRO's stage)."""
+    return LionCubConfigError(
+        f"LionCub: compression={options.compression!r} under ZeRO stage {stage} (the hybrid: ZeRO inside each node, "
+        f"Lion Cub's vote across nodes) does not support {what}. To use it, {fix}; or use compression='none' "
+        f"(exact Lion under ZeRO)."
+    )
+
+
+__all__ = ["CROSS_OPTION_RULES", "CrossOptionRule", "OptionValues", "hybrid_refusal"]

@@ -18,7 +18,7 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator
 
 from ds_lioncub.errors import LionCubConfigError
-from ds_lioncub.units import parse_duration, parse_rate
+from ds_lioncub.quantities.units import parse_duration, parse_rate
 
 
 def only_numbers(value: Any) -> Any:

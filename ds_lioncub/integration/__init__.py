@@ -9,7 +9,8 @@ files beside DeepSpeed's checkpoints are :mod:`.checkpoint`.
 
 from __future__ import annotations
 
+from ds_lioncub.integration.checkpoint import momentum_state
 from ds_lioncub.integration.engine_hooks import OPTIMIZER_NAME, find_lioncub, register
 from ds_lioncub.integration.wiring import wire_engine
 
-__all__ = ["OPTIMIZER_NAME", "find_lioncub", "register", "wire_engine"]
+__all__ = ["OPTIMIZER_NAME", "find_lioncub", "momentum_state", "register", "wire_engine"]

@@ -11,7 +11,9 @@ node 0 only too (their names, by rank in the node, would collide across nodes).
 A file holds its format version, the world size, its rank, the LionCub step, the parameter layout
 (names, shapes, dtypes in optimizer order), the options the run used, the hybrid topology where there
 is one, ``exp_avg`` by flat parameter position, and, with error feedback, ``aggregation``: the rank's
-aggregation state (its residuals or EF21 estimates per bucket; absent otherwise). It is written to a
+aggregation state (its residuals or EF21 estimates per bucket; absent otherwise), and ``noise_scale``: the
+gradient noise scale's moving averages (the same on every rank; ZeRO keeps only per-parameter optimizer state,
+so the hybrids would lose them). It is written to a
 temporary name and renamed, and every rank's file is complete before DeepSpeed's own save starts, so
 DeepSpeed's ``latest`` only ever names a tag whose LionCub set is complete (a save interrupted part-way
 leaves ``latest`` at the previous tag).
@@ -48,6 +50,7 @@ from ds_lioncub.consistency.fingerprint import gather_texts
 from ds_lioncub.errors import LionCubSetupError
 from ds_lioncub.integration.hybrid_zero import HybridSetup
 from ds_lioncub.optimizer import LionCub
+from ds_lioncub.step.local_state import NOISE_SCALE_KEY
 
 MOMENTUM_FILE_PREFIX = "lioncub_dp_rank_"
 HYBRID_FILE_PREFIX = "lioncub_hybrid_rank_"
@@ -88,6 +91,7 @@ def momentum_state(optimizer: LionCub, rank: int, hybrid: HybridSetup | None = N
     aggregation = optimizer.aggregation_state()
     if aggregation is not None:
         state["aggregation"] = aggregation
+    state[NOISE_SCALE_KEY] = optimizer.noise_scale_state()
     if hybrid is not None:
         state.update(
             nodes=hybrid.groups.layout.nodes, node_size=hybrid.groups.layout.node_size, zero_stage=hybrid.zero_stage
@@ -177,6 +181,8 @@ class RankRestore:
     aggregation: dict[str, Any] | None = None
     #: Why no aggregation state comes back although one may have been saved ("" otherwise).
     aggregation_dropped: str = ""
+    #: The gradient noise scale's moving averages (None: saved by 0.2.0 or older).
+    noise_scale: dict[str, float | int] | None = None
 
 
 def _momenta_to_restore(optimizer: LionCub, directory: str, hybrid: HybridSetup | None) -> RankRestore | None:
@@ -237,7 +243,7 @@ def _momenta_to_restore(optimizer: LionCub, directory: str, hybrid: HybridSetup 
     if hybrid is not None or saved_world == optimizer.transport.world_size:  # each rank its own file
         own = state_of(expected[rank])
         _check_file(own, expected[rank], rank, saved_world, layout)
-        return RankRestore(list(own["exp_avg"]), own.get("aggregation"))
+        return RankRestore(list(own["exp_avg"]), own.get("aggregation"), noise_scale=own.get(NOISE_SCALE_KEY))
     states = []
     for saved_rank, path in enumerate(expected):
         state = state_of(path)
@@ -249,7 +255,8 @@ def _momenta_to_restore(optimizer: LionCub, directory: str, hybrid: HybridSetup 
             f"it was saved by {saved_world} ranks and this world has {optimizer.transport.world_size}; the "
             f"feedback state is each rank's own, in its world's chunks, and is not resharded"
         )
-    return RankRestore(_mean_momenta(states), None, dropped)
+    # The noise scale's averages are the same in every file; they are per voter batch, so they hold in any world.
+    return RankRestore(_mean_momenta(states), None, dropped, first.get(NOISE_SCALE_KEY))
 
 
 def _hybrid_kind(zero3: bool) -> str:
@@ -305,6 +312,8 @@ def restore(optimizer: LionCub, found: RankRestore) -> None:
     """Load what :func:`prepare_load` found into ``optimizer`` (after DeepSpeed's own load); logs on rank 0 when
     the optimizer has error feedback and its saved state could not be taken (it starts over from zeros)."""
     optimizer.load_local_momentum(found.momenta)
+    if found.noise_scale is not None:
+        optimizer.load_noise_scale_state(found.noise_scale)
     if optimizer.options.error_feedback is None:
         return
     why = found.aggregation_dropped or optimizer.load_aggregation_state(found.aggregation)

@@ -4,7 +4,8 @@
   ``"type": "LionCub"`` every rank first checks that all ranks built the same model and optimizer
   params, so a mismatch is a clear error on every rank instead of a crash inside the broadcast;
 - ``_configure_basic_optimizer``: builds LionCub from the ds_config params (validated by the same
-  model as the Python API) over the engine's data-parallel group, with the engine's module for names;
+  model as the Python API, once per engine: the model check above parsed them) over the engine's
+  data-parallel group, with the engine's module for names, its clipping resolved;
 - ``_do_optimizer_sanity_check`` (runs after the basic optimizer exists, before any wrapper): wires a
   LionCub however it was made (config, object or callable) and refuses what cannot run, before
   training starts (:func:`ds_lioncub.integration.wiring.wire_engine`);
@@ -32,19 +33,26 @@ from typing import Any
 
 from ds_lioncub._version import __version__
 from ds_lioncub.comm.transport import make_transport
-from ds_lioncub.config import parse_config
-from ds_lioncub.config.clip_rule import resolve_clipping
+from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.consistency.fingerprint import check_same_on_every_rank, describe_parameters
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.integration import checkpoint
 from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE, configure_hybrid_zero
 from ds_lioncub.integration.hybrid_zero3 import configure_zero3, flat_groups_visible, node_zero_writes_the_model_states
-from ds_lioncub.integration.wiring import refuse_before_construction, resolve_auto_for_engine, wire_engine
+from ds_lioncub.integration.wiring import (
+    CLIP_ATTRIBUTE,
+    refuse_before_construction,
+    resolve_auto_for_engine,
+    resolve_clipping_for_engine,
+    wire_engine,
+)
 from ds_lioncub.optimizer import LionCub
 from ds_lioncub.telemetry import StepRecord
 
 OPTIMIZER_NAME = "lioncub"
 _WRAPPED_MARK = "_lioncub_original"
+# The attribute of a DeepSpeedEngine that holds its ds_config's LionCub params and the options parsed from them.
+_PARSED_ATTRIBUTE = "_lioncub_parsed_options"
 
 
 def find_lioncub(optimizer: Any) -> LionCub | None:
@@ -58,11 +66,23 @@ def find_lioncub(optimizer: Any) -> LionCub | None:
     return None
 
 
-def check_same_model_on_every_rank(model: Any, optimizer_params: dict[str, Any]) -> None:
+def ds_config_options(engine: Any) -> LionCubConfig:
+    """The ds_config's LionCub params, validated: parsed once per engine, by the first hook that reads them (the
+    model check, then the optimizer's construction read the same block)."""
+    params = dict(engine.optimizer_params() or {})
+    parsed = getattr(engine, _PARSED_ATTRIBUTE, None)
+    if parsed is None or parsed[0] != params:
+        parsed = (params, parse_config(params))
+        setattr(engine, _PARSED_ATTRIBUTE, parsed)
+    options: LionCubConfig = parsed[1]
+    return options
+
+
+def check_same_model_on_every_rank(model: Any, options: LionCubConfig) -> None:
     """Every rank of the world built the same model (names, shapes, dtypes) and LionCub params, or all raise."""
     named = list(model.named_parameters())
-    options = parse_config(optimizer_params).model_dump()  # every field on every rank: the same components
-    components = [("ds_lioncub version", __version__), *((f"option {key}", repr(v)) for key, v in options.items())]
+    fields = options.model_dump()  # every field on every rank: the same components
+    components = [("ds_lioncub version", __version__), *((f"option {key}", repr(v)) for key, v in fields.items())]
     parameters = describe_parameters([name for name, _ in named], [param for _, param in named])
     # Before LionCub exists, over DeepSpeed's world: torch.distributed, whatever will carry the votes.
     check_same_on_every_rank(make_transport(None, comm_backend_name="torch"), components, parameters)
@@ -104,7 +124,7 @@ def register() -> None:
 def _wrap_configure_distributed_model(original: Callable[..., Any]) -> Callable[..., Any]:
     def configure_distributed_model(engine: Any, model: Any) -> Any:
         if engine.optimizer_name() == OPTIMIZER_NAME:
-            check_same_model_on_every_rank(model, dict(engine.optimizer_params() or {}))
+            check_same_model_on_every_rank(model, ds_config_options(engine))
         return original(engine, model)
 
     return configure_distributed_model
@@ -114,24 +134,27 @@ def _wrap_configure_basic_optimizer(original: Callable[..., Any]) -> Callable[..
     def configure_basic_optimizer(engine: Any, model_parameters: Any) -> Any:
         if engine.optimizer_name() != OPTIMIZER_NAME:
             return original(engine, model_parameters)
-        params = dict(engine.optimizer_params() or {})
-        options = parse_config(params)
+        options = ds_config_options(engine)
         if model_parameters is None:
             model_parameters = engine.module.parameters()
         if options.compression == "auto":  # resolved here, where the engine's ZeRO stage and gradient path are known
             model_parameters = list(model_parameters)
             options = resolve_auto_for_engine(engine, options, model_parameters)
-            params = options.model_dump(include=options.model_fields_set)
         # The same message on every rank, before anything is allocated (an MPI transport would be).
         refuse_before_construction(engine, options)
-        # Option clip's max_norm may come from gradient_clipping; the wiring resolves it again (idempotently), for a
-        # LionCub however it was made, and switches DeepSpeed's clipping off where LionCub clips.
-        written = "gradient_clipping" in (getattr(engine._config, "_param_dict", None) or {})
-        clipping = float(engine.gradient_clipping() or 0.0)
-        resolved = resolve_clipping(options, clipping, written, int(engine.zero_optimization_stage())).options
-        if resolved.clip is not None:
-            params["clip"] = resolved.clip.model_dump(include=resolved.clip.model_fields_set)
-        return LionCub(model_parameters, process_group=engine.seq_data_parallel_group, module=engine.module, **params)
+        # Option clip's max_norm may come from gradient_clipping: resolved once, here (the block as written); the
+        # wiring applies this resolution (it switches DeepSpeed's clipping off where LionCub clips).
+        clipping = resolve_clipping_for_engine(engine, options)
+        # Built to be bound: the wiring's bind() builds the aggregation, once, for the group that votes.
+        lioncub = LionCub.from_config(
+            model_parameters,
+            clipping.options,
+            process_group=engine.seq_data_parallel_group,
+            module=engine.module,
+            bound_later=True,
+        )
+        setattr(engine, CLIP_ATTRIBUTE, (lioncub, clipping))
+        return lioncub
 
     return configure_basic_optimizer
 

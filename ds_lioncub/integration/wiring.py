@@ -24,8 +24,9 @@ import torch
 from ds_lioncub._logging import get_logger
 from ds_lioncub.comm.topology import create_groups, plan_hybrid, resolve_node_size
 from ds_lioncub.comm.transport import make_transport
-from ds_lioncub.config import LionCubConfig, parse_config
-from ds_lioncub.config.clip_rule import resolve_clipping
+from ds_lioncub.config import LionCubConfig
+from ds_lioncub.config.clip_rule import ClipResolution, resolve_clipping
+from ds_lioncub.config.rules import hybrid_refusal
 from ds_lioncub.consistency.fingerprint import agreed_text
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE, HybridSetup, check_node_blocks_on_one_host
@@ -37,15 +38,9 @@ from ds_lioncub.planner.model import DEEPSPEED_BUCKET_SIZE
 
 # The hybrid relies on private parts of DeepSpeed's engine and ZeRO optimizers, checked against these releases.
 TESTED_DEEPSPEED_MINOR = (0, 19)
-
-
-def hybrid_refusal(options: LionCubConfig, stage: int, what: str, fix: str) -> LionCubConfigError:
-    """The error for an option the ZeRO hybrid does not support (also what ``python -m ds_lioncub.simulate`` says)."""
-    return LionCubConfigError(
-        f"LionCub: compression={options.compression!r} under ZeRO stage {stage} (the hybrid: ZeRO inside each node, "
-        f"Lion Cub's vote across nodes) does not support {what}. To use it, {fix}; or use compression='none' "
-        f"(exact Lion under ZeRO)."
-    )
+# The attribute of a DeepSpeedEngine that holds (the LionCub built from its ds_config, the clipping resolved to build
+# it): absent where the caller made the LionCub.
+CLIP_ATTRIBUTE = "_lioncub_clip_resolution"
 
 
 def refuse_before_construction(engine: Any, options: LionCubConfig) -> None:
@@ -148,19 +143,27 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
     optimizer.set_noise_scale_batch(voter_batch_samples(engine, layout.node_size))
 
 
+def resolve_clipping_for_engine(engine: Any, options: LionCubConfig) -> ClipResolution:
+    """Which clipping runs for ``options`` in this engine (:func:`~ds_lioncub.config.clip_rule.resolve_clipping`),
+    from its ds_config's ``gradient_clipping`` (written or defaulted) and its ZeRO stage."""
+    written = "gradient_clipping" in (getattr(engine._config, "_param_dict", None) or {})
+    stage = int(engine.zero_optimization_stage())
+    return resolve_clipping(options, float(engine.gradient_clipping() or 0.0), written, stage)
+
+
 def resolve_engine_clipping(engine: Any, optimizer: LionCub) -> None:
     """Which clipping runs in this engine (:mod:`ds_lioncub.config.clip_rule`): LionCub's options take the resolved
     ``clip``, DeepSpeed's ``gradient_clipping`` becomes 0 where LionCub clips (before the engine builds the fp16/bf16
-    or ZeRO wrapper, which read it then), and rank 0 logs the one line that says which clipping runs."""
-    written = "gradient_clipping" in (getattr(engine._config, "_param_dict", None) or {})
-    stage = int(engine.zero_optimization_stage())
-    options = optimizer.options
-    if str(engine.optimizer_name() or "").lower() == "lioncub":
-        # Built from the ds_config, whose clip block the engine hook already resolved (to build LionCub): resolve
-        # the block as written, so that the log line names where the norm came from. The result is the same.
-        given = (engine.optimizer_params() or {}).get("clip")
-        options = options.model_copy(update={"clip": None if given is None else parse_config({"clip": given}).clip})
-    resolution = resolve_clipping(options, float(engine.gradient_clipping() or 0.0), written, stage)
+    or ZeRO wrapper, which read it then), and rank 0 logs the one line that says which clipping runs.
+
+    A LionCub built from the ds_config was built with its clip block resolved as written (the engine hook, which
+    keeps that resolution on the engine), so the log line names where the norm came from; one the caller made is
+    resolved here."""
+    built = getattr(engine, CLIP_ATTRIBUTE, None)
+    if built is not None and built[0] is optimizer:
+        resolution: ClipResolution = built[1]
+    else:
+        resolution = resolve_clipping_for_engine(engine, optimizer.options)
     optimizer.options = resolution.options
     engine._config.gradient_clipping = resolution.engine_clipping
     if int(engine.global_rank) == 0:

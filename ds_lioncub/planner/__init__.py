@@ -20,7 +20,7 @@ from ds_lioncub.planner.model import (
     plan,
     predict_aggregation_seconds,
 )
-from ds_lioncub.units import format_rate, format_seconds, parse_duration, parse_rate
+from ds_lioncub.quantities.units import format_rate, format_seconds, parse_duration, parse_rate
 
 __all__ = [
     "DEFAULT_LOCAL_COSTS",

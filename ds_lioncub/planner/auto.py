@@ -8,11 +8,13 @@ then compares the resolved options across ranks. It is called where the world is
 before it builds LionCub from a ds_config (the engine's ZeRO stage, bucket size and gradient
 communication dtype).
 
-The result is the fastest candidate of :func:`~ds_lioncub.planner.plan` at that ZeRO stage that the
-convergence study (:mod:`ds_lioncub.planner.convergence`) does not show losing more than 2% of exact
-Lion's loss at the voters' count and ``betas[1]`` (the 95% interval of its gap above 2%); passing over
-a faster mode is said in the sentence and logged as a warning, and where the study cannot tell (the
-chosen mode's interval reaches 2%) the sentence gives the interval, as the planner prints it. Under
+The result is the candidate of :func:`~ds_lioncub.planner.plan` at that ZeRO stage that reaches exact Lion's
+loss first, as the planner ranks them (:func:`ds_lioncub.planner.convergence.choose`): step time x r, the steps
+the mode needs in units of exact Lion's at the voters' count and ``betas[1]``. ``"auto"`` has no option that
+gives the job's noise scale, so r is its worst case, 1/kappa, and the sentence says so (the planner's
+``--noise-scale`` takes the one LionCub measures). Passing over a faster mode (it reaches the loss later) is
+said in the sentence, with each mode's step x r, and logged as a warning; the chosen mode's gap after the
+study's steps is in the sentence too. Under
 ZeRO stage 3 the candidates are exact Lion under ZeRO-3 and the ZeRO-3 hybrid
 (:mod:`ds_lioncub.planner.zero3`). The options the user gave are kept, except that ``network`` is
 dropped (it served its purpose), and when exact Lion wins ``momentum_sync`` and ``hybrid`` too (they
@@ -42,7 +44,8 @@ from ds_lioncub.planner.model import (
     describe_network,
     plan,
 )
-from ds_lioncub.units import format_seconds
+from ds_lioncub.planner.output import best_gap
+from ds_lioncub.quantities.units import format_seconds
 
 COMPRESSED_ONLY = ("momentum_sync", "hybrid")
 #: How set-up errors name G, the ranks per node that ``"auto"`` plans for.
@@ -162,7 +165,8 @@ def resolve_auto(
         hybrid_with_one_rank_per_node=zero_stage != 0,
         clip=_planned_clip(options, default_clip),
     )
-    # The fastest mode that the convergence study does not show losing Lion's loss at these voters and beta2.
+    # The mode first to exact Lion's loss at these voters and beta2: step time x r (r's worst case, 1/kappa: "auto"
+    # has no option that gives the job's noise scale).
     sync = options.momentum_sync.model_dump() if options.momentum_sync.interval else None
     choice = choose(candidates, Cluster(layout.nodes, layout.node_size), options.betas[1], momentum_sync=sync)
     best = choice.best
@@ -171,10 +175,10 @@ def resolve_auto(
     compressed = next(c for c in candidates if c.compression != "none")
     if best.compression == "none" and choice.skipped:
         sentence = (
-            f"LionCub auto: compression would pay for {where} ({compressed.label} predicted at "
+            f"LionCub auto: compression would pay per step for {where} ({compressed.label} predicted at "
             f"{format_seconds(compressed.seconds_per_step)}/step, exact Lion at "
-            f"{format_seconds(exact.seconds_per_step)}), but every faster mode loses Lion's loss; using exact "
-            f"Lion (compression 'none', {exact.label})." + skipped + _vote_stats_note(options)
+            f"{format_seconds(exact.seconds_per_step)}), but no faster mode reaches exact Lion's loss sooner; using "
+            f"exact Lion (compression 'none', {exact.label})." + skipped + _vote_stats_note(options)
         )
         return AutoResolution(_concrete(options, best.params, zero_stage), sentence, True, tuple(candidates))
     if best.compression == "none":
@@ -186,10 +190,12 @@ def resolve_auto(
             + _vote_stats_note(options)
         )
         return AutoResolution(_concrete(options, best.params, zero_stage), sentence, True, tuple(candidates))
-    caveat = f" {choice.caveat()}" if choice.caveat() else ""
+    ratio = choice.ratio_of(best)
+    notes = "".join(f" {note}" for note in choice.study_notes())
     sentence = (
         f"LionCub auto: {best.label}, predicted {format_seconds(best.seconds_per_step)}/step vs "
-        f"{format_seconds(exact.seconds_per_step)} for exact Lion, for {where}.{caveat}{skipped}"
+        f"{format_seconds(exact.seconds_per_step)} for exact Lion, for {where}; to exact Lion's loss "
+        f"{choice.time_text(best)} (r: {ratio.note}; {best_gap(choice).rstrip('.')}).{notes}{skipped}"
     )
     return AutoResolution(_concrete(options, best.params, zero_stage), sentence, bool(skipped), tuple(candidates))
 

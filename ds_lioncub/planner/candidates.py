@@ -22,6 +22,7 @@ from ds_lioncub.planner.pricing import (
     clip_collectives,
     clip_local_cost,
     priced_candidate,
+    sketch_values,
 )
 
 
@@ -67,9 +68,12 @@ def flat_candidate(
     buckets = bucket_sizes(num_params, bucket_size)
     for bucket in buckets:
         votes.add(aggregation_collectives(options, bucket, p), "spanning", node_size, network)
-    if p > 1 and options.check_finite:
+    # Where the step sketches (option clip, the noise scale), the sketch's all-reduce carries the finite check
+    # (not under overlap, whose verdict also says which buckets changed after the sketch).
+    carried = options.check_finite and not options.overlap and sketch_values(options, p) > 0
+    if p > 1 and options.check_finite and not carried:
         alone.add(wire.finite_check_collectives(p), "spanning", node_size, network)
-    alone.add(clip_collectives(options, p, p), "spanning", node_size, network)
+    alone.add(clip_collectives(options, p, p, carries_finite_check=carried), "spanning", node_size, network)
     aggregation = aggregation_local_cost(costs, options) * num_params if p > 1 else 0.0
     local = (costs.cost(LION_UPDATE) + clip_local_cost(costs, options, p)) * num_params + aggregation
     return priced_candidate(label, params, 0, alone, local, votes, len(buckets))

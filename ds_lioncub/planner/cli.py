@@ -6,22 +6,32 @@
            [--device cpu|cuda] [--gpu NAME | --device-bandwidth RATE]
            [--intra-node-bandwidth RATE] [--latency T] [--json] [--local-costs FILE]
            [--ring-efficiency E] [--all-to-all-efficiency E] [--ranks-per-core R] [--beta2 B]
+           [--global-batch SAMPLES [--noise-scale SAMPLES]]
            [--zero-stage 0|2|3] [--clip MAX_NORM] [--clip-rule mean|deepspeed]
     python -m ds_lioncub.planner --calibrate [--device cpu|cuda] [--save FILE]
 
-The default output is a table of every feasible candidate, fastest predicted step first, with what
-the convergence study says of each at its worker count and ``--beta2``
-(:mod:`ds_lioncub.planner.convergence`: the gap to Lion's loss and its 95% Student-t interval), and
-the ds_config blocks of the recommended one: the fastest that the study does not show losing more
-than 2% of Lion's loss (the interval above 2%; a faster one that does is named, with its gap), with
-its interval beside it where that reaches 2%. ``--json`` prints ``{"recommended": {"params",
-"zero_stage"}, "local_costs": {"device", "measured_on"}, "candidates": [{"params", "zero_stage",
-"seconds_per_step", "bytes_per_step_per_rank"}, ...]}``, plus ``"passed_over": [{"params",
-"zero_stage", "gap_percent", "half_width_percent", "seeds", "why"}, ...]`` when faster candidates
-were passed over, and ``"uncertain_loss": {"gap_percent", "half_width_percent", "seeds", "why"}`` in
-``"recommended"`` when the study cannot tell whether the recommended mode keeps within 2%
-(``half_width_percent``: the interval's half-width in points of %, null with one seed). Bad
-arguments exit with status 2 and argparse's message.
+The default output is a table of every feasible candidate, first to exact Lion's loss first: its step time, its
+bits per element, r (the steps it needs to reach exact Lion's loss, in units of exact Lion's, with its 95%
+interval), the time to that loss (step x r) and the convergence study's gap to Lion's loss after its steps
+at the mode's worker count and ``--beta2`` (:mod:`ds_lioncub.planner.convergence`), then the recommended one,
+the faster-per-step ones it was chosen over (one line each, with why), and its ds_config blocks. r
+(:mod:`ds_lioncub.planner.time_to_loss`) comes from the share of the batch the mode is worth (kappa, from the
+study) and the job's batch over its noise scale, ``--global-batch`` and ``--noise-scale`` (samples; LionCub
+measures B_simple as it trains); without the noise scale, the worst case, 1/kappa, which the output says. A mode
+is passed over only for one that reaches the loss sooner, never for its gap alone.
+
+``--json`` prints ``{"recommended": {"params", "zero_stage", "r", "r_low", "r_high", "r_basis",
+"seconds_to_lions_loss", "seconds_to_lions_loss_low", "seconds_to_lions_loss_high", "why"}, "local_costs":
+{"device", "measured_on"}, "time_to_loss": {"global_batch", "noise_scale", "basis", "evidence", "notes"},
+"candidates": [{"params", "zero_stage", "seconds_per_step", "bytes_per_step_per_rank", "bits_per_element",
+the r fields, "gap_percent", "half_width_percent", "seeds"}, ...]}``, plus ``"passed_over": [{"params",
+"zero_stage", "gap_percent", "half_width_percent", "seeds", the r fields, "why"}, ...]`` when faster candidates
+were passed over (they reach exact Lion's loss later), and ``"uncertain_loss": {"gap_percent",
+"half_width_percent", "seeds", "why"}`` in ``"recommended"`` when the study cannot tell whether the recommended
+mode's gap is within 2% (``half_width_percent``: the interval's half-width in points of %, null with one seed;
+an r unknown is null). The candidates are in step order, fastest first. Bad arguments exit with status 2 and
+argparse's message. Nothing but the output goes to stdout (DeepSpeed's import-time messages go to stderr:
+:mod:`ds_lioncub._deepspeed_import`).
 
 The candidates are those of ZeRO stages 0 and 2 (stage 2 with more than one node); ``--zero-stage S``
 lists one stage's alone, for a job whose stage is fixed: 0, 2, or 3 (exact Lion under ZeRO-3 over the
@@ -45,13 +55,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ds_lioncub.errors import LionCubConfigError
+from ds_lioncub.planner.arguments import (
+    MAX_PARAMS,
+    ZERO_STAGES,
+    argument,
+    beta,
+    fraction,
+    nodes_count,
+    non_negative_number,
+    params_count,
+    positive_number,
+    ranks_count,
+    samples,
+    threads_count,
+)
 from ds_lioncub.planner.convergence import (
+    SHIPPED_STUDY,
     choose,
     load_evidence,
     read_evidence,
@@ -76,119 +100,40 @@ from ds_lioncub.planner.model import (
     plan,
 )
 from ds_lioncub.planner.output import as_json, as_table
-from ds_lioncub.units import parse_duration, parse_rate
-
-
-def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """An argparse type from a parser that raises LionCubConfigError (argparse then prints the message)."""
-
-    def convert(text: str) -> Any:
-        try:
-            return parse(text)
-        except LionCubConfigError as error:
-            raise argparse.ArgumentTypeError(str(error).removeprefix("LionCub: ")) from None
-
-    convert.__name__ = parse.__name__
-    return convert
-
-
-# Upper bounds of the counts. Planning time grows with the model's buckets (about 20 s for 1e12 parameters on a
-# 2-core machine, and the bucket list no longer fits in memory near 1e20), and a count beyond any machine is a typo.
-MAX_PARAMS = 10**13
-MAX_NODES = 10**6
-MAX_RANKS_PER_NODE = 10**4
-MAX_THREADS = 10**4
-#: What ``--zero-stage`` takes (stage 1 communicates as stage 2 does: the stage-2 candidates cover it).
-ZERO_STAGES = (0, 2, 3)
-
-
-def _as_float(text: str, hint: str = "") -> float:
-    """``text`` as a float, or the planner's "is not a number" error with ``hint`` (e.g. " (write 0.9)")."""
-    try:
-        return float(text)
-    except ValueError:
-        raise LionCubConfigError(f"LionCub: {text!r} is not a number{hint}") from None
-
-
-def _count(limit: int, example: str) -> Callable[[str], int]:
-    """A parser of a whole number in [1, ``limit``], written as an integer or as a float such as 1.5e9."""
-
-    def count(text: str) -> int:
-        value = _as_float(text, f" (write {example})")
-        # Checked before int(): int(inf) raises OverflowError and int(nan) a ValueError argparse would report
-        # under this function's name.
-        if not math.isfinite(value) or value < 1 or value != int(value):
-            raise LionCubConfigError(f"LionCub: {text!r} must be a whole number >= 1 (write {example})")
-        if value > limit:
-            raise LionCubConfigError(f"LionCub: {text!r} is more than the planner takes: at most {limit:,}")
-        return int(value)
-
-    return count
-
-
-_params_count = _count(MAX_PARAMS, "1500000000 or 1.5e9")
-_nodes_count = _count(MAX_NODES, "e.g. 4")
-_ranks_count = _count(MAX_RANKS_PER_NODE, "e.g. 8")
-_threads_count = _count(MAX_THREADS, "e.g. 4")
-
-
-def _fraction(text: str) -> float:
-    value = _as_float(text, " (write a fraction such as 0.9)")
-    if not 0 < value <= 1:
-        raise LionCubConfigError(f"LionCub: {text!r} must be a fraction of the link rate in (0, 1]")
-    return value
-
-
-def _beta(text: str) -> float:
-    value = _as_float(text, " (write beta2 as e.g. 0.99)")
-    if not 0 <= value < 1:
-        raise LionCubConfigError(f"LionCub: beta2 {text!r} must be in [0, 1), e.g. 0.95 or 0.99")
-    return value
-
-
-def _non_negative_number(text: str) -> float:
-    value = _as_float(text)
-    if not (value >= 0 and value != float("inf")):
-        raise LionCubConfigError(f"LionCub: {text!r} must be a number >= 0")
-    return value
-
-
-def _positive_number(text: str) -> float:
-    value = _as_float(text)
-    if not (value > 0 and value != float("inf")):
-        raise LionCubConfigError(f"LionCub: {text!r} must be a positive number")
-    return value
+from ds_lioncub.planner.time_to_loss import JobBatch
+from ds_lioncub.quantities.units import parse_duration, parse_rate
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m ds_lioncub.planner",
-        description="Predict which LionCub mode gives the fastest step on a cluster (an alpha-beta model of every "
-        "mode's collectives plus measured local costs), and print the ds_config to use.",
+        description="Predict which LionCub mode reaches exact Lion's loss first on a cluster: each mode's step time "
+        "(an alpha-beta model of its collectives plus measured local costs) x r, the steps it needs in units of "
+        "exact Lion's (the convergence study's batch share and the job's noise scale), and print the ds_config to use.",
     )
     parser.add_argument(
         "--params",
-        type=_argument(_params_count),
+        type=argument(params_count),
         metavar="N",
         help=f"parameters in the model (e.g. 1.5e9; at most {MAX_PARAMS:,})",
     )
-    parser.add_argument("--nodes", type=_argument(_nodes_count), metavar="M", help="machines, M")
-    parser.add_argument("--gpus-per-node", type=_argument(_ranks_count), metavar="G", help="ranks per machine, G")
+    parser.add_argument("--nodes", type=argument(nodes_count), metavar="M", help="machines, M")
+    parser.add_argument("--gpus-per-node", type=argument(ranks_count), metavar="G", help="ranks per machine, G")
     parser.add_argument(
         "--inter-node-bandwidth",
-        type=_argument(parse_rate),
+        type=argument(parse_rate),
         metavar="RATE",
         help="each machine's link to the network, e.g. 1gbit, 100gbit, 10GB/s",
     )
     parser.add_argument(
         "--intra-node-bandwidth",
-        type=_argument(parse_rate),
+        type=argument(parse_rate),
         metavar="RATE",
         help="between two ranks of one machine (default: no bottleneck, e.g. NVLink beside Ethernet)",
     )
     parser.add_argument(
         "--latency",
-        type=_argument(parse_duration),
+        type=argument(parse_duration),
         default=DEFAULT_LATENCY,
         metavar="T",
         help=f"per message round, e.g. 5us, 50us, 1ms (default {DEFAULT_LATENCY * 1e6:g}us)",
@@ -210,27 +155,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gpu.add_argument(
         "--device-bandwidth",
-        type=_argument(parse_rate),
+        type=argument(parse_rate),
         metavar="RATE",
         help="with --device cuda: the GPU's memory bandwidth instead of a named GPU's, e.g. 3.35TB/s",
     )
     parser.add_argument(
         "--ring-efficiency",
-        type=_argument(_fraction),
+        type=argument(fraction),
         metavar="E",
         help="fraction of the link rate ring all-reduces and all-gathers reach "
         f"(default: gloo's {GLOO_LINK_EFFICIENCY.ring:g} for cpu, NCCL's {NCCL_LINK_EFFICIENCY.ring:g} for cuda)",
     )
     parser.add_argument(
         "--all-to-all-efficiency",
-        type=_argument(_fraction),
+        type=argument(fraction),
         metavar="E",
         help="fraction of the link rate all-to-alls reach (default: gloo's "
         f"{GLOO_LINK_EFFICIENCY.all_to_all:g} for cpu, NCCL's {NCCL_LINK_EFFICIENCY.all_to_all:g} for cuda)",
     )
     parser.add_argument(
         "--ranks-per-core",
-        type=_argument(_positive_number),
+        type=argument(positive_number),
         default=1.0,
         metavar="R",
         help="CPU ranks sharing each core of a machine (e.g. 2 for 4 ranks on 2 cores): the local cost table, "
@@ -238,10 +183,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--beta2",
-        type=_argument(_beta),
+        type=argument(beta),
         default=0.99,
         metavar="B",
         help="Lion's beta2, for the convergence study's verdict on each mode (default 0.99, LionCub's)",
+    )
+    parser.add_argument(
+        "--global-batch",
+        type=argument(samples),
+        metavar="SAMPLES",
+        help="the job's global batch per optimizer step, in samples (micro-batch x accumulation x data-parallel "
+        "ranks): with --noise-scale, r from the model at B/B_noise",
+    )
+    parser.add_argument(
+        "--noise-scale",
+        type=argument(samples),
+        metavar="SAMPLES",
+        help="the job's gradient noise scale B_simple in samples, as LionCub reports it (LionCub.noise_scale, the "
+        "monitor's LionCub/noise_scale); needs --global-batch. Without it r is the worst case, 1/kappa",
     )
     parser.add_argument(
         "--convergence-evidence",
@@ -259,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--clip",
-        type=_argument(_non_negative_number),
+        type=argument(non_negative_number),
         default=1.0,
         metavar="MAX_NORM",
         help="the max_norm every compressed mode clips the ranks' mean gradient at, by its sketched norm, as LionCub "
@@ -286,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save", metavar="FILE", help="with --calibrate: write the table there as JSON")
     parser.add_argument(
         "--threads",
-        type=_argument(_threads_count),
+        type=argument(threads_count),
         metavar="N",
         help="with --calibrate: torch threads per rank (default: torch's)",
     )
@@ -389,7 +348,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         evidence = load_evidence() if args.convergence_evidence is None else read_evidence(args.convergence_evidence)
     except (OSError, ValueError, KeyError, TypeError) as error:
         parser.error(f"--convergence-evidence: {error}")
-    choice = choose(candidates, cluster, args.beta2, evidence)
+    if args.noise_scale is not None and args.global_batch is None:
+        parser.error("--noise-scale needs --global-batch (r depends on the batch over the noise scale, B/B_noise)")
+    study = (
+        f"the convergence study shipped with ds_lioncub ({SHIPPED_STUDY})"
+        if args.convergence_evidence is None
+        else f"the convergence study in {args.convergence_evidence}"
+    )
+    job = JobBatch(args.global_batch, args.noise_scale)
+    choice = choose(candidates, cluster, args.beta2, evidence, job=job, study=study)
     if args.json:
         print(json.dumps(as_json(candidates, choice, costs), indent=2))
     else:

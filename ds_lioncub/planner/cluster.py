@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ds_lioncub.comm import wire
 from ds_lioncub.config import NetworkConfig
 from ds_lioncub.errors import LionCubConfigError
-from ds_lioncub.units import format_rate
+from ds_lioncub.quantities.units import format_rate
 
 DEFAULT_LATENCY: float = NetworkConfig.model_fields["latency"].default
 

@@ -1,106 +1,58 @@
-"""What the convergence study says about a mode at a worker count and beta2: does it keep Lion's loss?
+"""What the convergence study says about a mode, and the planner's choice: the first to exact Lion's loss.
 
-The study (benchmarks/study_convergence.py, benchmarks/RESULTS.md "Convergence at 4-64 workers")
-trains the example GPT in the virtual world (:mod:`ds_lioncub.simulate`) at 4-64 workers with each
-mode and with exact Lion, over several seeds, and records each mode's validation loss relative to
-exact Lion's at the same worker count (the gap, in %): the mean over seeds and the half-width of its
-two-sided 95% Student-t interval (:mod:`ds_lioncub.student_t`). Its summary ships as
-``convergence_evidence.json`` beside this module, and this module reads it for the planner and
-``compression="auto"``:
+The study (benchmarks/study_convergence.py) trains the example GPT in the virtual world
+(:mod:`ds_lioncub.simulate`) at 4-64 workers with each mode and with exact Lion, over several seeds, and
+records each mode's validation loss relative to exact Lion's at the same worker count (the gap, in %): the
+mean over seeds and the half-width of its two-sided 95% Student-t interval (:mod:`ds_lioncub.quantities.student_t`),
+with, where measured, the share of the batch the mode is worth (kappa) and r, the steps it needs to reach
+exact Lion's loss in units of exact Lion's. Its summary ships as ``convergence_evidence.json``
+(:mod:`ds_lioncub.planner.evidence`), and this module reads it for the planner and ``compression="auto"``:
 
-- a mode *loses* at N workers and beta2 only on evidence of harm: the interval's lower end (gap -
-  half-width) above :data:`LOSS_THRESHOLD_PERCENT` (2%), over at least :data:`MIN_SEEDS` seeds (a
-  cell of fewer is shown, with its seed count, but never loses);
-- the planner never recommends a losing mode without saying so, and ``"auto"`` skips it for the
-  fastest mode that does not lose (exact Lion at worst, which loses nothing by definition);
-- where the interval is too wide to tell (its upper end reaches 2%, its lower end does not pass it),
-  the mode is recommended on speed as usual and the interval is printed beside the recommendation
-  (:meth:`Choice.caveat`): the study does not show it losing, nor keeping within 2%.
+- every candidate's time to exact Lion's loss is its step time x r (:mod:`ds_lioncub.planner.time_to_loss`:
+  r from the job's batch and noise scale and the mode's kappa, the worst case 1/kappa where the noise scale
+  is not known, a measurement at the study's batch), and the candidate that reaches it first is recommended
+  (:func:`choose`). A mode is passed over only for another that reaches the loss sooner, never for its gap
+  after a fixed number of steps alone; the gap stays in the output, beside r;
+- exact Lion has r = 1; a mode the study did not measure (or without a kappa) has no r and is ranked by its
+  step time alone, which the output says.
 
-Worker counts between the study's points take the next measured count above (more workers never
-made a vote more faithful in the study); beyond the largest, the largest, and the verdict says so.
-beta2 takes the nearest studied value. A k-bit vote of sign fields is the 1-bit vote's arithmetic
-(the sum of the workers' signs, the same tie rule; tests/unit/test_virtual_world.py shows them
-bit-identical), so it takes the 1-bit vote's evidence. The study ran the default tie rule and L1
-clip; other settings of them take the same evidence. A mode with option ``clip`` (the mean gradient's
-sketched norm in place of DeepSpeed's per-rank clipping, the default under DeepSpeed since 0.2.0) has cells of
-its own (``"1bit+clip"``), whatever its max_norm and sketch width; a mode that keeps DeepSpeed's rule
-(``{"rule": "deepspeed"}``) has the plain ones (``"1bit"``); where the study has none for the mode, it takes the
-mode's cells without clip (and says so): clip fixes the clipping, not what the mode's own arithmetic loses.
+Which cell judges a mode (:func:`assess`): the next studied worker count at or above the voters (more
+workers never made a vote more faithful in the study); beyond the largest, the largest, and the verdict says
+so. A mode and its form with option clip are judged at the same count: the counts where both were measured
+(the study measured clip at 8-64 workers only, so at 4 voters clip's 8-worker cells would otherwise meet the
+plain mode's 4-worker cells of another design and corpus). beta2 takes the nearest studied value, said
+plainly where it is not the job's; kappa, measured at beta2 0.99 only, comes from the nearest beta2 that has
+one. A k-bit vote of sign fields is the 1-bit vote's arithmetic (the sum of the workers' signs, the same tie
+rule; tests/unit/test_virtual_world.py shows them bit-identical), so it takes the 1-bit vote's evidence. The
+study ran the default tie rule and L1 clip; other settings of them take the same evidence. A mode with option
+``clip`` (the mean gradient's sketched norm in place of DeepSpeed's per-rank clipping, the default under
+DeepSpeed since 0.2.0) has cells of its own (``"1bit+clip"``), whatever its max_norm and sketch width; a mode
+that keeps DeepSpeed's rule (``{"rule": "deepspeed"}``) has the plain ones (``"1bit"``); where the study has
+none for the mode, it takes the mode's cells without clip (and says so): clip fixes the clipping, not what the
+mode's own arithmetic loses.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from functools import cache
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
+from ds_lioncub.planner.evidence import (
+    EVIDENCE_FILE,
+    LOSS_THRESHOLD_PERCENT,
+    MIN_SEEDS,
+    SHIPPED_STUDY,
+    StudyCell,
+    load_evidence,
+    read_evidence,
+)
 from ds_lioncub.planner.model import Candidate, Cluster
-from ds_lioncub.student_t import half_width_of
+from ds_lioncub.planner.time_to_loss import EXACT, JobBatch, StepsRatio, steps_ratio
+from ds_lioncub.quantities.units import format_seconds
 
-#: A mode that loses more than this much of exact Lion's validation loss (in %) is not recommended silently.
-LOSS_THRESHOLD_PERCENT = 2.0
-#: Seeds a cell needs before its gap can count as a loss: an interval from fewer says too little.
-MIN_SEEDS = 3
-EVIDENCE_FILE = Path(__file__).with_name("convergence_evidence.json")
 #: What a mode's study key adds with option clip (``"1bit+clip"``).
 CLIP_SUFFIX = "+clip"
-
-
-@dataclass(frozen=True)
-class StudyCell:
-    """One (mode, workers, beta2) of the study.
-
-    Attributes:
-        mode: the study's mode key (:func:`study_mode`).
-        workers: N, the data-parallel workers (voters).
-        beta2: Lion's beta2.
-        gap_percent: mean over seeds of (mode's val loss - exact Lion's) / exact Lion's, in %.
-        half_width_percent: half-width of the mean's two-sided 95% Student-t interval (t(seeds - 1) x the
-            per-seed gaps' sample sd / sqrt(seeds)), in points of %; None with one seed.
-        seeds: how many seeds the mean is over.
-        bits_per_element: the mode's bits per gradient element in each rank's message (1 for the 1-bit vote
-            and its momentum-sync form, b for a b-bit vote); None where the file does not say.
-    """
-
-    mode: str
-    workers: int
-    beta2: float
-    gap_percent: float
-    half_width_percent: float | None
-    seeds: int
-    bits_per_element: int | None = None
-
-    @property
-    def low(self) -> float | None:
-        """The interval's lower end, in %; None with one seed."""
-        return None if self.half_width_percent is None else self.gap_percent - self.half_width_percent
-
-    @property
-    def high(self) -> float | None:
-        """The interval's upper end, in %; None with one seed."""
-        return None if self.half_width_percent is None else self.gap_percent + self.half_width_percent
-
-    @property
-    def loses(self) -> bool:
-        """Evidence of harm: the interval's lower end above the threshold, over at least :data:`MIN_SEEDS` seeds."""
-        return self.seeds >= MIN_SEEDS and self.low is not None and self.low > LOSS_THRESHOLD_PERCENT
-
-    @property
-    def undecided(self) -> bool:
-        """The study does not show the mode losing, nor keeping within the threshold: the interval's upper end
-        reaches the threshold, or there is no interval (one seed). A cell of fewer than :data:`MIN_SEEDS` seeds
-        whose whole interval lies above the threshold is undecided too: it never loses."""
-        return not self.loses and (self.high is None or self.high >= LOSS_THRESHOLD_PERCENT)
-
-    def interval_text(self) -> str:
-        """``"+3.3% (95% CI +0.3 to +6.3, 3 seeds)"``; ``"+1.0% (1 seed, no interval)"``."""
-        if self.low is None or self.high is None:
-            return f"{self.gap_percent:+.1f}% ({self.seeds} seed{'s' if self.seeds != 1 else ''}, no interval)"
-        return f"{self.gap_percent:+.1f}% (95% CI {self.low:+.1f} to {self.high:+.1f}, {self.seeds} seeds)"
 
 
 @dataclass(frozen=True)
@@ -110,13 +62,19 @@ class Verdict:
     Attributes:
         cell: the study cell it rests on (None: exact Lion, or a mode the study did not measure).
         note: the verdict in words, for tables and logs.
+        ratio_cell: the cell whose kappa and measured r give the candidate's r: ``cell``, or where ``cell`` has
+            neither, the same mode's at the nearest beta2 that has them (None: no r).
+        ratio_note: where ``ratio_cell`` is not ``cell``, how it was found ("" otherwise).
     """
 
     cell: StudyCell | None
     note: str
+    ratio_cell: StudyCell | None = None
+    ratio_note: str = ""
 
     @property
     def loses(self) -> bool:
+        """The gap after the study's steps shown above the threshold (:attr:`StudyCell.loses`)."""
         return self.cell is not None and self.cell.loses
 
 
@@ -140,61 +98,47 @@ def study_mode(params: Mapping[str, Any]) -> str | None:
     return "unmeasured"
 
 
-def _number_or_null(value: Any) -> bool:
-    return value is None or type(value) in (int, float)
+def _pick(cells: Sequence[StudyCell], workers: int) -> tuple[StudyCell, bool]:
+    """The cell at the next count at or above ``workers`` (True), else the largest (False); ``cells`` non-empty."""
+    ordered = sorted(cells, key=lambda cell: cell.workers)
+    above = [cell for cell in ordered if cell.workers >= workers]
+    return (above[0], True) if above else (ordered[-1], False)
 
 
-def read_evidence(path: str | Path) -> tuple[StudyCell, ...]:
-    """The cells of a study summary file (``{"cells": [{mode, workers, beta2, gap_percent, half_width_percent,
-    seeds, bits_per_element}, ...]}``, what benchmarks/study_convergence.py --evidence writes);
-    raises ValueError naming the first malformed cell.
+def _comparable(mine: Sequence[StudyCell], cells: Sequence[StudyCell], mode: str, beta2: float) -> list[StudyCell]:
+    """``mine`` at ``beta2``, kept to the worker counts where the mode's twin with or without option clip was
+    measured too (all of them where the two share none): so ``--clip`` and no clip judge at one count."""
+    at_beta2 = [cell for cell in mine if cell.beta2 == beta2]
+    twin = mode.removesuffix(CLIP_SUFFIX) if mode.endswith(CLIP_SUFFIX) else mode + CLIP_SUFFIX
+    twin_counts = {cell.workers for cell in cells if cell.mode == twin and cell.beta2 == beta2}
+    shared = [cell for cell in at_beta2 if cell.workers in twin_counts]
+    return shared or at_beta2
 
-    An older file gives ``spread_percent`` (2 x the sample sd of the per-seed gaps) instead of
-    ``half_width_percent`` and no ``bits_per_element``: its half-width is t(seeds - 1) x (spread / 2) /
-    sqrt(seeds), the same interval computed from the same sd.
-    """
-    data = json.loads(Path(path).read_text())
-    cells = []
-    for index, cell in enumerate(data["cells"]):
-        has_half_width = "half_width_percent" in cell
-        well_formed = (
-            isinstance(cell.get("mode"), str)
-            and type(cell.get("workers")) is int
-            and type(cell.get("seeds")) is int
-            and all(type(cell.get(key)) in (int, float) for key in ("beta2", "gap_percent"))
-            and (has_half_width or "spread_percent" in cell)
-            and _number_or_null(cell.get("half_width_percent" if has_half_width else "spread_percent"))
-            and (cell.get("bits_per_element") is None or type(cell["bits_per_element"]) is int)
-        )
-        if not well_formed:
-            raise ValueError(
-                f"cell {index} of {path} is not {{mode: str, workers: int, beta2: number, gap_percent: number, "
-                f"half_width_percent: number or null (or an older file's spread_percent), seeds: int, "
-                f"bits_per_element: int (optional)}}: {cell}"
+
+def _ratio_cell(
+    mine: Sequence[StudyCell], cells: Sequence[StudyCell], mode: str, cell: StudyCell, beta2: float, workers: int
+) -> tuple[StudyCell | None, str]:
+    """The cell whose kappa and measured r give r: ``cell`` where it has either; else, by the same worker-count
+    rule, the same mode's cell that has one at the nearest beta2 (``cell``'s first), with a note saying which;
+    (None, "") where none has."""
+
+    def has_figures(c: StudyCell) -> bool:
+        return c.kappa is not None or c.measured_ratio is not None
+
+    if has_figures(cell):
+        return cell, ""
+    for other in sorted({c.beta2 for c in mine if has_figures(c)}, key=lambda b: (b != cell.beta2, abs(b - beta2))):
+        at_other = [c for c in _comparable(mine, cells, mode, other) if has_figures(c)]
+        if not at_other:
+            continue
+        found, _ = _pick(at_other, workers)
+        if other == cell.beta2:
+            return (
+                found,
+                f"{mode}: kappa from its {found.workers}-worker cell (its {cell.workers}-worker one has none)",
             )
-        if has_half_width:
-            half_width = cell["half_width_percent"]
-        else:
-            spread = cell["spread_percent"]
-            half_width = None if spread is None else half_width_of(spread / 2.0, cell["seeds"])
-        cells.append(
-            StudyCell(
-                mode=cell["mode"],
-                workers=cell["workers"],
-                beta2=cell["beta2"],
-                gap_percent=cell["gap_percent"],
-                half_width_percent=half_width,
-                seeds=cell["seeds"],
-                bits_per_element=cell.get("bits_per_element"),
-            )
-        )
-    return tuple(cells)
-
-
-@cache
-def load_evidence() -> tuple[StudyCell, ...]:
-    """The cells of the study shipped with ds_lioncub (none when it has not been summarised yet)."""
-    return read_evidence(EVIDENCE_FILE) if EVIDENCE_FILE.exists() else ()
+        return found, f"kappa from beta2 {other}'s cells (the study has no batch share at beta2 {cell.beta2})"
+    return None, ""
 
 
 def assess(
@@ -216,11 +160,11 @@ def assess(
     if not mine:
         return Verdict(None, "not in the convergence study")
     nearest_beta2 = min({cell.beta2 for cell in mine}, key=lambda b: abs(b - beta2))
-    at_beta2 = sorted((cell for cell in mine if cell.beta2 == nearest_beta2), key=lambda cell: cell.workers)
-    above = [cell for cell in at_beta2 if cell.workers >= workers]
-    cell = above[0] if above else at_beta2[-1]
+    cell, above = _pick(_comparable(mine, cells, mode, nearest_beta2), workers)
     where = f"{cell.workers} workers" + ("" if above else f", the study's largest (you have {workers})")
-    return Verdict(cell, f"loss vs Lion {cell.interval_text()} at {where}, beta2 {cell.beta2}{unclipped}")
+    note = f"loss vs Lion {cell.interval_text()} at {where}, beta2 {cell.beta2}{unclipped}"
+    ratio_cell, ratio_note = _ratio_cell(mine, cells, mode, cell, beta2, workers)
+    return Verdict(cell, note, ratio_cell, ratio_note)
 
 
 def voters(candidate: Candidate, cluster: Cluster) -> int:
@@ -230,36 +174,116 @@ def voters(candidate: Candidate, cluster: Cluster) -> int:
     return cluster.nodes * cluster.gpus_per_node
 
 
+def candidate_ratio(candidate: Candidate, verdict: Verdict, job: JobBatch) -> StepsRatio:
+    """r for ``candidate``: 1 for exact Lion; else from its verdict's ratio cell for ``job``."""
+    if candidate.compression == "none":
+        return EXACT
+    cell = verdict.ratio_cell
+    if verdict.cell is None or cell is None:
+        why = "not in the convergence study" if verdict.cell is None else "no batch share for this mode"
+        return StepsRatio(1.0, None, None, "unknown", f"{why}: r unknown, ranked by its step time alone")
+    where = f" at {cell.workers} workers, beta2 {cell.beta2}"
+    found = steps_ratio(cell.kappa, cell.measured_ratio, job, where)
+    extra = f"; {verdict.ratio_note}" if verdict.ratio_note else ""
+    return StepsRatio(found.value, found.low, found.high, found.basis, found.note + extra)
+
+
+def basis_text(job: JobBatch) -> str:
+    """How r is found for ``job``: by the model at its B / B_noise, or the worst case where that is unknown."""
+    ratio = job.ratio
+    if ratio is None:
+        return (
+            "r: the worst case, 1/kappa (the job's noise scale is not known: give --noise-scale, LionCub.noise_scale "
+            "in samples, with --global-batch)"
+        )
+    return (
+        f"r: the model at B/B_noise = {ratio:.3g} (global batch {job.global_batch:g} samples, noise scale "
+        f"{job.noise_scale:g} samples)"
+    )
+
+
 @dataclass(frozen=True)
 class Choice:
-    """The planner's recommendation once convergence is taken into account.
+    """The planner's recommendation: the candidate first to exact Lion's loss (step time x r).
 
     Attributes:
-        best: the fastest candidate the study does not show losing more than the threshold.
+        best: the candidate with the least predicted time to exact Lion's loss.
         best_verdict: the study's verdict on ``best``.
-        skipped: faster candidates the study shows losing, fastest first, with their verdicts.
+        skipped: the candidates faster per step than ``best`` but later to the loss, fastest first, with verdicts.
         verdicts: every candidate's verdict, in the candidates' order.
+        ratios: every candidate's r, in the candidates' order.
+        candidates: the candidates, as given.
+        job: the job's batch and noise scale r was found for.
+        study: what the evidence is, in words.
+        beta2: the job's beta2, which the verdicts judged.
+        voter_counts: every candidate's voters (:func:`voters`), in the candidates' order.
     """
 
     best: Candidate
     best_verdict: Verdict
     skipped: tuple[tuple[Candidate, Verdict], ...]
     verdicts: tuple[Verdict, ...]
+    ratios: tuple[StepsRatio, ...] = ()
+    candidates: tuple[Candidate, ...] = ()
+    job: JobBatch = field(default_factory=JobBatch)
+    study: str = f"the convergence study ({SHIPPED_STUDY})"
+    beta2: float | None = None
+    voter_counts: tuple[int, ...] = ()
+
+    def ratio_of(self, candidate: Candidate) -> StepsRatio:
+        return self.ratios[self.candidates.index(candidate)]
+
+    def time_text(self, candidate: Candidate) -> str:
+        """``"458 ms x r 1.49 [1.35, 1.65] = 683 ms [618 ms, 756 ms]"``; the step alone for exact Lion."""
+        ratio = self.ratio_of(candidate)
+        step = candidate.seconds_per_step
+        if ratio.basis == "exact":
+            return f"{format_seconds(step)} (exact Lion, r = 1)"
+        if not ratio.known:
+            return f"{format_seconds(step)} x r ? (r unknown)"
+        interval = ""
+        if ratio.low is not None and ratio.high is not None:
+            interval = f" [{format_seconds(step * ratio.low)}, {format_seconds(step * ratio.high)}]"
+        return f"{format_seconds(step)} x r {ratio.text()} = {format_seconds(step * ratio.value)}{interval}"
+
+    def skipped_lines(self) -> list[str]:
+        """Why faster candidates were passed over, one line each (none when none was)."""
+        if not self.skipped:
+            return []
+        lines = [
+            f"Faster per step but later to exact Lion's loss than {self.best.label} "
+            f"({self.time_text(self.best)}); evidence: {self.study}:"
+        ]
+        lines += [f"  {c.label}: {self.time_text(c)}; {verdict.note}" for c, verdict in self.skipped]
+        return lines
 
     def skipped_sentence(self) -> str:
-        """Why faster candidates were passed over ("" when none was)."""
+        """:meth:`skipped_lines` in one sentence, for a log line ("" when none was passed over)."""
         if not self.skipped:
             return ""
-        reasons = "; ".join(f"{c.label}: {verdict.note}" for c, verdict in self.skipped)
+        reasons = "; ".join(f"{c.label}: {self.time_text(c)}" for c, _ in self.skipped)
         return (
-            f"Faster but not recommended, the convergence study shows them losing more than "
-            f"{LOSS_THRESHOLD_PERCENT:g}% of Lion's loss (the 95% interval above it): {reasons} "
-            f"(benchmarks/RESULTS.md, 'Convergence at 4-64 workers')."
+            f"Faster per step but later to exact Lion's loss (step x r, {basis_text(self.job).removeprefix('r: ')}; "
+            f"evidence: {self.study}): {reasons}."
         )
 
+    def study_notes(self) -> list[str]:
+        """What the study's cells stand in for, said plainly: another beta2 than the job's, kappa from another
+        beta2's cells (none when every verdict is at the job's beta2)."""
+        notes = []
+        judged = sorted({v.cell.beta2 for v in self.verdicts if v.cell is not None})
+        if self.beta2 is not None and judged and judged != [self.beta2]:
+            nearest = ", ".join(f"{b:g}" for b in judged)
+            notes.append(
+                f"beta2 {self.beta2:g} is not in the study: each mode is judged by its cells at the nearest beta2 the "
+                f"study has for it ({nearest})."
+            )
+        notes += sorted({f"{v.ratio_note}." for v in self.verdicts if v.ratio_note})
+        return notes
+
     def caveat(self) -> str:
-        """The recommendation's interval where the study cannot tell it keeps within the threshold ("" elsewhere):
-        it is recommended on speed, and the user sees how uncertain its loss is."""
+        """The recommendation's gap interval where the study cannot tell it within the threshold ("" elsewhere):
+        its loss after the study's steps, for the user to see (it decides nothing)."""
         cell = self.best_verdict.cell
         if cell is None or not cell.undecided:
             return ""
@@ -276,23 +300,34 @@ def choose(
     beta2: float,
     cells: tuple[StudyCell, ...] | None = None,
     momentum_sync: Mapping[str, Any] | None = None,
+    job: JobBatch | None = None,
+    study: str | None = None,
 ) -> Choice:
-    """The fastest of ``candidates`` (fastest first) that keeps Lion's loss, and what was passed over.
+    """The candidate first to exact Lion's loss (least step time x r; of equal times the faster per step), and
+    the faster ones it was chosen over.
 
     ``momentum_sync``: the user's block (``compression="auto"`` keeps it on whichever compressed mode it
-    picks), so that a compressed candidate is judged as it would run.
+    picks), so that a compressed candidate is judged as it would run. ``job``: the job's global batch and noise
+    scale (default: neither known, the worst case r = 1/kappa). ``study``: what the evidence is, in words.
     """
+    if not candidates:
+        raise ValueError("choose: no candidates")
+    job = JobBatch() if job is None else job
     sync = {} if momentum_sync is None else {"momentum_sync": dict(momentum_sync)}
     verdicts = tuple(
         assess({**c.params, **(sync if c.compression != "none" else {})}, voters(c, cluster), beta2, cells)
         for c in candidates
     )
-    skipped: list[tuple[Candidate, Verdict]] = []
-    for candidate, verdict in zip(candidates, verdicts, strict=True):
-        if not verdict.loses:
-            return Choice(candidate, verdict, tuple(skipped), verdicts)
-        skipped.append((candidate, verdict))
-    raise ValueError("choose: no candidate keeps Lion's loss (exact Lion always does; was it left out?)")
+    ratios = tuple(candidate_ratio(c, v, job) for c, v in zip(candidates, verdicts, strict=True))
+    times = [c.seconds_per_step * r.value for c, r in zip(candidates, ratios, strict=True)]
+    index = min(range(len(candidates)), key=lambda i: (times[i], candidates[i].seconds_per_step, i))
+    best = candidates[index]
+    skipped = tuple(
+        (c, v) for c, v in zip(candidates, verdicts, strict=True) if c.seconds_per_step < best.seconds_per_step
+    )
+    described = f"the convergence study ({SHIPPED_STUDY})" if study is None else study
+    counts = tuple(voters(c, cluster) for c in candidates)
+    return Choice(best, verdicts[index], skipped, verdicts, ratios, tuple(candidates), job, described, beta2, counts)
 
 
 __all__ = [
@@ -300,10 +335,13 @@ __all__ = [
     "EVIDENCE_FILE",
     "LOSS_THRESHOLD_PERCENT",
     "MIN_SEEDS",
+    "SHIPPED_STUDY",
     "Choice",
     "StudyCell",
     "Verdict",
     "assess",
+    "basis_text",
+    "candidate_ratio",
     "choose",
     "load_evidence",
     "read_evidence",

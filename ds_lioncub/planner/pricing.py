@@ -131,11 +131,14 @@ def sketch_values(options: LionCubConfig, voters: int) -> int:
     return sketch_bins_of(options) + (1 if noise else 0)
 
 
-def clip_collectives(options: LionCubConfig, world_size: int, voters: int) -> list[wire.Collective]:
+def clip_collectives(
+    options: LionCubConfig, world_size: int, voters: int, carries_finite_check: bool = False
+) -> list[wire.Collective]:
     """The sketch's collectives per step over ``world_size`` ranks of ``voters`` voters (option clip, the noise scale;
-    none without either)."""
+    none without either); ``carries_finite_check``: one more value, the non-finite check's verdict, which then
+    needs no all-reduce of its own (a step at ZeRO stage 0, where LionCub sketches inside its step)."""
     values = sketch_values(options, voters)
-    return [] if values == 0 else wire.clip_sketch_collectives(values, world_size)
+    return [] if values == 0 else wire.clip_sketch_collectives(values + int(carries_finite_check), world_size)
 
 
 def clip_local_cost(costs: LocalCosts, options: LionCubConfig, voters: int) -> float:

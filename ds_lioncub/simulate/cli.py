@@ -16,10 +16,13 @@ same global batches, so the two differ only in the aggregation. It prints, per w
 validation losses, the gap (the mode's val loss relative to exact Lion's of the same seed, in %,
 mean ± the half-width of the mean's two-sided 95% Student-t interval over the n seeds: t(n - 1) x the
 per-seed gaps' sample std / sqrt(n), t(2) = 4.303 for 3 seeds, the statistic of the planner and the
-convergence study, :mod:`ds_lioncub.student_t`; "real" when the interval excludes 0) and how often the
+convergence study, :mod:`ds_lioncub.quantities.student_t`; "real" when the interval excludes 0) and how often the
 applied update's sign matched, flipped against or tied exact Lion's. ``--plot PATH`` also draws the
 gap and its interval against the worker count (needs matplotlib); a bar on stderr shows the steps done
-and the time left (``--no-progress`` hides it).
+and the time left (``--no-progress`` hides it). Before the first run it prints the plan: the runs, their steps
+and about how long they take here, timed on a few steps of the mode at the largest count. The defaults are
+8, 16 and 32 workers, 300 steps and 3 seeds: 18 runs of 300 steps, 5,400 steps in all (hours on a laptop's
+CPU); ``--workers``, ``--steps`` and ``--seeds`` trim them.
 
 Everything is checked before the first run trains: the ds_config, every option, the task, and every
 run's optimizer (the mode's and exact Lion's at every worker count are built, so a k-bit all-reduce too
@@ -65,6 +68,11 @@ from ds_lioncub.simulate.train import Task, TrainResult, gap_percent, seed_summa
 from ds_lioncub.simulate.world import VirtualLionCub
 
 DEFAULT_TASK = "ds_lioncub.simulate.tasks:small_gpt"
+DEFAULT_WORKERS = [8, 16, 32]
+DEFAULT_STEPS = 300
+DEFAULT_SEEDS = [0, 1, 2]
+#: Steps of the mode timed at the largest worker count before the runs start, for the plan's time estimate.
+PROBE_STEPS = 2
 #: The options exact Lion keeps from the mode's: Lion's own and the bucket plan.
 EXACT_KEEPS = ("lr", "betas", "weight_decay", "bucket_size")
 
@@ -188,6 +196,41 @@ def compare(
     return rows
 
 
+def estimate_seconds(
+    task: Task, options: dict[str, Any], settings: RunSettings, workers: list[int], steps: int, seeds: list[int]
+) -> tuple[float, float]:
+    """(seconds per step, seconds for the whole comparison): :data:`PROBE_STEPS` steps of the mode timed at the
+    largest worker count, the slowest, times every run's steps (exact Lion's steps are cheaper: an upper
+    estimate)."""
+    probe = min(PROBE_STEPS, steps)
+    result = train_virtual(
+        task, options, max(workers), probe, seeds[0], grad_clip=settings.grad_clip, clip_rule=settings.clip_rule
+    )
+    per_step = (result.gradient_seconds + result.optimizer_seconds) / probe
+    return per_step, per_step * 2 * len(workers) * len(seeds) * steps
+
+
+def duration_text(seconds: float) -> str:
+    """``"40 s"``, ``"12 min"``, ``"2.9 h"``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def plan_text(workers: list[int], seeds: list[int], steps: int, per_step: float, total: float) -> str:
+    """The comparison before it starts: its runs, steps and about how long it takes here."""
+    runs = 2 * len(workers) * len(seeds)
+    counts = f"{len(workers)} worker count{'s' if len(workers) != 1 else ''}"
+    seeded = f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''}"
+    return (
+        f"[simulate] plan: {runs} runs ({counts} x {seeded}, each the mode and exact Lion), {runs * steps:,} steps; "
+        f"about {duration_text(total)} here ({per_step:.2g} s a step at "
+        f"{max(workers)} workers, timed on {min(PROBE_STEPS, steps)} steps; fewer workers and exact Lion take less)"
+    )
+
+
 def check_output_path(path: Path, flag: str) -> None:
     """Refuse a folder, create the file's folder: an output that cannot be written fails before the runs."""
     if path.is_dir():
@@ -212,12 +255,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m ds_lioncub.simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("ds_config", type=Path, help='a ds_config.json with "optimizer": {"type": "LionCub", ...}')
-    p.add_argument("--workers", type=int, nargs="+", default=[8, 16, 32], help="virtual worker counts")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (init and data order)")
+    workers, seeds = " ".join(map(str, DEFAULT_WORKERS)), " ".join(map(str, DEFAULT_SEEDS))
+    p.add_argument(
+        "--workers", type=int, nargs="+", default=DEFAULT_WORKERS, help=f"virtual worker counts (default: {workers})"
+    )
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps per run (default: %(default)s)")
+    p.add_argument(
+        "--seeds", type=int, nargs="+", default=DEFAULT_SEEDS, help=f"seeds, init and data order (default: {seeds})"
+    )
     p.add_argument("--task", default=DEFAULT_TASK, help="module:function returning a Task (default: %(default)s)")
-    p.add_argument("--warmup-steps", type=int, default=10, help="linear warmup steps of the lr schedule")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument(
+        "--warmup-steps", type=int, default=10, help="linear warmup steps of the lr schedule (default: %(default)s)"
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default 0: torch's default)")
     p.add_argument("--json-out", type=Path, default=None, help="also write the rows as JSON here")
     p.add_argument("--plot", type=Path, default=None, help="also draw the gap against workers here (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -238,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
             check_output_path(args.json_out, "--json-out")
         task = load_task(args.task)
         check_runs(task, config.options, args.workers, args.seeds, args.steps, args.warmup_steps)
+        per_step, total = estimate_seconds(task, config.options, config.settings, args.workers, args.steps, args.seeds)
+        print(plan_text(args.workers, args.seeds, args.steps, per_step, total), flush=True)
         print(
             f"[simulate] task {task.name}, {args.steps} steps, seeds {args.seeds}, options {config.options}, "
             f"{config.settings.clipping}",

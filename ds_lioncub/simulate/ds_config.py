@@ -29,8 +29,8 @@ from typing import Any
 
 from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.config.clip_rule import ClipResolution, resolve_clipping
+from ds_lioncub.config.rules import hybrid_refusal
 from ds_lioncub.errors import LionCubConfigError
-from ds_lioncub.integration.wiring import hybrid_refusal
 from ds_lioncub.simulate.train import ClipRule
 
 #: Options that do not change a step's math: dropped from the virtual world's options, each with this reason

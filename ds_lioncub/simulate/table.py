@@ -1,6 +1,6 @@
 """The comparison's results: one :class:`Row` per worker count, as a table and as JSON.
 
-Each quantity over seeds is a :class:`~ds_lioncub.student_t.MeanInterval`: the mean and the half-width of its
+Each quantity over seeds is a :class:`~ds_lioncub.quantities.student_t.MeanInterval`: the mean and the half-width of its
 two-sided 95% Student-t interval, t(n - 1) x the per-seed sample sd / sqrt(n) over n seeds; a gap is "real"
 where that interval excludes 0.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ds_lioncub.quantities.student_t import MeanInterval
 from ds_lioncub.simulate.agreement import AgreementStats
-from ds_lioncub.student_t import MeanInterval
 
 
 @dataclass(frozen=True)

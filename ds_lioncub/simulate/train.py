@@ -28,7 +28,7 @@ Gradient clipping (``grad_clip``, the examples' 1.0; 0 disables it) follows ``cl
 
 Seed statistics (:func:`seed_summary`): over S seeds, a quantity's mean and the half-width of the
 mean's two-sided 95% Student-t interval, t(S - 1) x the per-seed values' sample standard deviation
-(ddof 1) / sqrt(S) (:mod:`ds_lioncub.student_t`, the statistic the planner and the convergence study
+(ddof 1) / sqrt(S) (:mod:`ds_lioncub.quantities.student_t`, the statistic the planner and the convergence study
 use); a gap is called real only when the interval excludes 0, ``|mean| > half_width`` (never with one
 seed).
 """
@@ -45,11 +45,11 @@ import torch
 from torch import nn
 
 from ds_lioncub.errors import LionCubConfigError
+from ds_lioncub.quantities.student_t import MeanInterval, mean_interval
 from ds_lioncub.simulate.agreement import AgreementStats
 from ds_lioncub.simulate.drift import TensorDrift
 from ds_lioncub.simulate.gradients import Batch, GradientBuffers, Method, worker_gradients
 from ds_lioncub.simulate.world import VirtualLionCub
-from ds_lioncub.student_t import MeanInterval, mean_interval
 
 ClipRule = Literal["mean", "deepspeed", "per_worker"]
 
@@ -111,14 +111,14 @@ class TrainResult:
     drift: list[TensorDrift] | None = None
 
 
-#: A quantity over seeds (:func:`seed_summary`): :class:`ds_lioncub.student_t.MeanInterval`, i.e. ``values``
+#: A quantity over seeds (:func:`seed_summary`): :class:`ds_lioncub.quantities.student_t.MeanInterval`, i.e. ``values``
 #: (per seed, in seed order), ``mean``, ``half_width`` (of the 95% Student-t interval; None with one seed),
 #: ``real`` (the interval excludes 0) and ``text(digits)``.
 SeedSummary = MeanInterval
 
 
 def seed_summary(values: list[float]) -> SeedSummary:
-    """Mean and 95% Student-t half-width of per-seed values (:func:`ds_lioncub.student_t.mean_interval`)."""
+    """Mean and 95% Student-t half-width of per-seed values (:func:`ds_lioncub.quantities.student_t.mean_interval`)."""
     return mean_interval(values)
 
 

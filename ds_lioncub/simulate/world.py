@@ -29,9 +29,10 @@ from ds_lioncub.comm.quantize import tie_sign
 from ds_lioncub.comm.transport import CommStats
 from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.config.clip_rule import measures_noise_scale, sketch_bins_of
-from ds_lioncub.errors import LionCubConfigError, LionCubError, NonFiniteGradientError
+from ds_lioncub.errors import LionCubError, NonFiniteGradientError
 from ds_lioncub.simulate.agreement import AgreementStats, AgreementTally, summed_directions
 from ds_lioncub.simulate.drift import DriftTally
+from ds_lioncub.simulate.inputs import NETWORK_OPTIONS, checked_gradients, or_zeros, refuse_options
 from ds_lioncub.simulate.transport import VirtualNetwork
 from ds_lioncub.step.bucket_plan import Piece, plan_buckets
 from ds_lioncub.step.bucket_work import (
@@ -51,17 +52,6 @@ from ds_lioncub.step.bucket_work import (
 from ds_lioncub.step.clipping import clip_coefficient, gradient_sketch, sketch_and_square_norm
 from ds_lioncub.step.noise_scale import NoiseScale, NoiseScaleState
 from ds_lioncub.step.param_selection import names_by_position, select_parameters
-
-#: Options that describe a real network or job, which a virtual world has none of: refused when given.
-NETWORK_OPTIONS = {
-    "comm_backend_name": "the virtual world moves bytes in memory, not over a transport",
-    "cuda_aware": "the virtual world moves bytes in memory, not over MPI",
-    "overlap": "there is no backward pass to overlap: step() gets every worker's gradients at once",
-    "hybrid": "a virtual worker is one voter, and under the ZeRO hybrid the voters are the nodes: pass workers=<nodes> "
-    "and each node's batch (python -m ds_lioncub.simulate does so for a hybrid ds_config)",
-    "consistency_check": "every virtual worker applies the update to the same single copy of the parameters",
-    "network": "compression='auto' plans for a real network; plan with python -m ds_lioncub.planner and pass the mode",
-}
 
 
 class VirtualLionCub(torch.optim.Optimizer):
@@ -101,23 +91,7 @@ class VirtualLionCub(torch.optim.Optimizer):
         drift_stats: bool = False,
         **options: Any,
     ) -> None:
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise LionCubConfigError(f"LionCub: workers must be a positive integer, got {workers!r}.")
-        refused = sorted(set(options) & set(NETWORK_OPTIONS))
-        if refused:
-            reasons = "; ".join(f"{name}: {NETWORK_OPTIONS[name]}" for name in refused)
-            raise LionCubConfigError(f"LionCub: VirtualLionCub does not take {refused} ({reasons}). Drop them.")
-        if options.get("compression") == "auto":
-            raise LionCubConfigError(
-                "LionCub: VirtualLionCub takes a concrete mode, not compression='auto' (it plans for a real "
-                "network); run python -m ds_lioncub.planner for your cluster and pass the mode it recommends."
-            )
-        telemetry = options.get("telemetry")
-        if isinstance(telemetry, dict) and "vote_stats" in telemetry:
-            raise LionCubConfigError(
-                "LionCub: VirtualLionCub does not take telemetry.vote_stats; pass agreement_stats=True for the "
-                "vote's agreement with exact Lion, and read worker_comm_stats(i) for bytes."
-            )
+        refuse_options(workers, options)
         self.options: LionCubConfig = parse_config({"lr": lr, "betas": betas, "weight_decay": weight_decay, **options})
         self.workers = workers
         self.module = module
@@ -221,7 +195,7 @@ class VirtualLionCub(torch.optim.Optimizer):
     def step(self, worker_grads: Sequence[Sequence[torch.Tensor | None]]) -> None:  # type: ignore[override]
         """One step of every worker: ``worker_grads[i][j]`` is worker i's gradient of parameter j."""
         params = self._flat_params()
-        grads = self._checked_gradients(worker_grads, params)
+        grads = checked_gradients(worker_grads, params, self.workers)
         groups = [group for group in self.param_groups for _ in group["params"]]
         taking_part = [j for j, param in enumerate(params) if param.requires_grad and param.numel() > 0]
         if self.workers == 1:  # alone, LionCub skips a parameter without a gradient
@@ -230,19 +204,21 @@ class VirtualLionCub(torch.optim.Optimizer):
         momenta = [self._momenta(params[j]) for j in taking_part]
         entries = [
             [
-                Entry(groups[j], params[j], _or_zeros(grads[i][j], params[j]), momenta[n][0 if self.exact else i])
+                Entry(groups[j], params[j], or_zeros(grads[i][j], params[j]), momenta[n][0 if self.exact else i])
                 for n, j in enumerate(taking_part)
             ]
             for i in range(self.workers)
         ]
+        ranks_not_finite = None
         if self.options.mean_clip is not None or self._measures_noise_scale:  # one sketch serves both
-            self._clip_gradients(entries, step)
+            # Its all-reduce carries the finite check's verdict where the step checks, as on real ranks.
+            ranks_not_finite = self._clip_gradients(entries, step, self.options.check_finite and not self.exact)
         plan = plan_buckets([params[j].numel() for j in taking_part], self.options.bucket_size)
         if self.exact:
             self._exact_step(entries, plan)
         else:
             if self.options.check_finite:
-                self._require_finite_gradients(entries, step)
+                self._require_finite_gradients(entries, step, ranks_not_finite)
             labels = None
             if self.drift is not None:
                 names = names_by_position(self.param_groups, self.module)
@@ -337,25 +313,33 @@ class VirtualLionCub(torch.optim.Optimizer):
         if self.drift is not None:
             self.drift.end_step()
 
-    def _clip_gradients(self, entries: list[list[Entry]], step: int) -> None:
+    def _clip_gradients(self, entries: list[list[Entry]], step: int, carry_finite_check: bool) -> int | None:
         """The step's sketch, as LionCub takes it on every rank: each worker's sketch (with its squared norm when the
-        noise scale is measured) through its own all-reduce; the noise scale's update, and option ``clip``'s common
-        factor scaling every worker's gradients in place (:mod:`ds_lioncub.step.clipping`)."""
+        noise scale is measured; with ``carry_finite_check``, and 1 where its gradient is not finite) through its own
+        all-reduce; the noise scale's update, and option ``clip``'s common factor scaling every worker's gradients
+        in place (:mod:`ds_lioncub.step.clipping`). Returns how many workers' gradients are not finite (None: not
+        carried)."""
         clip = self.options.mean_clip
         bins = sketch_bins_of(self.options)
         noise = self._measures_noise_scale
         make = sketch_and_square_norm if noise else gradient_sketch
         sketches = [make([[entry.grad] for entry in mine], bins, step, 0) for mine in entries]
+        if carry_finite_check:
+            flags = [1.0 if non_finite_parameters(mine) else 0.0 for mine in entries]
+            sketches = [torch.cat([s, s.new_full((1,), flag)]) for s, flag in zip(sketches, flags, strict=True)]
         for transport, sketch in zip(self.network.transports, sketches, strict=True):
             transport.all_reduce_sum(sketch)
+        ranks_not_finite = None
+        if carry_finite_check:
+            ranks_not_finite, sketches = int(sketches[0][-1].item()), [s[:-1] for s in sketches]
         if noise:
             self._noise_scale_state.update(sketches[0], self.workers)
-        if clip is None:
-            return
-        coefficient = clip_coefficient(sketches[0][:bins], self.workers, clip.max_norm)
-        if coefficient < 1.0:
-            torch._foreach_mul_([entry.grad for mine in entries for entry in mine], coefficient)
-        self.last_clip_coefficient = coefficient
+        if clip is not None:
+            coefficient = clip_coefficient(sketches[0][:bins], self.workers, clip.max_norm)
+            if coefficient < 1.0:
+                torch._foreach_mul_([entry.grad for mine in entries for entry in mine], coefficient)
+            self.last_clip_coefficient = coefficient
+        return ranks_not_finite
 
     def _sync_momentum(self) -> None:
         """Average the selected parameters' momenta over the workers, as LionCub's momentum sync does: every
@@ -379,18 +363,19 @@ class VirtualLionCub(torch.optim.Optimizer):
                 for target, value in zip(mine, mean.finish(started).split(sizes), strict=True):
                     target.copy_(value)
 
-    def _require_finite_gradients(self, entries: list[list[Entry]], step: int) -> None:
+    def _require_finite_gradients(self, entries: list[list[Entry]], step: int, count: int | None) -> None:
         """Raise before any state changes if a worker has a NaN or inf gradient (a vote would hide it).
 
-        The verdict goes through each worker's 4-byte all-reduce, as on real ranks, so the bytes counted match.
+        ``count``: the workers with one, as the step's sketch carried it; None: the verdict goes through each
+        worker's 4-byte all-reduce, as on real ranks, so the bytes counted match.
         """
-        bad = [bool(non_finite_parameters(mine)) for mine in entries]
-        flags = [torch.tensor([int(flag)], dtype=torch.int32) for flag in bad]
-        for transport, flag in zip(self.network.transports, flags, strict=True):
-            transport.all_reduce_sum(flag)
-        count = int(flags[0].item())
+        if count is None:
+            flags = [torch.tensor([1 if non_finite_parameters(mine) else 0], dtype=torch.int32) for mine in entries]
+            for transport, flag in zip(self.network.transports, flags, strict=True):
+                transport.all_reduce_sum(flag)
+            count = int(flags[0].item())
         if count:
-            workers = [i for i, flag in enumerate(bad) if flag]
+            workers = [i for i, mine in enumerate(entries) if non_finite_parameters(mine)]
             raise NonFiniteGradientError(
                 f"LionCub: non-finite (NaN/inf) gradients on {count} of {self.workers} virtual workers at step "
                 f"{step} (workers {workers[:5]}); the step was not applied. Lower the learning rate or clip "
@@ -410,38 +395,6 @@ class VirtualLionCub(torch.optim.Optimizer):
             state["worker_exp_avg"] = torch.zeros((copies, *param.shape), dtype=param.dtype, device=param.device)
         momenta: torch.Tensor = state["worker_exp_avg"]
         return momenta
-
-    def _checked_gradients(
-        self, worker_grads: Sequence[Sequence[torch.Tensor | None]], params: list[torch.Tensor]
-    ) -> list[Sequence[torch.Tensor | None]]:
-        if len(worker_grads) != self.workers:
-            raise LionCubConfigError(
-                f"LionCub: step() got gradients of {len(worker_grads)} workers for a world of {self.workers}; "
-                f"pass worker_grads[i][j] for every worker i."
-            )
-        for i, grads in enumerate(worker_grads):
-            if len(grads) != len(params):
-                raise LionCubConfigError(
-                    f"LionCub: worker {i} has {len(grads)} gradients for {len(params)} parameters; pass one per "
-                    f"parameter, in the order of params (None for none)."
-                )
-            for j, (grad, param) in enumerate(zip(grads, params, strict=True)):
-                if grad is not None and grad.shape != param.shape:
-                    raise LionCubConfigError(
-                        f"LionCub: worker {i}'s gradient of parameter #{j} has shape {tuple(grad.shape)}, the "
-                        f"parameter {tuple(param.shape)}; pass gradients in the order of params."
-                    )
-                if grad is not None and (grad.dtype != param.dtype or grad.device != param.device):
-                    raise LionCubConfigError(
-                        f"LionCub: worker {i}'s gradient of parameter #{j} is {grad.dtype} on {grad.device}, the "
-                        f"parameter {param.dtype} on {param.device}; a rank's gradient has its parameter's dtype and "
-                        f"device: convert it (grad.to(param))."
-                    )
-        return list(worker_grads)
-
-
-def _or_zeros(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(param) if grad is None else grad
 
 
 __all__ = ["NETWORK_OPTIONS", "AgreementStats", "VirtualLionCub"]

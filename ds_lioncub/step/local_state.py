@@ -7,6 +7,11 @@ checkpoint must hold every rank's, by flat parameter position (group order, then
 ``LionCub.load_local_momentum``, which call these. With error feedback each rank's aggregation also
 keeps per-bucket state (:class:`~ds_lioncub.aggregation.AggregationState`), saved in the same file
 (``LionCub.aggregation_state`` / ``LionCub.load_aggregation_state``).
+
+The gradient noise scale's moving averages (:mod:`ds_lioncub.step.noise_scale`), the same on every rank, go into
+``LionCub.state_dict()`` under :data:`NOISE_SCALE_KEY` (what torch and DeepSpeed's stage 0 save), and into the same
+per-rank file (DeepSpeed's ZeRO keeps only the optimizer's per-parameter state), so that a resumed run reports
+the noise scale an uninterrupted one does instead of starting its average over.
 """
 
 from __future__ import annotations
@@ -21,7 +26,11 @@ from torch import nn
 from ds_lioncub.aggregation import Aggregator
 from ds_lioncub.consistency.fingerprint import describe_parameters
 from ds_lioncub.errors import LionCubSetupError
+from ds_lioncub.step.noise_scale import NoiseScaleState
 from ds_lioncub.step.param_selection import names_by_position
+
+#: Where :meth:`CheckpointedState.state_dict` (and the per-rank checkpoint file) keeps the noise scale's averages.
+NOISE_SCALE_KEY = "noise_scale"
 
 
 def local_momenta(
@@ -94,9 +103,34 @@ class CheckpointedState:
     param_names: list[str] | None
     module: nn.Module | None
     _aggregator: Aggregator | None
+    _noise_scale_state: NoiseScaleState
 
     def _flat_params(self) -> list[torch.Tensor]:
         raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's state dict (this rank's momenta, the param groups), with the gradient noise scale's moving
+        averages under :data:`NOISE_SCALE_KEY`."""
+        state: dict[str, Any] = super().state_dict()  # type: ignore[misc]
+        state[NOISE_SCALE_KEY] = self._noise_scale_state.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch.optim's :meth:`load_state_dict`; the noise scale's averages too where saved (a state dict of
+        0.2.0 or older, or of another optimizer, leaves them as they are)."""
+        saved = state_dict.get(NOISE_SCALE_KEY)
+        torch_state = {key: value for key, value in state_dict.items() if key != NOISE_SCALE_KEY}
+        super().load_state_dict(torch_state)  # type: ignore[misc]
+        if saved is not None:
+            self._noise_scale_state.load_state_dict(saved)
+
+    def noise_scale_state(self) -> dict[str, float | int]:
+        """The gradient noise scale's moving averages, for a checkpoint (the same on every rank)."""
+        return self._noise_scale_state.state_dict()
+
+    def load_noise_scale_state(self, state: dict[str, float | int]) -> None:
+        """Take over :meth:`noise_scale_state` of a checkpoint."""
+        self._noise_scale_state.load_state_dict(state)
 
     def parameter_layout(self) -> list[str]:
         """One line per parameter in flat position order: name (or ``#position``), shape, dtype.
@@ -131,4 +165,10 @@ class CheckpointedState:
         return restore_aggregation_state(self._aggregator, state, device)
 
 
-__all__ = ["load_local_momenta", "local_momenta", "restore_aggregation_state", "saved_aggregation_state"]
+__all__ = [
+    "NOISE_SCALE_KEY",
+    "load_local_momenta",
+    "local_momenta",
+    "restore_aggregation_state",
+    "saved_aggregation_state",
+]

@@ -30,6 +30,7 @@ the read-only record it gives.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -126,6 +127,24 @@ class NoiseScaleState:
         self._trace = self.beta * self._trace + (1 - self.beta) * trace
         self.steps += 1
         self.voters = voters
+
+    def state_dict(self) -> dict[str, float | int]:
+        """The moving averages and their counts, for a checkpoint: a resumed run goes on averaging where this one
+        stopped (and so reports what an uninterrupted run reports). Not ``beta`` (an option) nor the samples per
+        voter batch (the engine's, set again at start)."""
+        return {
+            "steps": self.steps,
+            "voters": self.voters,
+            "gradient_square": self._gradient_square,
+            "trace": self._trace,
+        }
+
+    def load_state_dict(self, state: Mapping[str, float | int]) -> None:
+        """Take over :meth:`state_dict` of a checkpoint."""
+        self.steps = int(state["steps"])
+        self.voters = int(state["voters"])
+        self._gradient_square = float(state["gradient_square"])
+        self._trace = float(state["trace"])
 
     def record(self) -> NoiseScale | None:
         """The smoothed estimate so far; None before the first measured step."""

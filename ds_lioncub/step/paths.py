@@ -12,7 +12,9 @@ participating parameters into buckets (:mod:`ds_lioncub.step.bucket_plan`) and r
   backward: checked against the final gradients and voted again where a message changed.
 
 Telemetry observes each path through one :class:`~ds_lioncub.telemetry.BucketWatch`; the non-finite
-check (:func:`require_finite_gradients`) makes every rank raise together before any state changes.
+check (:func:`require_finite_gradients`) makes every rank raise together before any state changes; when the step's
+sketch runs (option ``clip``, the noise scale), the sketch's all-reduce carries the check's verdict instead
+(:func:`runs_finite_check`), one collective round where there were two.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ class StepContext:
         names: their names by flat position (None: some has none); both name parameters in errors.
         first_key_tensor: the number of this call's first tensor in bucket keys
             (:meth:`~ds_lioncub.optimizer.LionCub.bucket_keys_from`).
+        ranks_not_finite: the non-finite check's verdict when the step's sketch carried it (how many ranks have a
+            non-finite gradient, agreed by the sketch's all-reduce; :func:`runs_finite_check`); None: the path
+            agrees on it by its own all-reduce.
     """
 
     bucket_size: int
@@ -73,6 +78,7 @@ class StepContext:
     params: list[torch.Tensor]
     names: list[str] | None
     first_key_tensor: int = 0
+    ranks_not_finite: int | None = None
 
     def label(self, param: torch.Tensor) -> str:
         """``param`` as an error message names it: its name, else its flat position and shape."""
@@ -123,6 +129,13 @@ def require_finite_gradients(entries: list[Entry], step: int, context: StepConte
     ranks_with_bad = torch.tensor([1 if bad else 0], dtype=torch.int32, device=device)
     context.agreement.all_reduce_sum(ranks_with_bad)
     raise_if_non_finite(int(ranks_with_bad.item()), bad, step, context)
+
+
+def runs_finite_check(aggregator: Aggregator | None, overlap: OverlapController, check_finite: bool) -> bool:
+    """Whether this step's path (:func:`run_step_path`) runs :func:`require_finite_gradients`: the compressed step
+    without an armed backward, with option ``check_finite``. The step's sketch, when one runs, then carries the
+    check's verdict in its all-reduce instead, which saves the step one collective round."""
+    return check_finite and aggregator is not None and not aggregator.reduces_gradients and overlap.armed is None
 
 
 def raise_if_non_finite(count: int, bad: list[torch.Tensor], step: int, context: StepContext) -> None:
@@ -321,7 +334,8 @@ def run_step_path(
 ) -> None:
     """Step ``entries`` by the path that fits: exact Lion when ``aggregator`` is None or averages gradients
     (over ``transport``), the armed backward's votes when ``overlap`` holds one (counting the buckets voted
-    again), else the compressed step after the agreed non-finite check (``context.check_finite``)."""
+    again), else the compressed step after the agreed non-finite check (``context.check_finite``; its verdict
+    ``context.ranks_not_finite`` where the step's sketch carried it)."""
     if aggregator is None or aggregator.reduces_gradients:
         exact_lion_step(entries, aggregator, transport, context)
         return
@@ -330,7 +344,10 @@ def run_step_path(
         overlap.revoted_buckets += overlapped_step(entries, armed, step, positive_ties, context)
         return
     if context.check_finite:
-        require_finite_gradients(entries, step, context)
+        if context.ranks_not_finite is None:
+            require_finite_gradients(entries, step, context)
+        elif context.ranks_not_finite:
+            raise_if_non_finite(context.ranks_not_finite, non_finite_parameters(entries), step, context)
     compressed_step(entries, aggregator, positive_ties, context)
 
 
@@ -352,5 +369,6 @@ __all__ = [
     "require_finite_gradients",
     "run_bucket_schedule",
     "run_step_path",
+    "runs_finite_check",
     "sign_bits_of_message",
 ]

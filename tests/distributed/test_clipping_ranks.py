@@ -56,11 +56,12 @@ def test_each_mode_equals_the_plain_loop_and_the_virtual_world_on_every_rank(ran
 def test_clip_adds_one_all_reduce_of_the_sketch_per_step(ranks: list[dict[str, Any]]) -> None:
     """Counted on the real ranks against the same mode without clip: one fp64 all-reduce of sketch_bins numbers
     per step (a world of one has no collectives). A compressed mode measures the noise scale (on by default), whose
-    sketch of the default bins and a squared norm the mode without clip sends already: with clip the same one
-    all-reduce carries clip's bins and the squared norm. The virtual world counts what the ranks sent."""
+    sketch of the default bins, a squared norm and the non-finite check's verdict the mode without clip sends
+    already: with clip the same one all-reduce carries clip's bins, the squared norm and the verdict. The virtual
+    world counts what the ranks sent."""
     p = len(ranks)
     bins = int(sc.CLIP["sketch_bins"])
-    noise_sketch = wire.all_reduce_bytes(8 * (DEFAULT_SKETCH_BINS + 1), p)
+    noise_sketch = wire.all_reduce_bytes(8 * (DEFAULT_SKETCH_BINS + 2), p)
     for mode, options in sc.clip_modes(p).items():
         virtual = virtual_run(p, options)
         if p == 1:
@@ -68,7 +69,7 @@ def test_clip_adds_one_all_reduce_of_the_sketch_per_step(ranks: list[dict[str, A
         elif options["compression"] == "none":
             collectives, extra = 1, wire.all_reduce_bytes(8 * bins, p)
         else:
-            collectives, extra = 0, wire.all_reduce_bytes(8 * (bins + 1), p) - noise_sketch
+            collectives, extra = 0, wire.all_reduce_bytes(8 * (bins + 2), p) - noise_sketch
         for rank in range(p):
             for step in range(1, sc.TRAIN_STEPS + 1):
                 clipped = ranks[rank][f"clip/train-stats/{mode}/{step}"]

@@ -175,7 +175,8 @@ def test_head_momentum_sync_by_module_names(launched: dict[str, Any], variant: s
 @pytest.mark.parametrize("config", ["lioncub_1bit", "lioncub_4bit_sign", "lioncub_ef_residual", "lioncub_ef21"])
 def test_checkpoint_resume_reproduces_the_uninterrupted_run(launched: dict[str, Any], config: str) -> None:
     """Error feedback included: its per-bucket state is in each rank's file, and the resumed run
-    equals the uninterrupted one bit for bit only if that state came back exactly."""
+    equals the uninterrupted one bit for bit only if that state came back exactly. The gradient noise scale
+    too: the resumed run goes on averaging where the saved one stopped."""
     for rank, results in enumerate(launched["main"]):
         record = results[f"resume/{config}"]
         assert record["aggregation_saved"] == config.startswith("lioncub_ef"), f"rank {rank}"
@@ -183,6 +184,9 @@ def test_checkpoint_resume_reproduces_the_uninterrupted_run(launched: dict[str, 
             assert torch.equal(record["resumed"][name], value), f"rank {rank}: {name}"
         for index, (a, b) in enumerate(zip(record["uninterrupted_momenta"], record["resumed_momenta"], strict=True)):
             assert torch.equal(a, b), f"rank {rank}: momentum {index}"
+        noise = record["uninterrupted_noise_scale"]
+        assert noise is not None and noise.steps > 0, f"rank {rank}: the noise scale was not measured"
+        assert record["resumed_noise_scale"] == noise, f"rank {rank}"
     first, second = (results[f"resume/{config}"]["resumed_momenta"] for results in launched["main"])
     assert not all(torch.equal(a, b) for a, b in zip(first, second, strict=True)), "per-rank momenta should differ"
 
@@ -266,8 +270,8 @@ def _csv_rows(directory: Path, event: str) -> list[tuple[int, str]]:
 
 def test_telemetry_is_written_through_deepspeeds_csv_monitor(launched: dict[str, Any]) -> None:
     """The CSV monitor's LionCub/ rows: rank 0's records, at the engine's sample count, with bytes equal to
-    comm_stats() and to the wire formulas for the 1-bit vote's buckets plus the 4-byte non-finite check and the
-    default clip's sketch."""
+    comm_stats() and to the wire formulas for the 1-bit vote's buckets plus the default clip's sketch, which carries
+    the non-finite check's verdict (one collective, no 4-byte all-reduce of its own)."""
     ranks = _configs(launched)["lioncub_1bit_telemetry"]
     directory = launched["out"] / "csv" / TELEMETRY_JOB
     records = ranks[0]["telemetry"]
@@ -275,16 +279,16 @@ def test_telemetry_is_written_through_deepspeeds_csv_monitor(launched: dict[str,
     steps = [samples_per_step * step for step in range(1, STEPS + 1)]
     buckets = reference_bucket_sizes(ranks[0]["parameter_numels"], TELEMETRY_BUCKET_SIZE)
     assert len(buckets) > 1
-    # The non-finite check, the default clip's sketch (with the noise scale's squared norm) and the buckets' votes.
-    sketch = wire.all_reduce_bytes(8 * (DEFAULT_SKETCH_BINS + 1), 2)
-    expected_bytes = wire.all_reduce_bytes(4, 2) + sketch + sum(wire.vote_1bit_bytes(n, 2) for n in buckets)
+    # The default clip's sketch (with the noise scale's squared norm and the non-finite verdict) and the votes.
+    sketch = wire.all_reduce_bytes(8 * (DEFAULT_SKETCH_BINS + 2), 2)
+    expected_bytes = sketch + sum(wire.vote_1bit_bytes(n, 2) for n in buckets)
     for event in ("bytes_sent", "bytes_received"):
         rows = _csv_rows(directory, f"LionCub/{event}")
         assert [step for step, _ in rows] == steps, event
         assert [int(value) for _, value in rows] == [expected_bytes] * STEPS, event
         assert [int(value) for _, value in rows] == [getattr(t, event) for t in ranks[0]["comm_per_step"]], event
     collectives = _csv_rows(directory, "LionCub/collectives")
-    assert [int(value) for _, value in collectives] == [2 + 2 * len(buckets)] * STEPS
+    assert [int(value) for _, value in collectives] == [1 + 2 * len(buckets)] * STEPS
     for event in ("skipped", "revoted_buckets"):
         assert [int(value) for _, value in _csv_rows(directory, f"LionCub/{event}")] == [0] * STEPS, event
     for event in ("tie_rate", "agreement_rate", "comm_seconds", "local_seconds"):

@@ -47,6 +47,21 @@ ENGINE_CHECK = textwrap.dedent(
     }
     deepspeed.init_distributed(dist_backend="gloo")
 
+    # Set-up once: every ds_lioncub module's parse_config and build_aggregation counted (those imported later take
+    # the counting one from the config and aggregation packages).
+    parsed, built = [], []
+    def counting(original, calls):
+        def counted(*args, **kwargs):
+            calls.append(sorted(args[0]) if args and isinstance(args[0], dict) else None)
+            return original(*args, **kwargs)
+        return counted
+    for package, name, calls in (("config", "parse_config", parsed), ("aggregation", "build_aggregation", built)):
+        original = getattr(sys.modules[f"ds_lioncub.{package}"], name)
+        wrapper = counting(original, calls)
+        for module in [m for key, m in list(sys.modules.items()) if key.split(".")[0] == "ds_lioncub"]:
+            if getattr(module, name, None) is original:
+                setattr(module, name, wrapper)
+
     def model():
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
@@ -70,6 +85,10 @@ ENGINE_CHECK = textwrap.dedent(
     report["engine_allreduce"] = engine.enable_backward_allreduce
     lioncub = find_lioncub(engine.optimizer)
     report["gradients_averaged"] = None if lioncub is None else lioncub.gradients_are_averaged
+    # A param group's lr, betas and weight_decay are validated on their own when the group is added.
+    report["options_parsed"] = [keys for keys in parsed if keys != ["betas", "lr", "weight_decay"]]
+    report["groups_checked"] = len(parsed) - len(report["options_parsed"])
+    report["aggregations_built"] = len(built)
     trained = train(engine, engine.module)
     if optimizer_block["type"] == "Adam":
         plain = model()
@@ -114,14 +133,38 @@ def test_a_second_register_patches_nothing_more(adam_engine: dict[str, object]) 
 
 def test_an_engine_with_another_optimizer_trains_as_deepspeed_alone(adam_engine: dict[str, object]) -> None:
     assert adam_engine["is_lioncub"] is False
+    assert adam_engine["options_parsed"] == [] and adam_engine["aggregations_built"] == 0
     assert adam_engine["basic_optimizer"] == "Adam"
     assert adam_engine["engine_allreduce"] is True
     assert adam_engine["equals_plain_torch_adam"] is True
 
 
+@pytest.fixture(scope="module")
+def lioncub_engines() -> dict[str, dict[str, object]]:
+    return {
+        compression: run_engine_check({"type": "LionCub", "params": {"lr": 1e-3, "compression": compression}})
+        for compression in ("1bit", "none")
+    }
+
+
 @pytest.mark.parametrize("compression,engine_allreduce", [("1bit", False), ("none", True)])
-def test_the_wiring_decides_who_averages_gradients(compression: str, engine_allreduce: bool) -> None:
-    report = run_engine_check({"type": "LionCub", "params": {"lr": 1e-3, "compression": compression}})
+def test_the_wiring_decides_who_averages_gradients(
+    lioncub_engines: dict[str, dict[str, object]], compression: str, engine_allreduce: bool
+) -> None:
+    report = lioncub_engines[compression]
     assert report["is_lioncub"] is True
     assert report["engine_allreduce"] is engine_allreduce
     assert report["gradients_averaged"] is (compression == "none")
+
+
+@pytest.mark.parametrize("compression", ["1bit", "none"])
+def test_an_engine_build_parses_the_options_once_and_builds_the_aggregation_once(
+    lioncub_engines: dict[str, dict[str, object]], compression: str
+) -> None:
+    """The ds_config's LionCub block is parsed by the first hook that reads it (the every-rank model check) and
+    serves the optimizer's construction too; the aggregation is built by the wiring's bind(), for the ranks that
+    vote, not also at construction. Each param group's hyper-parameters are checked on their own."""
+    report = lioncub_engines[compression]
+    assert report["options_parsed"] == [["compression", "lr"]]
+    assert report["groups_checked"] == 1
+    assert report["aggregations_built"] == 1

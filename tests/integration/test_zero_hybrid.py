@@ -636,11 +636,22 @@ def test_each_steps_telemetry_is_its_traffic_and_marks_the_skipped_step(launched
         assert any(0 < (t.tie_rate or 0) < 1 for t in records[0]["telemetry"]), name
 
 
-def test_node_size_one_sends_the_same_bytes_as_stage0(launched: dict[str, Any]) -> None:
+def test_node_size_one_sends_what_stage0_sends_but_its_finite_check(launched: dict[str, Any]) -> None:
+    """The same votes and the same noise scale's sketch, but stage 0's sketch carries the non-finite verdict (one
+    more fp64 number), where the hybrid, whose caller sketches before ZeRO's step, agrees on it by an int32 all-reduce
+    of its own: one collective more a step, and those bytes against the 8."""
     hybrid = _trained(launched, "zero2_1bit_node_size1")
     stage0 = _trained(launched, "stage0_1bit")
+    sketch = 8 * (DEFAULT_SKETCH_BINS + 1)  # the noise scale's bins and squared norm
+    extra = (
+        wire.all_reduce_bytes(4, WORLD)
+        + wire.all_reduce_bytes(sketch, WORLD)
+        - wire.all_reduce_bytes(sketch + 8, WORLD)
+    )
     for rank in range(WORLD):
-        assert hybrid[rank]["comm"] == stage0[rank]["comm"], f"rank {rank}"
+        for step, (got, want) in enumerate(zip(hybrid[rank]["comm"], stage0[rank]["comm"], strict=True), 1):
+            expected = (want[0] + step, want[1] + step * extra, want[2] + step * extra)  # counts since the start
+            assert tuple(got) == expected, f"rank {rank}, step {step}"
 
 
 def test_steps_are_counted(launched: dict[str, Any]) -> None:

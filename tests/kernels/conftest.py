@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ds_lioncub.comm.packing as packing
-from ds_lioncub.op_builder import LionCubPackingCPUBuilder, LionCubPackingCUDABuilder
+from ds_lioncub.kernels.builders import LionCubPackingCPUBuilder, LionCubPackingCUDABuilder
 from tests.support.implementations import IMPLEMENTATIONS, Implementation, load_op_or_skip
 
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch.utils.cpp_extension as cpp_extension
 
-from ds_lioncub.comm.packing import builders
-from ds_lioncub.comm.packing.builders import LionCubPackingCUDABuilder, choose_cuda_architectures, ops_dir
-from ds_lioncub.comm.packing.cuda_build_check import find_cuda_home
+from ds_lioncub.kernels import builders
+from ds_lioncub.kernels.builders import LionCubPackingCUDABuilder, choose_cuda_architectures, ops_dir
+from ds_lioncub.kernels.cuda_build_check import find_cuda_home
 
 REPO = Path(__file__).resolve().parents[2]
 KERNELS = "csrc/cuda/lioncub_packing_kernels.cu"
@@ -79,7 +79,7 @@ def _broken_copy(tmp_path: Path, source: str, old: str, new: str) -> tuple[Path,
 
 
 def _run_check(ops: Path) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "ds_lioncub.comm.packing.cuda_build_check", "--ops-dir", str(ops)]
+    command = [sys.executable, "-m", "ds_lioncub.kernels.cuda_build_check", "--ops-dir", str(ops)]
     return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600)
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import ds_lioncub.comm.packing as packing
+from ds_lioncub._logging import get_logger
 from ds_lioncub.errors import LionCubSetupError
-from ds_lioncub.op_builder import get_logger
 
 
 def test_default_path_is_compiled_and_logged_once(cpu_op, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,10 +23,10 @@ import torch
 
 from ds_lioncub.comm import packing
 from ds_lioncub.comm.packing import MomentumPiece, ParamPiece, dispatch
-from ds_lioncub.comm.packing.compiled import CompiledPacking
-from ds_lioncub.comm.packing.self_check import SelfCheckedPacking
 from ds_lioncub.comm.packing.torch_impl import TorchPacking
 from ds_lioncub.errors import LionCubSetupError
+from ds_lioncub.kernels.compiled import CompiledPacking
+from ds_lioncub.kernels.self_check import SelfCheckedPacking
 from tests.support.implementations import Implementation
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

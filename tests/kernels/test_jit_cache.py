@@ -1,4 +1,4 @@
-"""The JIT cache of the packing ops (ds_lioncub/comm/packing/jit_cache.py): one immutable directory per build
+"""The JIT cache of the packing ops (ds_lioncub/kernels/jit_cache.py): one immutable directory per build
 key, a key that does not follow PATH, one build for concurrent loads, and a build beside a running job that
 leaves the job's library and results alone.
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from ds_lioncub.comm.packing.jit_cache import STAGING_PREFIX, build_key, library_in, load_or_build
-from ds_lioncub.op_builder import LionCubPackingCPUBuilder
+from ds_lioncub.kernels.builders import LionCubPackingCPUBuilder
+from ds_lioncub.kernels.jit_cache import STAGING_PREFIX, build_key, library_in, load_or_build
 from tests.support import checks
 from tests.support.launch import REPO, run_ranks, worker_environment
 
@@ -157,7 +157,7 @@ def test_concurrent_loads_build_once(cpu_op: Any, tmp_path: Path) -> None:
 
 
 LOAD_AND_SAY = (
-    "from ds_lioncub.op_builder import LionCubPackingCPUBuilder as B; b = B(); m = b.load(); "
+    "from ds_lioncub.kernels.builders import LionCubPackingCPUBuilder as B; b = B(); m = b.load(); "
     "print(b.load_source); print(m.simd())"
 )
 

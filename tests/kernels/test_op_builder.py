@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ds_lioncub.comm.packing as packing
-from ds_lioncub.op_builder import LionCubPackingCPUBuilder, LionCubPackingCUDABuilder
+from ds_lioncub.kernels.builders import LionCubPackingCPUBuilder, LionCubPackingCUDABuilder
 
 
 def test_cpu_builder_loads_with_a_unique_name(cpu_op) -> None:
@@ -62,7 +62,7 @@ def test_report_follows_the_environment_variable(cpu_op, monkeypatch: pytest.Mon
     ],
 )
 def test_architecture_specific_targets_become_their_generic_code(listed: str, generic: str) -> None:
-    from ds_lioncub.comm.packing.builders import generic_architectures
+    from ds_lioncub.kernels.builders import generic_architectures
 
     assert generic_architectures(listed) == generic
 

@@ -1,4 +1,4 @@
-"""The self-check of the compiled kernels against the torch reference (ds_lioncub/comm/packing/self_check.py).
+"""The self-check of the compiled kernels against the torch reference (ds_lioncub/kernels/self_check.py).
 
 The real CPU op must pass it. A wrong kernel cannot be built on purpose, so the refusal is tested with a
 stand-in: the real op module wrapped so that one function flips one bit of its output for one dtype
@@ -16,11 +16,12 @@ import pytest
 import torch
 
 import ds_lioncub.comm.packing as packing
-from ds_lioncub.comm.packing import dispatch, self_check
-from ds_lioncub.comm.packing.compiled import CompiledPacking
-from ds_lioncub.comm.packing.self_check import TRAINING_DTYPES, SelfCheckedPacking, operations_for
+from ds_lioncub.comm.packing import dispatch
 from ds_lioncub.comm.packing.torch_impl import TorchPacking
 from ds_lioncub.errors import LionCubSetupError
+from ds_lioncub.kernels import self_check
+from ds_lioncub.kernels.compiled import CompiledPacking
+from ds_lioncub.kernels.self_check import TRAINING_DTYPES, SelfCheckedPacking, operations_for
 
 
 @pytest.fixture(autouse=True)

@@ -21,8 +21,8 @@ import torch
 
 from ds_lioncub.comm import packing
 from ds_lioncub.comm.packing import dispatch
-from ds_lioncub.comm.packing.self_check import SelfCheckedPacking
 from ds_lioncub.errors import LionCubSetupError
+from ds_lioncub.kernels.self_check import SelfCheckedPacking
 from tests.support.clip_reference import plain_pairwise_fold
 from tests.support.implementations import Implementation
 

@@ -136,7 +136,7 @@ def _build_packing_op() -> str:
     """Build (or load) the compiled CPU op once unless the torch path is asked for; the mode requested."""
     requested = os.environ.get("DS_LIONCUB_PACKING", "auto")
     if requested != "torch":
-        from ds_lioncub.op_builder import LionCubPackingCPUBuilder
+        from ds_lioncub.kernels.builders import LionCubPackingCPUBuilder
 
         LionCubPackingCPUBuilder().load()  # a failed build raises: a "compiled" capture must not fall back
     return requested

@@ -316,12 +316,13 @@ def expected_training_traffic(options: dict[str, Any], world_size: int, step: in
     if compression == "none":
         element_size = 2 if options.get("comm_dtype") == "bf16" else 4
         return len(buckets), sum(wire.dense_all_reduce_bytes(n, p, element_size) for n in buckets)
-    collectives, sent = 1, wire.all_reduce_bytes(4, p)  # the non-finite check's int32 count
     telemetry = options.get("telemetry")
     if not (isinstance(telemetry, dict) and telemetry.get("noise_scale") is False):
-        # The gradient noise scale (telemetry.noise_scale, on by default): the sketch and the squared norm, fp64.
-        collectives += 1
-        sent += wire.all_reduce_bytes(8 * (DEFAULT_SKETCH_BINS + 1), p)
+        # The gradient noise scale (telemetry.noise_scale, on by default): the sketch and the squared norm, fp64,
+        # and one more number that carries the non-finite check's verdict (no int32 all-reduce of its own).
+        collectives, sent = 1, wire.all_reduce_bytes(8 * (DEFAULT_SKETCH_BINS + 2), p)
+    else:
+        collectives, sent = 1, wire.all_reduce_bytes(4, p)  # the non-finite check's int32 count
     if compression == "1bit":
         collectives += 2 * len(buckets)
         sent += sum(wire.vote_1bit_bytes(n, p) for n in buckets)

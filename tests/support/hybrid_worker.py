@@ -24,7 +24,7 @@ from torch import Tensor
 
 import ds_lioncub  # noqa: F401 - registers LionCub with DeepSpeed
 from ds_lioncub import LionCub
-from ds_lioncub.deepspeed_integration import find_lioncub
+from ds_lioncub.integration import find_lioncub
 from tests.support.hybrid_cases import CHECKPOINT_AT, HybridCase, build_model, loss_of
 
 Record = dict[str, Any]

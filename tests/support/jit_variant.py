@@ -14,7 +14,7 @@ import argparse
 import shutil
 import sys
 
-from ds_lioncub.op_builder import LionCubPackingCPUBuilder
+from ds_lioncub.kernels.builders import LionCubPackingCPUBuilder
 
 
 class VariantBuilder(LionCubPackingCPUBuilder):

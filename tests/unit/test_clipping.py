@@ -13,9 +13,9 @@ import torch
 from ds_lioncub import LionCub
 from ds_lioncub.comm import packing
 from ds_lioncub.errors import LionCubConfigError, LionCubSetupError
-from ds_lioncub.op_builder import LionCubPackingCPUBuilder
+from ds_lioncub.kernels.builders import LionCubPackingCPUBuilder
 from ds_lioncub.simulate import VirtualLionCub
-from ds_lioncub.step import clipping
+from ds_lioncub.step import clipping, sketch
 from ds_lioncub.step.clipping import clip_coefficient, gradient_sketch
 from tests.support import scenarios as sc
 from tests.support.clip_reference import brute_force_sketch, clipped_grads_fn, plain_sketch_and_squares
@@ -38,17 +38,17 @@ def test_pieces_and_chunks_walk_the_same_elements(monkeypatch: pytest.MonkeyPatc
     the CPU) or by the CPU's kernel, sketches as the whole tensor."""
     flat = torch.randn(1000, generator=torch.Generator().manual_seed(2))
     whole = brute_force_sketch([flat], 13, 5)
-    monkeypatch.setattr(clipping, "CHUNK", 40)  # 3 rows of 13 per chunk
+    monkeypatch.setattr(sketch, "CHUNK", 40)  # 3 rows of 13 per chunk
     pieces = [flat[:5], flat[5:6], flat[6:300], flat[300:]]
-    for sketch in (gradient_sketch, clipping.sketch_in_passes):
-        assert torch.allclose(sketch([pieces], 13, 5, shard=0), whole, rtol=1e-12, atol=1e-12), sketch
+    for walk in (gradient_sketch, clipping.sketch_in_passes):
+        assert torch.allclose(walk([pieces], 13, 5, shard=0), whole, rtol=1e-12, atol=1e-12), walk
 
 
 def test_the_gpus_longer_chunks_walk_the_same_elements(monkeypatch: pytest.MonkeyPatch) -> None:
     """The chunking a GPU takes (CUDA_CHUNK elements a pass, a table long enough for it), run on the CPU: the
     same sketch as the scatter, the table's windows read across its period."""
-    monkeypatch.setattr(clipping, "_TABLES", {})
-    monkeypatch.setattr(clipping, "chunk_for", lambda device: clipping.CUDA_CHUNK)
+    monkeypatch.setattr(sketch, "_TABLES", {})
+    monkeypatch.setattr(sketch, "chunk_for", lambda device: clipping.CUDA_CHUNK)
     table = clipping.sign_table(torch.device("cpu"))
     assert table.numel() == clipping.SIGN_PERIOD + clipping.CUDA_CHUNK
     assert torch.equal(table[clipping.SIGN_PERIOD :], table[: clipping.CUDA_CHUNK])

@@ -197,22 +197,23 @@ def test_planner_command_is_what_the_command_line_takes(capsys: pytest.CaptureFi
 
 
 @pytest.mark.parametrize(
-    ("half_width", "expected"),
+    ("half_width", "kappa", "expected"),
     [
-        # +3.3 [+0.3, +6.3]: recommended on speed, with its interval
-        (3.0, "Recommended at stage 0, though the study cannot tell whether within 2%: lioncub_1bit, loss vs Lion"),
-        # +3.3 [+2.3, +4.3]: above 2 %, passed over
-        (1.0, "Passed over at stage 0, though faster: lioncub_1bit, loss vs Lion +3.3% (95% CI +2.3 to +4.3"),
+        # +3.3 [+0.3, +6.3], worth 0.75 of the batch: first to Lion's loss, with its gap's interval
+        (3.0, 0.75, "Recommended at stage 0, though the study cannot tell whether within 2%: lioncub_1bit, loss vs"),
+        # worth a twentieth of the batch (r = 20): slower to Lion's loss than the modes after it, passed over
+        (1.0, 0.05, "Passed over at stage 0, though faster per step: lioncub_1bit, later to exact Lion's loss ("),
     ],
 )
 def test_recommendations_name_the_stage0_mode_passed_over_or_not_cleared(
-    monkeypatch: pytest.MonkeyPatch, half_width: float, expected: str
+    monkeypatch: pytest.MonkeyPatch, half_width: float, kappa: float, expected: str
 ) -> None:
     # The 1.3B model's 4 x 8 cluster votes over 32 ranks at stage 0; the study's one cell, the 1-bit vote's there
     # with the clip the configs run (the mean gradient's, at their gradient_clipping).
     from ds_lioncub.planner import convergence
+    from ds_lioncub.planner.time_to_loss import Kappa
 
-    cell = convergence.StudyCell("1bit+clip", 32, 0.99, 3.3, half_width, 3)
+    cell = convergence.StudyCell("1bit+clip", 32, 0.99, 3.3, half_width, 3, kappa=Kappa(kappa))
     monkeypatch.setattr(convergence, "load_evidence", lambda: (cell,))
     found = compare_report.recommendations(compare_report.large_model_cluster(), link_rates=("1gbit",))
     text = " ".join(line.strip() for line in compare_report.format_recommendations(found, RUNS))

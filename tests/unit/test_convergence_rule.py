@@ -1,6 +1,6 @@
-"""The planner's and "auto"'s convergence rule: a mode the study shows losing > 2% of Lion's loss (the 95%
-interval of its gap above 2%) is never recommended silently, and one it cannot clear is recommended with its
-interval beside it.
+"""The planner's and "auto"'s rule: the candidate first to exact Lion's loss (step time x r) is recommended, a
+faster one is passed over only for it, never for its gap after a fixed number of steps alone, and the gap stays
+in the output beside r.
 
 The cells here are made up for the test (the shipped study is benchmarks/RESULTS.md's); each check
 states what the rule must do with them, independently of how the planner prices the modes.
@@ -20,17 +20,35 @@ from ds_lioncub.planner import auto as auto_module
 from ds_lioncub.planner.auto import resolve_auto
 from ds_lioncub.planner.convergence import StudyCell, assess, choose, study_mode, voters
 from ds_lioncub.planner.model import Cluster, Network, plan
+from ds_lioncub.planner.time_to_loss import Kappa
 
 REPO = Path(__file__).resolve().parents[2]
 GBIT = 1e9 / 8  # bytes per second
 
 
 def cell(
-    mode: str, workers: int, gap: float, half_width: float | None, beta2: float = 0.99, seeds: int = 3
+    mode: str,
+    workers: int,
+    gap: float,
+    half_width: float | None,
+    beta2: float = 0.99,
+    seeds: int = 3,
+    kappa: float | None = None,
 ) -> StudyCell:
-    return StudyCell(
-        mode=mode, workers=workers, beta2=beta2, gap_percent=gap, half_width_percent=half_width, seeds=seeds
-    )
+    """A study cell; with ``kappa``, worth that share of the batch (interval kappa x 0.9 to x 1.1, at most 1)."""
+    worth = None if kappa is None else Kappa(kappa, 0.9 * kappa, min(1.0, 1.1 * kappa))
+    return StudyCell(mode, workers, beta2, gap, half_width_percent=half_width, seeds=seeds, kappa=worth)
+
+
+def as_file(*cells: StudyCell) -> dict:
+    """An evidence file's JSON for ``cells`` (their kappa written out as the file's fields)."""
+    out = []
+    for c in cells:
+        row = {k: v for k, v in c.__dict__.items() if k not in ("kappa", "measured_ratio")}
+        if c.kappa is not None:
+            row.update(kappa=c.kappa.value, kappa_low=c.kappa.low, kappa_high=c.kappa.high)
+        out.append(row)
+    return {"source": "made up for this test", "cells": out}
 
 
 def test_modes_map_to_the_study_keys_they_compute() -> None:
@@ -86,116 +104,135 @@ def test_a_mode_loses_only_when_its_interval_lies_above_the_threshold(
     assert cell("1bit", 8, gap, half_width, seeds=2).undecided is (loses or undecided)
 
 
-def test_the_planner_passes_over_a_faster_mode_that_loses_and_says_so() -> None:
+def test_a_faster_mode_is_passed_over_only_for_one_that_reaches_lions_loss_sooner() -> None:
     cluster = Cluster(4, 8)
     candidates = plan(1_500_000_000, cluster, Network(GBIT, None, 50e-6))
     fastest = candidates[0]
     assert fastest.compression != "none" and fastest.zero_stage == 2  # the ZeRO-2 hybrid: the 4 nodes vote
     key = study_mode(fastest.params)
     assert key is not None
-    losing = (cell(key, 4, 6.0, 1.0),)
-    choice = choose(candidates, cluster, 0.99, losing)
-    assert choice.best is not fastest and study_mode(choice.best.params) != key
-    assert choice.skipped[0][0] is fastest
-    assert "+6.0% (95% CI +5.0 to +7.0, 3 seeds)" in choice.skipped_sentence()
-    # The interval reaches below 2 %: nothing is passed over, and the recommendation shows the interval.
-    wide = choose(candidates, cluster, 0.99, (cell(key, 4, 6.0, 7.0),))
-    assert wide.best is fastest and not wide.skipped
-    assert wide.caveat() == (
-        f"{fastest.label}: loss vs Lion +6.0% (95% CI -1.0 to +13.0, 3 seeds) at 4 workers, beta2 0.99: "
-        "not shown to exceed 2%, nor to stay below it."
+    # A large gap after the study's steps but worth 0.9 of the batch (r at most 1/0.9): still first to the loss.
+    keeps = choose(candidates, cluster, 0.99, (cell(key, 4, 6.0, 1.0, kappa=0.9),))
+    assert keeps.best is fastest and not keeps.skipped and keeps.verdicts[0].loses  # the gap alone decides nothing
+    # Worth so little that every other mode, r unknown here (ranked by its step), gets there first.
+    worthless = choose(candidates, cluster, 0.99, (cell(key, 4, 6.0, 1.0, kappa=0.05),))
+    time = fastest.seconds_per_step / 0.05
+    by_hand = min(
+        candidates, key=lambda c: c.seconds_per_step / 0.05 if study_mode(c.params) == key else c.seconds_per_step
     )
+    assert worthless.best is by_hand and worthless.best.seconds_per_step < time
+    assert worthless.skipped[0][0] is fastest
+    assert all(c.seconds_per_step < by_hand.seconds_per_step for c, _ in worthless.skipped)
     # Judged at 32 voters (stage 0) the same mode would take 32's cell: the hybrid's is the nodes'.
     assert voters(fastest, cluster) == 4 and voters(candidates[-1], cluster) in (4, 32)
 
 
-def test_the_cli_names_what_it_passed_over_in_the_table_and_the_json(tmp_path: Path) -> None:
-    # 4 nodes x 8 ranks at 1 Gbit/s: the 1-bit vote under the ZeRO-2 hybrid wins on speed (32 -> 4 voters). The
-    # command line plans compressed modes with the mean clip (DeepSpeed's default gradient_clipping, 1.0), so the
-    # cell that judges them is the one with clip.
+def test_the_cli_names_what_it_passed_over_one_line_each_in_the_table_and_the_json(tmp_path: Path) -> None:
+    # 4 nodes x 8 ranks at 1 Gbit/s: the 1-bit vote under the ZeRO-2 hybrid is fastest per step (32 -> 4 voters).
+    # The command line plans compressed modes with the mean clip, so the cell that judges every sign vote is the
+    # one with clip: here worth a tenth of the batch, r = 10 in the worst case.
     evidence = tmp_path / "study.json"
-    evidence.write_text(json.dumps({"cells": [cell("1bit+clip", 4, 7.5, 2.0).__dict__]}))  # [5.5, 9.5]: a loss
+    evidence.write_text(json.dumps(as_file(cell("1bit+clip", 4, 7.5, 2.0, kappa=0.1))))
     base = [sys.executable, "-m", "ds_lioncub.planner", "--params", "1.5e9", "--nodes", "4", "--gpus-per-node", "8"]
     base += ["--inter-node-bandwidth", "1gbit", "--convergence-evidence", str(evidence)]
     table = subprocess.run(base, cwd=REPO, capture_output=True, text=True, timeout=300, check=True).stdout
-    assert "+7.5 [+5.5, +9.5]!" in table
-    assert "Faster but not recommended" in table
-    assert "1-bit vote + clip, ZeRO-2 hybrid: loss vs Lion +7.5% (95% CI +5.5 to +9.5, 3 seeds) at 4 workers" in table
-    recommended = next(line for line in table.splitlines() if line.startswith("Recommended:"))
-    assert "sign vote" not in recommended and "1-bit" not in recommended  # every sign vote is the 1-bit vote
+    lines = table.splitlines()
+    recommended = next(i for i, line in enumerate(lines) if line.startswith("Recommended:"))
+    assert "sign vote" not in lines[recommended] and "1-bit" not in lines[recommended]
+    header = next(i for i, line in enumerate(lines) if line.startswith("Faster per step but later"))
+    assert f"evidence: the convergence study in {evidence}" in lines[header]
+    passed = []
+    for line in lines[header + 1 :]:
+        if not line.startswith("  "):
+            break
+        passed.append(line)
+    # One line per mode passed over, each with its step x r and its gap.
+    assert passed[0].startswith("  1-bit vote + clip, ZeRO-2 hybrid: ") and " x r 10.00 [" in passed[0]
+    assert passed[0].endswith("loss vs Lion +7.5% (95% CI +5.5 to +9.5, 3 seeds) at 4 workers, beta2 0.99")
+    assert len(passed) >= 2 and all(": " in line for line in passed)
     output = json.loads(subprocess.run([*base, "--json"], cwd=REPO, capture_output=True, text=True, check=True).stdout)
-    assert {key: output["passed_over"][0][key] for key in ("gap_percent", "half_width_percent", "seeds")} == {
+    first = output["passed_over"][0]
+    assert {key: first[key] for key in ("gap_percent", "half_width_percent", "seeds")} == {
         "gap_percent": 7.5,
         "half_width_percent": 2.0,
         "seeds": 3,
     }
-    assert output["passed_over"][0]["why"].startswith("loss vs Lion +7.5% (95% CI +5.5 to +9.5, 3 seeds)")
+    assert first["r"] == pytest.approx(10.0) and first["why"].startswith("later to exact Lion's loss: ")
     assert study_mode(output["recommended"]["params"]) != "1bit+clip"
-    assert "uncertain_loss" not in output["recommended"]  # the study has no cell for it: nothing to say
     parse_config(output["recommended"]["params"])
 
 
-def test_auto_takes_the_fastest_mode_that_keeps_lions_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+def _patched(monkeypatch: pytest.MonkeyPatch, cells: tuple[StudyCell, ...]) -> None:
+    monkeypatch.setattr(
+        auto_module, "choose", lambda c, cl, b2, momentum_sync=None: choose(c, cl, b2, cells, momentum_sync)
+    )
+
+
+def test_auto_takes_the_mode_first_to_lions_loss(monkeypatch: pytest.MonkeyPatch) -> None:
     options = parse_config({"compression": "auto", "network": {"bandwidth": "1gbit"}, "betas": [0.9, 0.95]})
-    keeping = (cell("1bit", 32, 0.5, 1.0, beta2=0.95),)  # not the shipped evidence: this test's own cells
-    monkeypatch.setattr(auto_module, "choose", lambda c, cl, b2, momentum_sync=None: choose(c, cl, b2, keeping))
+    _patched(monkeypatch, (cell("1bit", 32, 4.0, 1.0, beta2=0.95, kappa=0.9),))  # a gap, but r <= 1/0.9
     plain = resolve_auto(options, 1_500_000_000, 32, 1)
-    assert study_mode(plain.options.model_dump()) == "1bit"
-    losing = (cell("1bit", 32, 4.0, 1.0, beta2=0.95),)
-    monkeypatch.setattr(auto_module, "choose", lambda c, cl, b2, momentum_sync=None: choose(c, cl, b2, losing))
+    assert study_mode(plain.options.model_dump()) == "1bit" and not plain.fell_back
+    assert "to exact Lion's loss" in plain.sentence and "worst case 1/kappa" in plain.sentence
+    assert "loss vs Lion after the study's steps: +4.0% (95% CI +3.0 to +5.0, 3 seeds)" in plain.sentence
+    _patched(monkeypatch, (cell("1bit", 32, 4.0, 1.0, beta2=0.95, kappa=0.05),))  # r = 20: others come first
     resolved = resolve_auto(options, 1_500_000_000, 32, 1)
     assert study_mode(resolved.options.model_dump()) != "1bit"
-    assert resolved.fell_back and "Faster but not recommended" in resolved.sentence
-    assert "loss vs Lion +4.0% (95% CI +3.0 to +5.0, 3 seeds) at 32 workers, beta2 0.95" in resolved.sentence
+    assert resolved.fell_back and "Faster per step but later to exact Lion's loss" in resolved.sentence
+    assert "1-bit vote: " in resolved.sentence and " x r 20.00 [" in resolved.sentence
 
 
-def test_auto_says_when_every_faster_mode_loses(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_says_when_no_faster_mode_reaches_lions_loss_sooner(monkeypatch: pytest.MonkeyPatch) -> None:
     options = parse_config({"compression": "auto", "network": {"bandwidth": "1gbit"}})
     modes = ("1bit", "2bit-l1-alltoall", "4bit-l1-alltoall", "8bit-l1-allreduce", "8bit-l1-alltoall")
     modes += ("2bit-l1-allreduce", "4bit-l1-allreduce")
-    losing = tuple(cell(mode, 64, 9.0, 1.0) for mode in modes)
-    monkeypatch.setattr(auto_module, "choose", lambda c, cl, b2, momentum_sync=None: choose(c, cl, b2, losing))
+    _patched(monkeypatch, tuple(cell(mode, 64, 9.0, 1.0, kappa=0.06) for mode in modes))  # r = 16.7 for each
     resolved = resolve_auto(options, 1_500_000_000, 32, 1)
+    exact = next(c for c in resolved.candidates if c.compression == "none")
+    assert all(
+        c.seconds_per_step / 0.06 > exact.seconds_per_step for c in resolved.candidates if c.compression != "none"
+    )
     assert resolved.options.compression == "none" and resolved.fell_back
-    assert "compression would pay" in resolved.sentence and "every faster mode loses Lion's loss" in resolved.sentence
+    assert "compression would pay per step" in resolved.sentence
+    assert "no faster mode reaches exact Lion's loss sooner" in resolved.sentence
     assert "does not pay" not in resolved.sentence
 
 
-def test_a_recommendation_the_study_cannot_clear_shows_its_interval_in_the_cli_and_auto(
+def test_the_recommendations_gap_is_shown_beside_its_r_in_the_cli_and_auto(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The 1-bit vote with the command line's default mean clip at 4 voters (the ZeRO-2 hybrid of 4 nodes), +3.3
-    # [+0.3, +6.3]: not shown to lose, kept.
+    # [+0.3, +6.3], worth 0.75 of the batch: first to the loss, its gap printed under it.
     evidence = tmp_path / "study.json"
-    evidence.write_text(json.dumps({"cells": [cell("1bit+clip", 4, 3.3, 3.0).__dict__]}))
+    evidence.write_text(json.dumps(as_file(cell("1bit+clip", 4, 3.3, 3.0, kappa=0.75))))
     base = [sys.executable, "-m", "ds_lioncub.planner", "--params", "1.5e9", "--nodes", "4", "--gpus-per-node", "8"]
     base += ["--inter-node-bandwidth", "1gbit", "--convergence-evidence", str(evidence)]
     table = subprocess.run(base, cwd=REPO, capture_output=True, text=True, timeout=300, check=True).stdout
     lines = table.splitlines()
     recommended = next(i for i, line in enumerate(lines) if line.startswith("Recommended:"))
     assert lines[recommended].startswith("Recommended: 1-bit vote + clip, ZeRO-2 hybrid,")
-    assert lines[recommended + 1] == (
-        "1-bit vote + clip, ZeRO-2 hybrid: loss vs Lion +3.3% (95% CI +0.3 to +6.3, 3 seeds) at 4 workers, beta2 "
-        "0.99: not shown to exceed 2%, nor to stay below it."
+    assert " x r 1.33 [1.21, 1.48] = " in lines[recommended]  # 1/0.75 [1/0.825, 1/0.675]
+    assert lines[recommended + 1].startswith("  r: worst case 1/kappa (the job's noise scale unknown), kappa 0.75")
+    assert lines[recommended + 2] == (
+        "  loss vs Lion after the study's steps: +3.3% (95% CI +0.3 to +6.3, 3 seeds) at 4 workers, beta2 0.99."
     )
-    assert "+3.3 [+0.3, +6.3]" in lines[4] and "Faster but not recommended" not in table
+    assert "+3.3 [+0.3, +6.3]" in table and "Faster per step" not in table
     output = json.loads(subprocess.run([*base, "--json"], cwd=REPO, capture_output=True, text=True, check=True).stdout)
     assert output["recommended"]["uncertain_loss"] == {
         "gap_percent": 3.3,
         "half_width_percent": 3.0,
         "seeds": 3,
-        "why": lines[recommended + 1],
+        "why": "1-bit vote + clip, ZeRO-2 hybrid: loss vs Lion +3.3% (95% CI +0.3 to +6.3, 3 seeds) at 4 workers, "
+        "beta2 0.99: not shown to exceed 2%, nor to stay below it.",
     }
     assert "passed_over" not in output
-    # "auto" at 32 ranks of one node each (32 voters), beta2 0.95: the same sentence in its log line.
+    # "auto" at 32 ranks of one node each (32 voters), beta2 0.95: the gap in its log line too.
     options = parse_config({"compression": "auto", "network": {"bandwidth": "1gbit"}, "betas": [0.9, 0.95]})
-    wide = (cell("1bit", 32, 3.3, 3.0, beta2=0.95),)
-    monkeypatch.setattr(auto_module, "choose", lambda c, cl, b2, momentum_sync=None: choose(c, cl, b2, wide))
+    _patched(monkeypatch, (cell("1bit", 32, 3.3, 3.0, beta2=0.95, kappa=0.75),))
     resolved = resolve_auto(options, 1_500_000_000, 32, 1)
     assert study_mode(resolved.options.model_dump()) == "1bit" and not resolved.fell_back
     assert resolved.sentence.endswith(
-        "1-bit vote: loss vs Lion +3.3% (95% CI +0.3 to +6.3, 3 seeds) at 32 workers, beta2 0.95: not shown to "
-        "exceed 2%, nor to stay below it."
+        "loss vs Lion after the study's steps: +3.3% (95% CI +0.3 to +6.3, 3 seeds) at 32 workers, beta2 0.95)."
     )
 
 
@@ -203,10 +240,8 @@ def test_auto_judges_a_compressed_mode_with_the_users_momentum_sync(monkeypatch:
     sync = {"interval": 10, "layers": "auto"}
     options = parse_config({"compression": "auto", "network": {"bandwidth": "1gbit"}, "momentum_sync": sync})
     # Plain 1-bit loses at 32 workers, 1-bit with the head's momentum synced does not.
-    cells = (cell("1bit", 32, 5.0, 1.0), cell("1bit+sync", 32, 0.5, 1.0))
-    monkeypatch.setattr(
-        auto_module, "choose", lambda c, cl, b2, momentum_sync=None: choose(c, cl, b2, cells, momentum_sync)
-    )
+    cells = (cell("1bit", 32, 5.0, 1.0, kappa=0.05), cell("1bit+sync", 32, 0.5, 1.0, kappa=0.95))
+    _patched(monkeypatch, cells)
     resolved = resolve_auto(options, 1_500_000_000, 32, 1)
     assert study_mode(resolved.options.model_dump()) == "1bit+sync" and not resolved.fell_back
 

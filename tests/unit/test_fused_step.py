@@ -22,7 +22,7 @@ from ds_lioncub.aggregation import Bucket, KbitVote, OneBitVote, build_aggregati
 from ds_lioncub.comm import packing
 from ds_lioncub.comm.transport import TorchTransport
 from ds_lioncub.config import parse_config
-from ds_lioncub.op_builder import LionCubPackingCPUBuilder
+from ds_lioncub.kernels.builders import LionCubPackingCPUBuilder
 from tests.support.implementations import load_op_or_skip
 
 # Odd sizes and the smallest bucket (1024 elements): pieces start and end mid-byte, and tensors are cut.

@@ -112,10 +112,22 @@ def _module_name(path: Path, package: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _imported_from(node: ast.ImportFrom, module: str, path: Path) -> str:
+    """The absolute name of what ``from X import ...`` in ``module`` (at ``path``) imports from: ``X`` itself, or,
+    for a relative import (``from . import a``, ``from ..b import c``), ``X`` resolved against the package
+    ``module`` is in (``module`` itself for an ``__init__.py``), one package up for each dot after the first."""
+    if node.level == 0:
+        return node.module or ""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _import_graph(root: Path) -> dict[str, set[str]]:
-    """module -> the ds_lioncub modules it names in an import: at the top, inside a function or under
-    ``TYPE_CHECKING`` alike (``from package import name`` counts as importing ``package.name`` where that is a
-    module). The parent packages Python imports on the way are not edges: they are not what a module asks for."""
+    """module -> the ds_lioncub modules it names in an import, absolute or relative: at the top, inside a function
+    or under ``TYPE_CHECKING`` alike (``from package import name`` counts as importing ``package.name`` where that
+    is a module). The parent packages Python imports on the way are not edges: they are not what a module asks
+    for."""
     modules = {_module_name(path, root): path for path in sorted(root.rglob("*.py"))}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
@@ -123,10 +135,11 @@ def _import_graph(root: Path) -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Import):
                 named |= {alias.name for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            elif isinstance(node, ast.ImportFrom):
+                source = _imported_from(node, name, path)
                 for alias in node.names:
-                    child = f"{node.module}.{alias.name}"
-                    named.add(child if child in modules else node.module)
+                    child = f"{source}.{alias.name}"
+                    named.add(child if child in modules else source)
         graph[name] = {module for module in named if module in modules and module != name}
     return graph
 
@@ -177,8 +190,43 @@ def test_the_cycle_scan_finds_a_cycle_in_a_package_that_has_one(tmp_path: Path) 
     assert _cycles(_import_graph(package)) == [["ds_lioncub.first", "ds_lioncub.second"]]
 
 
+def test_the_cycle_scan_follows_relative_imports(tmp_path: Path) -> None:
+    """A control: a cycle made of relative imports only (``from ..second import y`` one way, ``from .sub import
+    first`` inside a function the other), beside relative imports that make none (a package re-exporting its
+    leaf, a sibling importing that leaf with ``from . import leaf``)."""
+    package = tmp_path / "ds_lioncub"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("from .leaf import x\n")
+    (package / "sub" / "leaf.py").write_text("x = 1\n")
+    (package / "sub" / "first.py").write_text("from ..second import y\n")
+    (package / "sub" / "sibling.py").write_text("from . import leaf\nfrom .. import second as s\n")
+    (package / "second.py").write_text("def y():\n    from .sub import first\n")
+    graph = _import_graph(package)
+    assert graph["ds_lioncub.sub"] == {"ds_lioncub.sub.leaf"}
+    assert graph["ds_lioncub.sub.first"] == {"ds_lioncub.second"}
+    assert graph["ds_lioncub.second"] == {"ds_lioncub.sub.first"}
+    assert graph["ds_lioncub.sub.sibling"] == {"ds_lioncub.sub.leaf", "ds_lioncub.second"}
+    assert _cycles(graph) == [["ds_lioncub.second", "ds_lioncub.sub.first"]]
+
+
 def test_ds_lioncub_has_no_import_cycles() -> None:
     assert _cycles(_import_graph(PACKAGE)) == []
+
+
+def test_the_virtual_world_takes_no_rule_from_the_deepspeed_wiring() -> None:
+    """simulate/ applies the job's rules (which clipping runs, what the ZeRO hybrid refuses) from config/, where
+    the wiring takes them too, not from integration/ (which imports DeepSpeed)."""
+    graph = _import_graph(PACKAGE)
+    taken = {
+        (module, imported)
+        for module, names in graph.items()
+        if module.startswith("ds_lioncub.simulate")
+        for imported in names
+        if imported.startswith("ds_lioncub.integration")
+    }
+    assert taken == set()
+    assert "ds_lioncub.config.rules" in graph["ds_lioncub.simulate.ds_config"]  # a control: the rule's source
 
 
 # ---------------------------------------------------------------------------------------------- moved module paths
@@ -200,6 +248,16 @@ MOVED = {
     "ds_lioncub.param_selection": "ds_lioncub.step.param_selection",
     "ds_lioncub.fingerprint": "ds_lioncub.consistency.fingerprint",
     "ds_lioncub.replica_check": "ds_lioncub.consistency.replica_check",
+    "ds_lioncub.op_builder": "ds_lioncub.kernels.builders",
+    "ds_lioncub.deepspeed_integration": "ds_lioncub.integration",
+    "ds_lioncub.comm.packing.builders": "ds_lioncub.kernels.builders",
+    "ds_lioncub.comm.packing.jit_cache": "ds_lioncub.kernels.jit_cache",
+    "ds_lioncub.comm.packing.cuda_build_check": "ds_lioncub.kernels.cuda_build_check",
+    "ds_lioncub.comm.packing.compiled": "ds_lioncub.kernels.compiled",
+    "ds_lioncub.comm.packing.self_check": "ds_lioncub.kernels.self_check",
+    "ds_lioncub.comm.packing.self_check_cases": "ds_lioncub.kernels.self_check_cases",
+    "ds_lioncub.units": "ds_lioncub.quantities.units",
+    "ds_lioncub.student_t": "ds_lioncub.quantities.student_t",
 }
 
 
@@ -231,3 +289,79 @@ print("\\n".join(problems))
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == ""
+
+
+def test_the_finder_knows_every_moved_path() -> None:
+    from ds_lioncub._moved import MOVED_MODULES
+
+    assert MOVED_MODULES == MOVED
+
+
+def test_python_dash_m_on_a_moved_path_runs_the_new_module() -> None:
+    """``python -m OLD`` runs the module at its new path as ``__main__`` and says where it moved, on stderr."""
+    done = subprocess.run(
+        [sys.executable, "-m", "ds_lioncub.comm.packing.cuda_build_check", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage: python -m ds_lioncub.kernels.cuda_build_check" in done.stdout
+    assert "ds_lioncub.comm.packing.cuda_build_check moved to ds_lioncub.kernels.cuda_build_check" in done.stderr
+
+
+# ---------------------------------------------------------------------------------------------- the kernels' package
+
+
+def test_comm_packing_holds_only_the_packing_for_communication() -> None:
+    """The builds, the JIT cache, the build check, the self-check and the compiled kernels live in kernels/
+    (issue #46, item 5); comm/packing/ keeps the entry point, the layouts, the dispatch and the implementations
+    that are not compiled here (torch, cupy), and the sketch's device order."""
+    packing = {path.name for path in (PACKAGE / "comm" / "packing").glob("*.py")}
+    assert packing == {
+        "__init__.py",
+        "layout.py",
+        "dispatch.py",
+        "torch_impl.py",
+        "cupy_impl.py",
+        "device_sketch.py",
+    }
+    kernels = {path.name for path in (PACKAGE / "kernels").glob("*.py")}
+    assert {"builders.py", "jit_cache.py", "cuda_build_check.py", "compiled.py", "self_check.py"} <= kernels
+
+
+def test_the_kernels_build_on_the_packing_contract_not_on_its_entry_point() -> None:
+    """kernels/ implements comm/packing's contract (layout.py), is held to its reference (torch_impl.py) and takes
+    the L1 quantizer's scale from comm/quantize.py, and comm/packing/dispatch.py hands its kernels out: kernels/
+    never imports the packing entry point or the dispatch, so the two packages make no cycle."""
+    graph = _import_graph(PACKAGE)
+    taken = {
+        (module, imported)
+        for module, names in graph.items()
+        if module.startswith("ds_lioncub.kernels")
+        for imported in names
+        if imported.startswith("ds_lioncub.comm")
+    }
+    allowed = {"ds_lioncub.comm.packing.layout", "ds_lioncub.comm.packing.torch_impl", "ds_lioncub.comm.quantize"}
+    assert {imported for _, imported in taken} <= allowed, sorted(taken)
+    assert ("ds_lioncub.kernels.compiled", "ds_lioncub.comm.packing.layout") in taken  # a control
+
+
+def test_the_package_root_holds_at_most_ten_modules() -> None:
+    assert len(list(PACKAGE.glob("*.py"))) <= 10, sorted(path.name for path in PACKAGE.glob("*.py"))
+
+
+def test_the_op_builders_first_home_still_gives_every_name_it_exported() -> None:
+    """``ds_lioncub.op_builder`` is ``ds_lioncub.kernels.builders`` now, and still gives the package logger it
+    re-exported."""
+    script = (
+        "import warnings; warnings.simplefilter('ignore')\n"
+        "from ds_lioncub.op_builder import BUILD_VAR, PACKAGE_DIR, REPO_DIR, LionCubPackingCPUBuilder, "
+        "LionCubPackingCUDABuilder, builders, default_build_root, get_logger, ops_dir\n"
+        "from ds_lioncub._logging import get_logger as logger\n"
+        "from ds_lioncub.kernels.builders import builders as new\n"
+        "assert get_logger is logger and builders is new and (PACKAGE_DIR / 'kernels' / 'builders.py').is_file()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

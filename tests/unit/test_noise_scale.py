@@ -171,14 +171,16 @@ def test_lioncub_on_thread_ranks_equals_the_virtual_world_and_reports_it() -> No
 
 
 def test_the_noise_scales_all_reduce_is_counted_and_absent_where_it_is_not_measured() -> None:
-    """One fp64 all-reduce of bins + 1 numbers per step more than with the option off; none with compression
-    "none" (no voter's own gradient), and no estimate at a world of one."""
+    """As many collectives per step as with the option off: its fp64 all-reduce of bins + 1 numbers carries the
+    non-finite check's verdict too (one more number), which the option off sends alone (an int32 all-reduce). None
+    with compression "none" (no voter's own gradient), and no estimate at a world of one."""
     p, steps = 2, 2
     on = thread_rank_noise(p, steps, compression="1bit")
     off = thread_rank_noise(p, steps, compression="1bit", telemetry={"noise_scale": False})
-    extra = steps * wire.all_reduce_bytes(8 * (DEFAULT_SKETCH_BINS + 1), p)
-    for (_, _, sent_on, _), (noise_off, _, sent_off, _) in zip(on, off, strict=True):
-        assert sent_on == sent_off + extra
+    extra = wire.all_reduce_bytes(8 * (DEFAULT_SKETCH_BINS + 2), p) - wire.all_reduce_bytes(4, p)
+    for (_, records_on, sent_on, _), (noise_off, records_off, sent_off, _) in zip(on, off, strict=True):
+        assert sent_on == sent_off + steps * extra
+        assert [r.collectives for r in records_on] == [r.collectives for r in records_off]
         assert noise_off == [None] * steps
     exact = thread_rank_noise(p, steps, compression="none")
     assert all(noise == [None] * steps for noise, _, _, _ in exact)

@@ -18,6 +18,7 @@ from ds_lioncub.planner.convergence import StudyCell, assess, study_mode
 from ds_lioncub.planner.devices import measured_gpu_costs
 from ds_lioncub.planner.local_costs import LION_UPDATE
 from ds_lioncub.planner.pricing import CLIP_LOCAL_PASSES
+from ds_lioncub.planner.time_to_loss import Kappa
 
 CLIP: dict[str, Any] = {"max_norm": 1.0, "sketch_bins": 4093}
 
@@ -85,15 +86,18 @@ def test_the_baseline_without_clip_pays_the_noise_scales_sketch_pass() -> None:
 
 
 def test_auto_picks_the_vote_with_clip_where_only_the_plain_vote_loses(monkeypatch: pytest.MonkeyPatch) -> None:
-    def cell(mode: str, gap: float) -> StudyCell:
-        return StudyCell(mode=mode, workers=64, beta2=0.99, gap_percent=gap, half_width_percent=1.0, seeds=8)
+    def cell(mode: str, gap: float, kappa: float) -> StudyCell:
+        worth = Kappa(kappa, kappa - 0.05, min(1.0, kappa + 0.05))
+        return StudyCell(mode, 64, 0.99, gap, half_width_percent=1.0, seeds=8, kappa=worth)
 
-    monkeypatch.setattr(convergence, "load_evidence", lambda: (cell("1bit", 8.0), cell("1bit+clip", 0.5)))
+    # The plain vote worth a fifth of the batch (r = 5 in the worst case), with clip 0.95 (r = 1.05).
+    monkeypatch.setattr(convergence, "load_evidence", lambda: (cell("1bit", 8.0, 0.2), cell("1bit+clip", 0.5, 0.95)))
     slow = {"compression": "auto", "network": {"bandwidth": "1gbit"}, "betas": (0.9, 0.99)}
     resolved = resolve_auto(parse_config({**slow, "clip": CLIP}), 1_500_000_000, 64, 1, 0)
     assert resolved.options.compression != "none" and resolved.options.clip is not None
     assert resolved.options.clip.model_dump() == {"rule": "mean", **CLIP}
-    # Without clip (LionCub in Python: nothing clips) the plain vote's cell loses, so auto passes over every sign vote.
+    # Without clip (LionCub in Python: nothing clips) every sign vote takes the plain vote's r, 5: an L1 mode (no cell:
+    # ranked by its step alone) reaches Lion's loss first, so auto passes over every sign vote.
     plain = resolve_auto(parse_config(slow), 1_500_000_000, 64, 1, 0)
     assert study_mode(plain.options.model_dump()) != "1bit"
     # Under DeepSpeed a compressed mode clips the mean at gradient_clipping unless told otherwise: the clip cells.

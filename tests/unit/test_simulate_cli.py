@@ -251,3 +251,24 @@ def test_cli_names_a_task_it_cannot_import(tmp_path: Path, capsys: pytest.Captur
     config = write_config(tmp_path / "ds.json", {"type": "LionCub", "params": MODE})
     assert main([str(config), "--task", "no_such_module_here:task", "--steps", "1"]) == 2
     assert "cannot import the task module 'no_such_module_here'" in capsys.readouterr().err
+
+
+def test_help_shows_the_defaults_and_a_run_prints_its_plan_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "virtual worker counts (default: 8 16 32)" in help_text
+    assert "optimizer steps per run (default: 300)" in help_text and "(default: 0 1 2)" in help_text
+    config = write_config(tmp_path / "ds.json", {"type": "LionCub", "params": MODE})
+    argv = [str(config), "--workers", "2", "4", "--steps", "3", "--seeds", "0", "--task", TASK, "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    # 2 counts x 1 seed x (the mode, exact Lion) = 4 runs of 3 steps, announced before the first one trains.
+    plan = next(line for line in out.splitlines() if line.startswith("[simulate] plan: "))
+    assert plan.startswith(
+        "[simulate] plan: 4 runs (2 worker counts x 1 seed, each the mode and exact Lion), 12 steps;"
+    )
+    assert " s a step at 4 workers, timed on 2 steps" in plan
+    assert out.index("[simulate] plan: ") < out.index("val loss")

@@ -1,6 +1,6 @@
-"""ds_lioncub/student_t.py: the 95% Student-t quantile and the interval of a mean, against references computed
-here another way: the t density integrated numerically, the closed forms at 1 and 2 degrees of freedom, and
-the normal quantile's expansion for many."""
+"""ds_lioncub/quantities/student_t.py: the 95% Student-t quantile and the interval of a mean, against references
+computed here another way: the t density integrated numerically, the closed forms at 1 and 2 degrees of freedom,
+and the normal quantile's expansion for many."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from statistics import NormalDist
 
 import pytest
 
-from ds_lioncub.student_t import central_probability, half_width_of, mean_interval, sample_sd, t_quantile
+from ds_lioncub.quantities.student_t import central_probability, half_width_of, mean_interval, sample_sd, t_quantile
 
 
 def density(x: float, df: int) -> float:

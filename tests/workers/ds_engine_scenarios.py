@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import ds_lioncub
 from ds_lioncub import LionCub
-from ds_lioncub.deepspeed_integration import find_lioncub
+from ds_lioncub.integration import find_lioncub
 from examples.corpus import build_corpus
 from examples.gpt import GPT, GPTConfig
 from tests.support.planned_cases import planned_configs
@@ -247,6 +247,8 @@ def run_checkpoints(args: argparse.Namespace, data: torch.Tensor) -> dict[str, A
             "resumed": full_params(resumed),
             "uninterrupted_momenta": momenta(uninterrupted),
             "resumed_momenta": momenta(resumed),
+            "uninterrupted_noise_scale": find_lioncub(uninterrupted.optimizer).noise_scale,
+            "resumed_noise_scale": find_lioncub(resumed.optimizer).noise_scale,
             "aggregation_saved": "aggregation"
             in torch.load(
                 sorted((Path(save_dir) / first_tag(save_dir)).glob("lioncub_dp_rank_*.pt"))[0], weights_only=True

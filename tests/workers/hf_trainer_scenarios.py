@@ -29,7 +29,7 @@ from accelerate.state import AcceleratorState
 from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 import ds_lioncub  # noqa: F401 - registers LionCub with DeepSpeed
-from ds_lioncub.deepspeed_integration import find_lioncub
+from ds_lioncub.integration import find_lioncub
 from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE
 from tests.support.hf_cases import (
     BETAS,

@@ -28,7 +28,7 @@ from mpi4py import MPI
 
 from ds_lioncub import LionCub
 from ds_lioncub.comm import CompressedBackend, MpiTransport, TorchTransport
-from ds_lioncub.deepspeed_integration import find_lioncub
+from ds_lioncub.integration import find_lioncub
 from tests.support import mpi_cases as mc
 from tests.support import scenarios as sc
 from tests.support.scenario_optimizer import fresh_params, scenario_lioncub, step_with_nan_on_last_rank

@@ -4,15 +4,17 @@ Every compressed message is a flat uint8 tensor in one of two layouts, least sig
 (:mod:`.layout`): sign bits (1 means +1) or ``b``-bit unsigned fields, ``b`` in 1, 2, 4, 8.
 
 Each function checks its arguments here, once, and then calls the implementation chosen for the
-tensor's device type (:mod:`.dispatch`): the op-builder kernels of ``ops/csrc`` (:mod:`.compiled`,
-built by :mod:`.builders`), cupy for the 1-bit layouts of CUDA tensors (:mod:`.cupy_impl`), or pure
+tensor's device type (:mod:`.dispatch`): the op-builder kernels of ``ops/csrc`` (:mod:`ds_lioncub.kernels.compiled`,
+built by :mod:`ds_lioncub.kernels.builders`), cupy for the 1-bit layouts of CUDA tensors (:mod:`.cupy_impl`), or pure
 torch (:mod:`.torch_impl`). All three give the same bytes, and the first two are held to it: each
-dtype they are asked to handle is first checked against torch (:mod:`.self_check`), and a mismatch
+dtype they are asked to handle is first checked against torch (:mod:`ds_lioncub.kernels.self_check`), and a mismatch
 raises instead of computing. Two operations fuse a Lion step's local work with the packing
 (:func:`lion_direction_pack_signs`, :func:`apply_packed_signs`): the compiled kernels do each in one
 pass over memory, the other implementations run the composition of :mod:`ds_lioncub.lion`'s
 equations and the packing, which the kernels equal bit for bit. One more is option clip's sketch
-(:func:`sketch_and_squares`), whose kernel reads a gradient once with a bit-packed table of signs.
+(:func:`sketch_and_squares`), whose kernel reads a gradient once with a bit-packed table of signs. Two fuse the
+k-bit votes' steps: :func:`vote_field_sums` (unpack or sum the fields, compare, pack) and
+:func:`pack_l1_fields_of_means` (the L1 scales from the segments' means, quantize, pack).
 ``DS_LIONCUB_PACKING`` or :func:`set_packing_path` forces one; ``python -m ds_lioncub.report`` shows
 which one runs and why.
 """
@@ -152,6 +154,23 @@ def vote_packed_signs(packed_rows: torch.Tensor, numel: int, zero_is_positive: b
     return ops_for(packed_rows).vote_packed_signs(packed_rows, numel, zero_is_positive)
 
 
+def vote_field_sums(packed_rows: torch.Tensor, bits: int, numel: int, threshold: int) -> torch.Tensor:
+    """The k-bit votes' reduction in one pass where compiled: packed bits of ``sum >= threshold`` at each position.
+
+    ``sum`` is the int32 sum over the ``(p, nbytes)`` stack of packed ``bits``-wide fields at each of the first
+    ``numel`` positions (one row: its own fields, a k-bit all-reduce's summed message). Equal, bit for bit, to
+    ``pack_fields(sum_fields_per_position(packed_rows, bits, numel) >= threshold, 1)``; ``packed_length(numel)``
+    bytes, padding bits 0. The CUDA kernel never stores a field or a sum.
+    """
+    _check_width(bits)
+    _check_stack(packed_rows)
+    if packed_rows.size(0) < 1:
+        raise ValueError("vote_field_sums needs at least one row")
+    if packed_rows.size(1) * 8 < numel * bits:
+        raise ValueError(f"rows of {packed_rows.size(1)} bytes hold fewer than {numel} {bits}-bit fields")
+    return ops_for(packed_rows).vote_field_sums(packed_rows, bits, numel, int(threshold))
+
+
 # ====================================================================== the L1 quantizer
 
 
@@ -185,6 +204,40 @@ def pack_l1_fields(
         raise ValueError(f"pack_l1_fields: {levels} levels do not fit {bits}-bit fields")
     message_bytes = _message_bytes(flat.numel(), bits, nbytes)
     return ops_for(flat).pack_l1_fields(flat, scales_t, sizes, levels, bits, message_bytes)
+
+
+def pack_l1_fields_of_means(
+    c: torch.Tensor,
+    means: torch.Tensor | Sequence[float],
+    segment_sizes: Sequence[int],
+    levels: int,
+    clip: float,
+    bits: int,
+    *,
+    nbytes: int | None = None,
+) -> torch.Tensor:
+    """:func:`pack_l1_fields` with each segment's scale from its mean ``|c|``, in one pass where compiled.
+
+    Segment ``i`` (of ``segment_sizes``) uses the scale :func:`ds_lioncub.comm.quantize.l1_segment_scales` gives for
+    ``means[i]``: ``levels / (clip * mu)`` as torch rounds it (0 where mu is not > 0). Equal, bit for bit, to
+    ``pack_l1_fields(c, l1_segment_scales(c, levels, clip, segment_sizes, means)[1], segment_sizes, levels, bits)``;
+    the CUDA kernel computes the scales itself, so that no scale crosses to the host (no synchronisation).
+    """
+    if bits not in L1_FIELD_WIDTHS:
+        raise ValueError(f"L1 fields are 2, 4 or 8 bits wide, got {bits}")
+    flat = c.reshape(-1)
+    sizes = [int(size) for size in segment_sizes]
+    means_t = means if isinstance(means, torch.Tensor) else torch.as_tensor(means, dtype=torch.float32)
+    means_t = means_t.reshape(-1)
+    if len(sizes) != means_t.numel() or sum(sizes) != flat.numel() or any(size < 0 for size in sizes):
+        raise ValueError(
+            f"pack_l1_fields_of_means: {len(sizes)} segment sizes (total {sum(sizes)}) and {means_t.numel()} means "
+            f"do not describe {flat.numel()} elements"
+        )
+    if not (levels >= 1 and 2 * levels <= (1 << bits) - 1):
+        raise ValueError(f"pack_l1_fields_of_means: {levels} levels do not fit {bits}-bit fields")
+    message_bytes = _message_bytes(flat.numel(), bits, nbytes)
+    return ops_for(flat).pack_l1_fields_of_means(flat, means_t, sizes, levels, float(clip), bits, message_bytes)
 
 
 # ====================================================================== the fused Lion step
@@ -287,6 +340,7 @@ __all__ = [
     "lion_direction_pack_signs",
     "pack_fields",
     "pack_l1_fields",
+    "pack_l1_fields_of_means",
     "pack_signs",
     "packed_length",
     "packing_path",
@@ -297,5 +351,6 @@ __all__ = [
     "sum_fields_per_position",
     "unpack_fields",
     "unpack_signs",
+    "vote_field_sums",
     "vote_packed_signs",
 ]

@@ -1,6 +1,6 @@
 """Which packing implementation serves the tensors of a device type, chosen once and cached.
 
-``auto`` (the default) takes the compiled op (:mod:`.compiled`) where it builds and loads, else pure
+``auto`` (the default) takes the compiled op (:mod:`ds_lioncub.kernels.compiled`) where it builds and loads, else pure
 torch (:mod:`.torch_impl`). A compiled op that fails to build or load is logged as a warning with the
 reason: every implementation gives the same bytes, so a failed build costs speed, never a result.
 cupy (:mod:`.cupy_impl`, for CUDA tensors) runs only when asked for: measured on an H100 and an H200
@@ -12,10 +12,10 @@ that are not CUDA tensors: cupy packs CUDA memory only), raises
 :class:`~ds_lioncub.errors.LionCubSetupError` instead of falling back. The choice and its reason
 are logged once per device type and requested mode and shown by ``python -m ds_lioncub.report``.
 
-The compiled and cupy implementations are handed out wrapped in :class:`~.self_check.SelfCheckedPacking`:
-each dtype they are asked to handle is first checked against the torch implementation, and a mismatch
-raises instead of computing (:mod:`.self_check`). The torch implementation is the reference and runs
-unwrapped.
+The compiled and cupy implementations are handed out wrapped in
+:class:`~ds_lioncub.kernels.self_check.SelfCheckedPacking`: each dtype they are asked to handle is first checked
+against the torch implementation, and a mismatch raises instead of computing (:mod:`ds_lioncub.kernels.self_check`).
+The torch implementation is the reference and runs unwrapped.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Any, NamedTuple
 import torch
 
 from ds_lioncub._logging import get_logger
-from ds_lioncub.comm.packing.compiled import CompiledPacking
 from ds_lioncub.comm.packing.cupy_impl import CupyPacking
 from ds_lioncub.comm.packing.layout import PackingOps
-from ds_lioncub.comm.packing.self_check import SelfCheckedPacking
 from ds_lioncub.comm.packing.torch_impl import TorchPacking
 from ds_lioncub.errors import LionCubConfigError, LionCubSetupError
+from ds_lioncub.kernels.compiled import KERNELS_ENV, CompiledPacking
+from ds_lioncub.kernels.self_check import SelfCheckedPacking
 
 PACKING_ENV = "DS_LIONCUB_PACKING"
 PACKING_MODES = ("auto", "compiled", "cupy", "torch")
@@ -118,7 +118,13 @@ def _choose(device_type: str, mode: str) -> PackingPath:
         if compiled is not None:
             forced = f"{_origin()}=compiled; " if mode == "compiled" else ""
             name = f"compiled op {getattr(compiled, '__name__', type(compiled).__name__)}"
-            ops = SelfCheckedPacking(CompiledPacking(compiled, _TORCH), name, device_type, compiled)
+            kernels = CompiledPacking(compiled, _TORCH)
+            identity: Any = compiled
+            if kernels.generation == "v1":  # the CUDA op's kernels before #47, checked apart from the others
+                name += f" ({KERNELS_ENV}=v1: its kernels before #47)"
+                why += f"; {KERNELS_ENV}=v1: the kernels before #47"
+                identity = (compiled, "v1")
+            ops = SelfCheckedPacking(kernels, name, device_type, identity)
             return PackingPath("compiled", forced + why, ops, compiled)
         if mode == "compiled":
             raise LionCubSetupError(f"{_origin()}=compiled, but the compiled packing op is unavailable: {why}")
@@ -147,7 +153,7 @@ def _load_compiled(device_type: str) -> tuple[Any, str]:
         return None, f"no kernels for {device_type} tensors"
     try:
         # Imported here, not at the top: only the compiled path needs DeepSpeed's op-builder machinery.
-        from ds_lioncub.comm.packing.builders import builders
+        from ds_lioncub.kernels.builders import builders
 
         builder = builders()[device_type]
         if not builder.is_compatible():

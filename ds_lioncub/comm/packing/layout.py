@@ -91,6 +91,26 @@ class PackingOps(Protocol):
         scale ``scales[i]`` (a 1-d float32 tensor); a scale of 0 gives q = 0 for its whole segment."""
         ...
 
+    def pack_l1_fields_of_means(
+        self,
+        flat: torch.Tensor,
+        means: torch.Tensor,
+        sizes: list[int],
+        levels: int,
+        clip: float,
+        bits: int,
+        nbytes: int,
+    ) -> torch.Tensor:
+        """:meth:`pack_l1_fields` with the scales of ``l1_segment_scales(flat, levels, clip, sizes, means)``
+        (:mod:`ds_lioncub.comm.quantize`: ``levels / (clip * mu)`` rounded as torch rounds it, 0 where mu is not
+        > 0); ``means`` is a 1-d tensor of each segment's mu."""
+        ...
+
+    def vote_field_sums(self, rows: torch.Tensor, bits: int, numel: int, threshold: int) -> torch.Tensor:
+        """Packed bits (``packed_length(numel)`` bytes) of ``sums >= threshold``, ``sums`` the int32 sums over the
+        rows of the first ``numel`` ``bits``-wide fields, position by position (one row: its fields)."""
+        ...
+
     def lion_direction_pack_signs(
         self, pieces: Sequence[MomentumPiece], zero_is_positive: bool, bits: int, nbytes: int
     ) -> torch.Tensor:

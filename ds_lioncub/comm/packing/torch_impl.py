@@ -1,7 +1,7 @@
 """The pure torch implementation of the packing operations: the reference, on any device.
 
 Vectorised torch only, so it runs wherever torch does; the compiled kernels and the cupy path are
-tested bit for bit against it. It is also what :mod:`.compiled` hands the dtypes its kernels do not
+tested bit for bit against it. It is also what :mod:`ds_lioncub.kernels.compiled` hands the dtypes its kernels do not
 read. The composite operations (signs, sums, the vote, L1) are written with ``self.pack_fields`` and
 ``self.unpack_fields``, so :class:`~.cupy_impl.CupyPacking` changes only those two.
 """
@@ -95,6 +95,14 @@ def fold_pairwise(values: torch.Tensor) -> torch.Tensor:
     return folded
 
 
+def at_least(values: torch.Tensor, threshold: int) -> torch.Tensor:
+    """``values >= threshold`` as bool, for any integer threshold: a uint8 tensor (one row's fields) would compare
+    with the threshold cast to uint8, which wraps one outside 0 .. 255."""
+    if values.dtype == torch.uint8 and not 0 <= threshold <= 255:
+        return torch.full(values.shape, threshold <= 0, dtype=torch.bool, device=values.device)
+    return values >= threshold
+
+
 class TorchPacking:
     """:class:`~.layout.PackingOps` in vectorised torch."""
 
@@ -141,6 +149,28 @@ class TorchPacking:
                 fields[start : start + size] = q.clamp_(-levels, levels).to(torch.int32).add_(levels).to(torch.uint8)
             start += size
         return self.pack_fields(fields, bits, nbytes)
+
+    def pack_l1_fields_of_means(
+        self,
+        flat: torch.Tensor,
+        means: torch.Tensor,
+        sizes: list[int],
+        levels: int,
+        clip: float,
+        bits: int,
+        nbytes: int,
+    ) -> torch.Tensor:
+        # Imported here: comm.quantize imports the comm package, which imports this module.
+        from ds_lioncub.comm.quantize import l1_segment_scales
+
+        _, scales = l1_segment_scales(flat, levels, clip, sizes, means)
+        return self.pack_l1_fields(flat, scales, sizes, levels, bits, nbytes)
+
+    def vote_field_sums(self, rows: torch.Tensor, bits: int, numel: int, threshold: int) -> torch.Tensor:
+        sums = self.unpack_fields(rows[0], bits, numel) if rows.size(0) == 1 else None
+        if sums is None:
+            sums = self.sum_fields_per_position(rows, bits, numel)
+        return self.pack_fields(at_least(sums, threshold), 1, packed_length(numel))
 
     # The fused step operations, as the composition of Lion's equations and the packing they fuse: the
     # reference the compiled kernels are held to, and what every other implementation runs.
@@ -196,4 +226,4 @@ class TorchPacking:
         out[bins:] += fold_pairwise(work[1])
 
 
-__all__ = ["SKETCH_WINDOW", "TorchPacking", "fold_pairwise", "pad_bytes", "sign_bits"]
+__all__ = ["SKETCH_WINDOW", "TorchPacking", "at_least", "fold_pairwise", "pad_bytes", "sign_bits"]

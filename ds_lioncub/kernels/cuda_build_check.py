@@ -1,8 +1,8 @@
-"""Compile and link the CUDA packing op without a GPU: ``python -m ds_lioncub.comm.packing.cuda_build_check``.
+"""Compile and link the CUDA packing op without a GPU: ``python -m ds_lioncub.kernels.cuda_build_check``.
 
 CI has no GPU and a CPU build of torch, whose ``CUDAExtension`` and ``load`` refuse to build CUDA code
 (torch ignores ``CUDA_HOME`` when it was built without CUDA). This check drives ``nvcc`` and ``g++``
-itself, from :class:`~ds_lioncub.comm.packing.builders.LionCubPackingCUDABuilder`'s own sources and
+itself, from :class:`~ds_lioncub.kernels.builders.LionCubPackingCUDABuilder`'s own sources and
 flags (one source of truth: a source or flag added to the builder is checked here too), with what
 torch's ``CUDAExtension`` would add (its nvcc defines, the extension's name, ``-fPIC``), and with
 warnings as errors on both compilers. Then it links the two objects into one shared object and
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.utils.cpp_extension as cpp_extension
 
-from ds_lioncub.comm.packing.builders import LionCubPackingCUDABuilder, ops_dir, resolve_source
+from ds_lioncub.kernels.builders import LionCubPackingCUDABuilder, ops_dir, resolve_source
 
 # Warnings as errors: nvcc's own (-Werror all-warnings) and the host compiler's, for both sources.
 NVCC_STRICT = ["-Werror", "all-warnings", "-Xcompiler", "-Wall,-Wextra,-Werror"]
@@ -248,7 +248,7 @@ def _nvcc_release(cuda_home: Path) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ds_lioncub.comm.packing.cuda_build_check",
+        prog="python -m ds_lioncub.kernels.cuda_build_check",
         description="Compile and link the CUDA packing op with nvcc and g++ (no GPU needed), warnings as errors.",
     )
     parser.add_argument("--cuda-home", metavar="DIR", help="the CUDA toolkit (default: PyPI's, in this venv)")

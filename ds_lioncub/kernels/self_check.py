@@ -1,6 +1,6 @@
 """The self-check: a compiled or cupy implementation is compared with the torch reference before it computes.
 
-A kernel that gives other bytes than :mod:`.torch_impl` (a miscompiled op, a new compiler or CUDA
+A kernel that gives other bytes than :mod:`ds_lioncub.comm.packing.torch_impl` (a miscompiled op, a new compiler or CUDA
 version, an unusual CPU) would silently change the votes. So the first time such an implementation is
 asked to handle a dtype on a device type, :class:`SelfCheckedPacking` runs every operation it provides
 for that dtype on a small deterministic random input, with both implementations on that device, and
@@ -11,7 +11,8 @@ compares the results exactly:
   and a strided view;
 - floating dtypes: ``unpack_signs`` into that dtype (a new tensor and ``out``) and ``pack_l1_fields``
   (widths 2/4/8, 1 to the most levels, exact halves for round-half-to-even, a zero scale, an empty
-  segment, padding);
+  segment, padding); ``pack_l1_fields_of_means`` the same with the scales from means (a zero mean, a NaN
+  mean, a negative one, a subnormal one whose scale overflows to infinity, several clips);
 - bool and integer dtypes: ``pack_fields`` at each width, padded and not; signed integers also
   ``unpack_signs`` into them;
 - floating dtypes: the fused step operations ``lion_direction_pack_signs`` (momentum and gradient of
@@ -26,7 +27,8 @@ compares the results exactly:
 - uint8, the dtype of every message: ``unpack_fields`` at each width, ``sum_fields_per_position`` at each
   width for 1 to 17 rows, and the fused ``vote_packed_signs`` for 1 to 64 voters (every bit-plane count
   of the compiled kernels), both tie rules, even voter counts that meet ties, rows longer than the
-  message and non-contiguous rows.
+  message and non-contiguous rows; ``vote_field_sums`` at each width for 1 to 17 rows, at thresholds
+  from below 0 to above the largest sum, rows whose length is and is not a multiple of 16 bytes.
 
 An operation called with a dtype outside this list (``pack_signs`` of int8, say) is checked for that
 dtype on its first call too, so no result of an implementation reaches a caller before the same
@@ -69,9 +71,9 @@ from ds_lioncub.comm.packing.layout import (
     PackingOps,
     ParamPiece,
 )
-from ds_lioncub.comm.packing.self_check_cases import Case, StepCase, cases_of
 from ds_lioncub.comm.packing.torch_impl import TorchPacking
 from ds_lioncub.errors import LionCubSetupError
+from ds_lioncub.kernels.self_check_cases import Case, StepCase, cases_of
 
 OPERATIONS = (
     "pack_fields",
@@ -80,13 +82,15 @@ OPERATIONS = (
     "unpack_signs",
     "sum_fields_per_position",
     "vote_packed_signs",
+    "vote_field_sums",
     "pack_l1_fields",
+    "pack_l1_fields_of_means",
     "lion_direction_pack_signs",
     "apply_packed_signs",
     "sketch_and_squares",
 )
 FUSED_STEP_OPERATIONS = ("lion_direction_pack_signs", "apply_packed_signs")
-MESSAGE_OPERATIONS = ("unpack_fields", "sum_fields_per_position", "vote_packed_signs")
+MESSAGE_OPERATIONS = ("unpack_fields", "sum_fields_per_position", "vote_packed_signs", "vote_field_sums")
 
 # The dtypes training hands the packing functions (gradients, momenta, fields, messages); the report
 # checks these.
@@ -100,7 +104,14 @@ def operations_for(dtype: torch.dtype) -> tuple[str, ...]:
     if dtype.is_complex:
         return ()
     if dtype.is_floating_point:
-        return ("pack_signs", "unpack_signs", "pack_l1_fields", *FUSED_STEP_OPERATIONS, "sketch_and_squares")
+        return (
+            "pack_signs",
+            "unpack_signs",
+            "pack_l1_fields",
+            "pack_l1_fields_of_means",
+            *FUSED_STEP_OPERATIONS,
+            "sketch_and_squares",
+        )
     if dtype == torch.bool:
         return ("pack_signs", "pack_fields")
     operations = ["pack_fields"]
@@ -135,7 +146,8 @@ _lock = threading.RLock()
 
 
 class SelfCheckedPacking:
-    """:class:`~.layout.PackingOps` that hands each operation and dtype to ``ops`` only once it has matched torch.
+    """:class:`~ds_lioncub.comm.packing.layout.PackingOps` that hands each operation and dtype to ``ops`` only once it
+    has matched torch.
 
     ``implementation`` names it in messages (``"compiled op lioncub_packing_cpu"``, ``"cupy 13.3.0"``);
     ``module`` is the loaded op or cupy module, the identity under which passing checks are recorded.
@@ -207,11 +219,28 @@ class SelfCheckedPacking:
         self._verify("vote_packed_signs", rows.dtype, rows)
         return self.ops.vote_packed_signs(rows, numel, zero_is_positive)
 
+    def vote_field_sums(self, rows: torch.Tensor, bits: int, numel: int, threshold: int) -> torch.Tensor:
+        self._verify("vote_field_sums", rows.dtype, rows)
+        return self.ops.vote_field_sums(rows, bits, numel, threshold)
+
     def pack_l1_fields(
         self, flat: torch.Tensor, scales: torch.Tensor, sizes: list[int], levels: int, bits: int, nbytes: int
     ) -> torch.Tensor:
         self._verify("pack_l1_fields", flat.dtype, flat)
         return self.ops.pack_l1_fields(flat, scales, sizes, levels, bits, nbytes)
+
+    def pack_l1_fields_of_means(
+        self,
+        flat: torch.Tensor,
+        means: torch.Tensor,
+        sizes: list[int],
+        levels: int,
+        clip: float,
+        bits: int,
+        nbytes: int,
+    ) -> torch.Tensor:
+        self._verify("pack_l1_fields_of_means", flat.dtype, flat)
+        return self.ops.pack_l1_fields_of_means(flat, means, sizes, levels, clip, bits, nbytes)
 
     def lion_direction_pack_signs(
         self, pieces: Sequence[MomentumPiece], zero_is_positive: bool, bits: int, nbytes: int

@@ -110,6 +110,8 @@ def cases_of(operation: str, dtype: torch.dtype, device: torch.device) -> Iterat
         "sum_fields_per_position": _sum_fields_cases,
         "vote_packed_signs": _vote_cases,
         "pack_l1_fields": _pack_l1_cases,
+        "pack_l1_fields_of_means": _pack_l1_means_cases,
+        "vote_field_sums": _field_vote_cases,
         "lion_direction_pack_signs": _direction_cases,
         "apply_packed_signs": _apply_cases,
         "sketch_and_squares": _sketch_cases,
@@ -164,6 +166,53 @@ def _pack_l1_cases(dtype: torch.dtype, device: torch.device) -> Iterator[Case]:
                         f"{c.numel()} elements, {bits}-bit fields, {levels} levels, nbytes={nbytes}",
                         (c, scales, sizes, levels, bits, nbytes),
                     )
+
+
+# Means of the L1 scale: ordinary, 0 (the segment's q are 0), NaN and negative (not > 0: scale 0), a subnormal
+# whose clip * mu rounds to 0 in fp32 (1 / 0: an infinite scale), and one whose product is subnormal.
+L1_MEANS = (0.7, 0.0, 2.5e-3, math.nan, -1.0, 1e-45, 3e-39, 1.3)
+L1_CLIPS = (2.0, 0.7)
+
+
+def _pack_l1_means_cases(dtype: torch.dtype, device: torch.device) -> Iterator[Case]:
+    for bits in L1_FIELD_WIDTHS:
+        top = ((1 << bits) - 1) // 2
+        for levels in sorted({1, top}):
+            noise = _elements(1029, torch.float32, seed=levels + bits).nan_to_num(0.0, math.inf, -math.inf) * 3
+            c = torch.cat([4 * (torch.arange(-levels - 2, levels + 2, dtype=torch.float32) + 0.5), noise])
+            c = c.to(dtype).to(device)
+            sizes = [5, 0, 300, 1, 64, 17, 9]
+            sizes.append(c.numel() - sum(sizes))
+            means = torch.tensor(L1_MEANS, dtype=torch.float32, device=device)
+            for clip in L1_CLIPS:
+                for pad in (0, 3):
+                    nbytes = packed_length(c.numel(), bits) + pad
+                    yield Case(
+                        "pack_l1_fields_of_means",
+                        f"{c.numel()} elements, {bits}-bit fields, {levels} levels, clip {clip}, nbytes={nbytes}",
+                        (c, means, sizes, levels, clip, bits, nbytes),
+                    )
+
+
+def _field_vote_cases(dtype: torch.dtype, device: torch.device) -> Iterator[Case]:
+    for bits in FIELD_WIDTHS:
+        top = (1 << bits) - 1
+        for p in SUMMED_ROWS:
+            for n, extra in ((1029, 2), (1024, 0)):
+                row_bytes = packed_length(n, bits) + extra  # 0 extra bytes at 1024: rows a multiple of 16 bytes
+                rows = _bytes(p * row_bytes, dtype, seed=7000 + 100 * p + 10 * n + bits).view(p, row_bytes)
+                for threshold in sorted({-1, 1, (p * top + 1) // 2, p * top, p * top + 1}):
+                    yield Case(
+                        "vote_field_sums",
+                        f"{p} rows of {n} {bits}-bit fields, threshold {threshold}",
+                        (rows.to(device), bits, n, threshold),
+                    )
+        rows = _bytes(3 * 70, dtype, seed=50 + bits).view(3, 70).to(device)[:, 1:]
+        yield Case(
+            "vote_field_sums",
+            f"3 non-contiguous rows of {bits}-bit fields",
+            (rows, bits, 69 * 8 // bits, 3 * top // 2),
+        )
 
 
 def _pack_fields_cases(dtype: torch.dtype, device: torch.device) -> Iterator[Case]:

@@ -42,8 +42,7 @@ import torch
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
 from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder
 
-# this file is ds_lioncub/comm/packing/builders.py
-PACKAGE_DIR = Path(__file__).resolve().parents[2]  # the ds_lioncub package: _ops/csrc in an installed copy
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # ds_lioncub (this is kernels/builders.py): _ops/csrc when installed
 REPO_DIR = PACKAGE_DIR.parent  # the checkout: ops/csrc and build/ in a source tree
 BUILD_VAR = "DS_BUILD_LIONCUB"
 _LOAD_SOURCES: dict[str, str] = {}
@@ -55,11 +54,17 @@ _LOAD_SOURCES: dict[str, str] = {}
 CUDA_TARGET_ARCHITECTURES = ("7.0", "7.5", "8.0", "9.0", "10.0", "12.0")
 
 
-def _logger() -> logging.Logger:
-    # Imported on use, not at the top: see the module docstring (setup.py loads this file alone).
+def __getattr__(name: str) -> Any:
+    # The package logger, imported on use (see the module docstring); ds_lioncub.op_builder re-exported it.
+    if name != "get_logger":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from ds_lioncub._logging import get_logger
 
-    return get_logger()
+    return get_logger
+
+
+def _logger() -> logging.Logger:
+    return __getattr__("get_logger")()
 
 
 def ops_dir() -> Path:
@@ -202,7 +207,7 @@ class _LionCubBuilderMixin:
 
     def jit_key_parts(self) -> list[str]:
         """What else decides the library's bytes, besides :meth:`jit_key_files` (never PATH itself)."""
-        from ds_lioncub.comm.packing.jit_cache import compiler_identity, cpu_features
+        from ds_lioncub.kernels.jit_cache import compiler_identity, cpu_features
 
         cxx_args = self.cxx_args()  # type: ignore[attr-defined]
         parts = [f"deepspeed {deepspeed.__version__}", repr(cxx_args), compiler_identity(os.environ.get("CXX", "c++"))]
@@ -214,20 +219,20 @@ class _LionCubBuilderMixin:
         """The build key (:mod:`.jit_cache`): the same for every process of one machine and installation."""
         key = _JIT_KEYS.get(self.name)
         if key is None:
-            from ds_lioncub.comm.packing.jit_cache import build_key
+            from ds_lioncub.kernels.jit_cache import build_key
 
             key = _JIT_KEYS[self.name] = build_key(self.jit_key_files(), self.jit_key_parts())
         return key
 
     def jit_build_dir(self) -> Path:
         """Where this op's JIT build for this machine and installation lives (complete or not yet built)."""
-        from ds_lioncub.comm.packing.jit_cache import keyed_dir
+        from ds_lioncub.kernels.jit_cache import keyed_dir
 
         return keyed_dir(self.jit_root(), self.name, self.jit_key())
 
     def jit_cached(self) -> bool:
         """True when the JIT build of this op for this key sits in the cache (loading it takes about a second)."""
-        from ds_lioncub.comm.packing.jit_cache import library_in
+        from ds_lioncub.kernels.jit_cache import library_in
 
         return library_in(self.jit_build_dir(), self.name) is not None
 
@@ -252,13 +257,13 @@ class _LionCubBuilderMixin:
         return module
 
     def _jit(self, verbose: bool, prebuilt_error: BaseException | None) -> Any:
-        from ds_lioncub.comm.packing.jit_cache import load_or_build
+        from ds_lioncub.kernels.jit_cache import load_or_build
 
         reason = f" (prebuilt module unusable: {prebuilt_error})" if prebuilt_error else ""
 
         def announce(where: Path) -> None:
             _logger().info(
-                f"building op {self.name} with JIT on first use, about a minute, once; cache: {where}{reason}"
+                f"building op {self.name} with JIT on first use, 10-45 s on 2 cores, once; cache: {where}{reason}"
             )
 
         def build_into(staging_root: Path) -> Any:
@@ -304,7 +309,11 @@ class LionCubPackingCUDABuilder(_LionCubBuilderMixin, CUDAOpBuilder):
 
     BUILD_VAR = BUILD_VAR
     NAME = "lioncub_packing_cuda"
-    SOURCES = ("ops/csrc/cuda/lioncub_packing_cuda.cpp", "ops/csrc/cuda/lioncub_packing_kernels.cu")
+    SOURCES = (
+        "ops/csrc/cuda/lioncub_packing_cuda.cpp",
+        "ops/csrc/cuda/lioncub_packing_kernels.cu",
+        "ops/csrc/cuda/lioncub_bandwidth_kernels.cu",  # the second generation (#47)
+    )
 
     def __init__(self) -> None:
         super().__init__(name=self.NAME)
@@ -327,7 +336,7 @@ class LionCubPackingCUDABuilder(_LionCubBuilderMixin, CUDAOpBuilder):
         # A JIT build targets TORCH_CUDA_ARCH_LIST, else the visible GPUs, with the toolkit's nvcc.
         from torch.utils.cpp_extension import CUDA_HOME
 
-        from ds_lioncub.comm.packing.jit_cache import compiler_identity
+        from ds_lioncub.kernels.jit_cache import compiler_identity
 
         listed = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
         # The architectures, not how many GPUs of each this process sees (CUDA_VISIBLE_DEVICES, a scheduler's binding).

@@ -3,7 +3,8 @@
 The kernels write into preallocated outputs and read contiguous inputs of a few dtypes, listed once
 below. Any other dtype goes to the pure torch implementation, which gives the same bytes: an exotic
 dtype costs speed, never a failure. The CPU and CUDA ops have the same functions, so one class serves
-both; :mod:`.dispatch` loads the op for the device and builds one :class:`CompiledPacking` around it.
+both; :mod:`ds_lioncub.comm.packing.dispatch` loads the op for the device and builds one :class:`CompiledPacking`
+around it.
 
 The fused step kernels (``lion_direction_pack_signs``, ``apply_packed_signs``) take a whole bucket and
 reproduce the torch composition bit for bit where torch's own rounding does not depend on where an
@@ -24,18 +25,44 @@ kernels existed (a stale prebuilt module) also leaves them to torch.
 Option clip's sketch (``sketch_and_squares``) reads fp32, bf16 or fp16 pieces once, with a bit-packed table of
 signs, and adds the signed values and their squares into fp64 bins, each bin one element after another in a
 fixed order (:mod:`ds_lioncub.step.clipping`), which the torch reference repeats with one elementwise add per
-row: the same bits, threads or not (each thread owns a range of bins).
+row: the same bits, threads or not (each thread owns a range of bins). The CUDA op has it too, in one launch
+(#47), with the same order.
+
+The CUDA op's second generation of kernels (#47, ``ops/csrc/cuda/lioncub_bandwidth_kernels.cu``) runs under the
+usual names; ``DS_LIONCUB_CUDA_KERNELS=v1`` takes the first generation instead (``pack_signs_v1``,
+``unpack_signs_v1``, ``vote_packed_signs_v1``) and leaves the operations #47 added (``vote_field_sums``,
+``pack_l1_fields_of_means``, the CUDA sketch) to their compositions, as before #47: the benchmarks' "before".
+Both generations give the same bytes, and each is held to the torch reference by the self-check.
+Two operations have no kernel on the CPU op and compose the CPU kernels they are made of, so a CPU step runs the
+same kernels as before they existed: ``vote_field_sums`` (unpack or sum the fields, compare, pack) and
+``pack_l1_fields_of_means`` (the scales in torch, then the quantize-and-pack kernel).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ds_lioncub.comm.packing.layout import MomentumPiece, PackingOps, ParamPiece, packed_length
+from ds_lioncub.comm.packing.torch_impl import at_least
 from ds_lioncub.lion import update_momentum
+
+#: ``v1`` selects the CUDA op's first generation of kernels (before #47) for the benchmarks' "before"; anything
+#: else (the default) the second. Read when the compiled path is set up for a device type.
+KERNELS_ENV = "DS_LIONCUB_CUDA_KERNELS"
+#: The CUDA op's kernels whose first generation is kept under ``<name>_v1``.
+FIRST_GENERATION = ("pack_signs", "unpack_signs", "vote_packed_signs")
+#: The CUDA op's kernels that #47 added: with ``DS_LIONCUB_CUDA_KERNELS=v1`` their operations compose as before.
+SECOND_GENERATION_ONLY = ("vote_field_sums", "quantize_l1_means_pack", "sketch_and_squares")
+
+
+def kernel_generation() -> str:
+    """``"v1"`` where ``DS_LIONCUB_CUDA_KERNELS=v1`` asks for the CUDA op's first generation of kernels, else "v2"."""
+    return "v1" if os.environ.get(KERNELS_ENV, "").strip().lower() == "v1" else "v2"
+
 
 # The dtypes the kernels accept.
 SIGN_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.bool)  # pack_signs
@@ -47,14 +74,32 @@ MESSAGE_DTYPE = torch.uint8  # what unpack_fields, unpack_signs, sum_fields and 
 FUSED_STEP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Option clip's sketch: pieces of these dtypes, into fp64 bins.
 SKETCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Segment boundaries of the L1 kernels already on a device, by (device, segment sizes): a bucket's layout repeats
+# every step, so its offsets cross to the device once.
+_OFFSETS: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+_OFFSETS_KEPT = 256
 
 
 class CompiledPacking:
-    """:class:`~.layout.PackingOps` on a loaded op module; ``fallback`` takes what the kernels do not."""
+    """:class:`~ds_lioncub.comm.packing.layout.PackingOps` on a loaded op module; ``fallback`` takes what the kernels do
+    not."""
 
     def __init__(self, module: Any, fallback: PackingOps) -> None:
         self.module = module
         self.fallback = fallback
+        self.generation = kernel_generation() if getattr(module, "device", "cpu") == "cuda" else "v2"
+
+    def kernel(self, name: str) -> Any:
+        """The op's function ``name`` in the selected generation (:data:`KERNELS_ENV`), or None where it has none."""
+        if self.generation == "v1":
+            if name in SECOND_GENERATION_ONLY:
+                return None
+            if name in FIRST_GENERATION:
+                return getattr(self.module, f"{name}_v1", None) or getattr(self.module, name, None)
+        return getattr(self.module, name, None)
+
+    def has_kernel(self, name: str) -> bool:
+        return self.kernel(name) is not None
 
     def pack_fields(self, flat: torch.Tensor, bits: int, nbytes: int) -> torch.Tensor:
         if flat.dtype not in FIELD_INPUT_DTYPES:
@@ -74,7 +119,7 @@ class CompiledPacking:
         if flat.dtype not in SIGN_INPUT_DTYPES:
             return self.fallback.pack_signs(flat, zero_is_positive, bits, nbytes)
         out = _new_bytes(nbytes, flat)
-        self.module.pack_signs(flat.contiguous(), zero_is_positive, bits, out)
+        self.kernel("pack_signs")(flat.contiguous(), zero_is_positive, bits, out)
         return out
 
     def unpack_signs(
@@ -83,7 +128,7 @@ class CompiledPacking:
         if dtype not in SIGN_OUTPUT_DTYPES or packed.dtype != MESSAGE_DTYPE:
             return self.fallback.unpack_signs(packed, numel, dtype, out)
         target = torch.empty(numel, dtype=dtype, device=packed.device) if out is None else out
-        self.module.unpack_signs(packed.contiguous(), target)
+        self.kernel("unpack_signs")(packed.contiguous(), target)
         return target
 
     def sum_fields_per_position(self, rows: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
@@ -97,7 +142,19 @@ class CompiledPacking:
         if rows.dtype != MESSAGE_DTYPE:
             return self.fallback.vote_packed_signs(rows, numel, zero_is_positive)
         out = _new_bytes(packed_length(numel), rows)
-        self.module.vote_packed_signs(rows.contiguous(), numel, zero_is_positive, out)
+        self.kernel("vote_packed_signs")(rows.contiguous(), numel, zero_is_positive, out)
+        return out
+
+    def vote_field_sums(self, rows: torch.Tensor, bits: int, numel: int, threshold: int) -> torch.Tensor:
+        vote = self.kernel("vote_field_sums")
+        if vote is None or rows.dtype != MESSAGE_DTYPE:
+            # the composition, on this implementation's own kernels (a CPU step runs the kernels it ran before)
+            sums = self.unpack_fields(rows[0], bits, numel) if rows.size(0) == 1 else None
+            if sums is None:
+                sums = self.sum_fields_per_position(rows, bits, numel)
+            return self.pack_fields(at_least(sums, threshold), 1, packed_length(numel))
+        out = _new_bytes(packed_length(numel), rows)
+        vote(rows.contiguous(), bits, numel, threshold, out)
         return out
 
     def pack_l1_fields(
@@ -116,6 +173,29 @@ class CompiledPacking:
             scales = scales.cpu()
         out = _new_bytes(nbytes, flat)
         self.module.quantize_l1_pack(flat.contiguous(), offsets, scales.contiguous(), levels, bits, out)
+        return out
+
+    def pack_l1_fields_of_means(
+        self,
+        flat: torch.Tensor,
+        means: torch.Tensor,
+        sizes: list[int],
+        levels: int,
+        clip: float,
+        bits: int,
+        nbytes: int,
+    ) -> torch.Tensor:
+        kernel = self.kernel("quantize_l1_means_pack")
+        if kernel is None or flat.dtype not in L1_INPUT_DTYPES or not flat.is_cuda:
+            # the scales in torch (l1_segment_scales), then this implementation's quantize-and-pack kernel
+            from ds_lioncub.comm.quantize import l1_segment_scales
+
+            _, scales = l1_segment_scales(flat, levels, clip, sizes, means)
+            return self.pack_l1_fields(flat, scales, sizes, levels, bits, nbytes)
+        offsets = _offsets_on(flat.device, sizes)
+        means = means.to(device=flat.device, dtype=torch.float32).contiguous()
+        out = _new_bytes(nbytes, flat)
+        kernel(flat.contiguous(), offsets, means, levels, clip, bits, out)
         return out
 
     def lion_direction_pack_signs(
@@ -156,7 +236,7 @@ class CompiledPacking:
         out: torch.Tensor,
     ) -> None:
         if not (
-            hasattr(self.module, "sketch_and_squares")
+            self.has_kernel("sketch_and_squares")
             and out.dtype == torch.float64
             and out.is_contiguous()
             and signs.dtype == MESSAGE_DTYPE
@@ -181,8 +261,26 @@ def _new_bytes(nbytes: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
 
 
+def _offsets_on(device: torch.device, sizes: Sequence[int]) -> torch.Tensor:
+    """The segment boundaries (int64: 0, then the running sums of ``sizes``) on ``device``, made once per layout."""
+    key = (device, tuple(sizes))
+    offsets = _OFFSETS.get(key)
+    if offsets is None:
+        host = torch.zeros(len(sizes) + 1, dtype=torch.int64)
+        if sizes:
+            torch.cumsum(torch.tensor(list(sizes), dtype=torch.int64), 0, out=host[1:])
+        offsets = host.to(device)
+        if len(_OFFSETS) >= _OFFSETS_KEPT:
+            _OFFSETS.pop(next(iter(_OFFSETS)))
+        _OFFSETS[key] = offsets
+    return offsets
+
+
 __all__ = [
     "FIELD_INPUT_DTYPES",
+    "FIRST_GENERATION",
+    "KERNELS_ENV",
+    "SECOND_GENERATION_ONLY",
     "FUSED_STEP_DTYPES",
     "L1_INPUT_DTYPES",
     "MESSAGE_DTYPE",
@@ -190,4 +288,5 @@ __all__ = [
     "SIGN_OUTPUT_DTYPES",
     "SKETCH_DTYPES",
     "CompiledPacking",
+    "kernel_generation",
 ]
