@@ -16,10 +16,10 @@ took it before its kernel (until 2026-11-28; :func:`torch_passes`), timed in the
 (then ``gradient_sketch``), and with the squared norm (then ``sketch_and_square_norm``). On ``--device cuda``
 the bucket lives on the GPU and each call is timed from an idle device to the end of its kernels; the
 sketch's table of signs is made once, before the timing; the last two columns are then the sketch as a GPU
-took it before #47 (the same passes, which ``DS_LIONCUB_CUDA_KERNELS=v1`` also gives the sketch column), and the
+took it before v2 (the same passes, which ``DS_LIONCUB_CUDA_KERNELS=v1`` also gives the sketch column), and the
 sketch column is the CUDA op's one kernel (or the torch scan without it, ``DS_LIONCUB_PACKING=torch``).
 ``--tensors T`` hands the bucket to the sketch as T tensors of equal size (a step sketches every gradient of
-the model in one call: the passes before #47 issued kernels per tensor and per pass, the kernel one launch).
+the model in one call: the passes before v2 issued kernels per tensor and per pass, the kernel one launch).
 
 ``--gpt-step`` times instead what the clip adds to a whole step at the main job's size (:func:`gpt_step_rows`):
 ``LionCub.step()`` with 1-bit compression, alone (a world of one, no process group), on the example GPT's 17
@@ -145,7 +145,7 @@ def gpt_step_rows(repeats: int) -> list[str]:
 
 def torch_passes(tensors: list[list[torch.Tensor]], bins: int, step: int, squares: bool) -> torch.Tensor:
     """What a CPU computed for ``gradient_sketch`` and, with ``squares``, :func:`sketch_and_square_norm` until
-    2026-11-28, and a GPU until #47, for comparison (:func:`~ds_lioncub.step.clipping.sketch_in_passes`): passes of
+    2026-11-28, and a GPU until v2, for comparison (:func:`~ds_lioncub.step.clipping.sketch_in_passes`): passes of
     ``chunk_for(device)`` elements, each a product with the fp32 table of signs and a column sum of its rows into
     fp64 (a partial row added alone), then the squared norm by torch's ``sum`` of each piece in fp64 (a second read,
     and an fp64 copy)."""

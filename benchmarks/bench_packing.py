@@ -140,7 +140,7 @@ def throughput(sizes: list[int], threads: list[int], paths: list[str], p: int, r
                 path_cases = {name: (op, nbytes, lambda: x.clone()) for name, (op, nbytes) in cases.items()}
                 if choice.path == "compiled":
                     # the kernels alone: outputs preallocated, next to a copy into a preallocated buffer; the CUDA
-                    # op's generation that DS_LIONCUB_CUDA_KERNELS selects (v1: the kernels before #47)
+                    # op's generation that DS_LIONCUB_CUDA_KERNELS selects (v1: the kernels before v2)
                     module, dst = _Kernels(choice.module), torch.empty_like(x)
                     packed_out = torch.empty(n // 8, dtype=torch.uint8, device=dev)
                     vote_out = torch.empty(n // 8, dtype=torch.uint8, device=dev)

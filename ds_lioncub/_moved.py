@@ -37,7 +37,7 @@ MOVED_MODULES = {
     "ds_lioncub.param_selection": "ds_lioncub.step.param_selection",
     "ds_lioncub.fingerprint": "ds_lioncub.consistency.fingerprint",
     "ds_lioncub.replica_check": "ds_lioncub.consistency.replica_check",
-    # issue #46: the kernels' own package, the quantities, and the two re-export modules of 0.1
+    # 0.2.x: the kernels' own package, the quantities, and the two re-export modules of 0.1
     "ds_lioncub.op_builder": "ds_lioncub.kernels.builders",
     "ds_lioncub.deepspeed_integration": "ds_lioncub.integration",
     "ds_lioncub.comm.packing.builders": "ds_lioncub.kernels.builders",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# #47 on a lent CUDA machine, as one script in under 10 minutes: build the CUDA op (both generations of kernels),
-# its self-check, the benchmarks before (DS_LIONCUB_CUDA_KERNELS=v1: the kernels before #47) and after, then every
+# The v2 kernels on a lent CUDA machine, as one script in under 10 minutes: build the CUDA op (both generations),
+# its self-check, the benchmarks before (DS_LIONCUB_CUDA_KERNELS=v1: the kernels before v2) and after, then every
 # test marked gpu. Run from the repository root, .whl/ holding the wheels device_checks.sh names when the machine's
 # Python has no DeepSpeed:
 #
@@ -12,11 +12,11 @@
 #   env          the GPU, the driver, torch, DeepSpeed, nvcc
 #   build        the CUDA op's JIT build (three sources; the TORCH_CUDA_ARCH_LIST the image sets, or the GPU's)
 #   report       python -m ds_lioncub.report: the op's self-check against torch, second generation (the default)
-#   packing_v1   pack + vote + unpack of 774M fp32 elements, p = 8, the kernels before #47
-#   packing_v2   the same with #47's kernels
+#   packing_v1   pack + vote + unpack of 774M fp32 elements, p = 8, the kernels before v2
+#   packing_v2   the same with the v2 kernels
 #   clip_v2      bench_clip --device cuda, 8 Mi and 64 Mi elements as 1 and as 64 tensors: the sketch in one kernel
-#                beside the passes before #47 (the table's last two columns) in the same rounds
-#   planner_v1   planner --calibrate --device cuda with the kernels before #47 -> OUT/local_costs_v1.json
+#                beside the passes before v2 (the table's last two columns) in the same rounds
+#   planner_v1   planner --calibrate --device cuda with the kernels before v2 -> OUT/local_costs_v1.json
 #   planner_v2   the same after -> OUT/local_costs_v2.json
 #   pytest       pytest -m gpu tests: every new kernel bit for bit against torch (tests/kernels/test_bandwidth_kernels.py)
 #                and everything the earlier GPU runs checked

@@ -2,11 +2,11 @@
 
     python benchmarks/gpu/issue47_summary.py OUT
 
-Reads OUT/local_costs_{v1,v2}.json (``planner --calibrate --device cuda`` with the kernels before #47 and after)
+Reads OUT/local_costs_{v1,v2}.json (``planner --calibrate --device cuda`` with the kernels before v2 and after)
 and the ``x copy`` lines of OUT/packing_{v1,v2}.log, and writes OUT/summary.md: each local cost entry before and
 after, in picoseconds per element and against the bound the planner derives from bytes over the datasheet
-bandwidth of this GPU (``ds_lioncub.planner.devices.derived_gpu_costs``; #47's target: at most 3x), and the 1-bit
-step's kernels before and after (#47's targets: the 1-bit step of 774M elements at most 1.5 ms on an H100, the
+bandwidth of this GPU (``ds_lioncub.planner.devices.derived_gpu_costs``; the target: at most 3x), and the 1-bit
+step's kernels before and after (the targets: the 1-bit step of 774M elements at most 1.5 ms on an H100, the
 vote at 0.5x the copy's bandwidth or more). Missing files leave their table out.
 """
 

@@ -312,7 +312,7 @@ class LionCubPackingCUDABuilder(_LionCubBuilderMixin, CUDAOpBuilder):
     SOURCES = (
         "ops/csrc/cuda/lioncub_packing_cuda.cpp",
         "ops/csrc/cuda/lioncub_packing_kernels.cu",
-        "ops/csrc/cuda/lioncub_bandwidth_kernels.cu",  # the second generation (#47)
+        "ops/csrc/cuda/lioncub_bandwidth_kernels.cu",  # the second generation (v2)
     )
 
     def __init__(self) -> None:

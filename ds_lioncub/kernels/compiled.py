@@ -26,12 +26,12 @@ Option clip's sketch (``sketch_and_squares``) reads fp32, bf16 or fp16 pieces on
 signs, and adds the signed values and their squares into fp64 bins, each bin one element after another in a
 fixed order (:mod:`ds_lioncub.step.clipping`), which the torch reference repeats with one elementwise add per
 row: the same bits, threads or not (each thread owns a range of bins). The CUDA op has it too, in one launch
-(#47), with the same order.
+(v2), with the same order.
 
-The CUDA op's second generation of kernels (#47, ``ops/csrc/cuda/lioncub_bandwidth_kernels.cu``) runs under the
+The CUDA op's second generation of kernels (v2, ``ops/csrc/cuda/lioncub_bandwidth_kernels.cu``) runs under the
 usual names; ``DS_LIONCUB_CUDA_KERNELS=v1`` takes the first generation instead (``pack_signs_v1``,
-``unpack_signs_v1``, ``vote_packed_signs_v1``) and leaves the operations #47 added (``vote_field_sums``,
-``pack_l1_fields_of_means``, the CUDA sketch) to their compositions, as before #47: the benchmarks' "before".
+``unpack_signs_v1``, ``vote_packed_signs_v1``) and leaves the operations v2 added (``vote_field_sums``,
+``pack_l1_fields_of_means``, the CUDA sketch) to their compositions, as before v2: the benchmarks' "before".
 Both generations give the same bytes, and each is held to the torch reference by the self-check.
 Two operations have no kernel on the CPU op and compose the CPU kernels they are made of, so a CPU step runs the
 same kernels as before they existed: ``vote_field_sums`` (unpack or sum the fields, compare, pack) and
@@ -50,12 +50,12 @@ from ds_lioncub.comm.packing.layout import MomentumPiece, PackingOps, ParamPiece
 from ds_lioncub.comm.packing.torch_impl import at_least
 from ds_lioncub.lion import update_momentum
 
-#: ``v1`` selects the CUDA op's first generation of kernels (before #47) for the benchmarks' "before"; anything
+#: ``v1`` selects the CUDA op's first generation of kernels (before v2) for the benchmarks' "before"; anything
 #: else (the default) the second. Read when the compiled path is set up for a device type.
 KERNELS_ENV = "DS_LIONCUB_CUDA_KERNELS"
 #: The CUDA op's kernels whose first generation is kept under ``<name>_v1``.
 FIRST_GENERATION = ("pack_signs", "unpack_signs", "vote_packed_signs")
-#: The CUDA op's kernels that #47 added: with ``DS_LIONCUB_CUDA_KERNELS=v1`` their operations compose as before.
+#: The CUDA op's kernels that v2 added: with ``DS_LIONCUB_CUDA_KERNELS=v1`` their operations compose as before.
 SECOND_GENERATION_ONLY = ("vote_field_sums", "quantize_l1_means_pack", "sketch_and_squares")
 
 

@@ -18,9 +18,9 @@ sums the same way: a second row of ``K`` bins adds each element's square (exact 
 Every addition's operands are thus fixed: the compiled kernel (``ops/csrc/cpu``, :func:`ds_lioncub.comm.packing.
 sketch_and_squares`, which reads the gradient once, with a bit-packed copy of the table of signs) and its torch
 reference (one elementwise add per row of ``K``) give the same bits, whatever the threads or the SIMD width, and
-the first use of the kernel checks it against the reference. Since #47 a GPU sums in the same order, so a GPU's
+the first use of the kernel checks it against the reference. Since v2 a GPU sums in the same order, so a GPU's
 sketch has a CPU's bits (:mod:`ds_lioncub.comm.packing.device_sketch`: the CUDA op's kernel, one launch per call,
-else whole rows by ``torch.cumsum``); ``DS_LIONCUB_CUDA_KERNELS=v1`` keeps a GPU on the order before #47: passes of
+else whole rows by ``torch.cumsum``); ``DS_LIONCUB_CUDA_KERNELS=v1`` keeps a GPU on the order before v2: passes of
 :func:`chunk_for` elements, each a product with the fp32 table and a column sum of its rows into fp64 (whose order
 is torch's, fixed for one device and shape), the squares by torch's ``sum`` (:func:`sketch_in_passes`).
 
@@ -119,7 +119,7 @@ def _walk(
 
 def _add_in_element_order(out: torch.Tensor, tensors: Sequence[Sequence[torch.Tensor]], offsets: Sequence[int]) -> None:
     """The sketch and squares of ``tensors`` added to ``out`` (fp64, bins + 1), in the module's order (a CPU's, and
-    since #47 a GPU's)."""
+    since v2 a GPU's)."""
     pieces, columns, starts = _walk(tensors, out.numel() - 1, offsets)
     add_sketch_and_squares(pieces, columns, starts, sign_bits_table(out.device), SIGN_PERIOD, out)
 

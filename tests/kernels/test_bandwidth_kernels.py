@@ -1,6 +1,6 @@
-"""#47's second generation of kernels and operations, bit for bit against the torch path.
+"""The second generation of kernels and operations, bit for bit against the torch path.
 
-On every machine (CPU): the two operations #47 added (``vote_field_sums``, ``pack_l1_fields_of_means``) against
+On every machine (CPU): the two operations v2 added (``vote_field_sums``, ``pack_l1_fields_of_means``) against
 their definitions on every CPU implementation, the torch way of summing the sketch in the element order on a GPU
 without the kernel (``device_sketch.scan_sketch_and_squares``) against the reference, the generation switch
 (``DS_LIONCUB_CUDA_KERNELS``) and where the sketch takes which path.
@@ -372,7 +372,7 @@ def test_a_gpu_steps_sketch_has_the_cpus_bits(cuda_op: Any, monkeypatch: pytest.
         assert same_bits(got, want), path
         assert same_bits(sketch.gradient_sketch([[g.cuda()] for g in grads], 4093, 3, 0), want[:4093])
     packing.set_packing_path(None)
-    monkeypatch.setenv(compiled.KERNELS_ENV, "v1")  # the order before #47: the passes
+    monkeypatch.setenv(compiled.KERNELS_ENV, "v1")  # the order before v2: the passes
     passes = sketch.sketch_in_passes([[g.cuda()] for g in grads], 4093, 3, 0)
     assert torch.equal(sketch.gradient_sketch([[g.cuda()] for g in grads], 4093, 3, 0), passes)
 

@@ -315,8 +315,8 @@ def test_python_dash_m_on_a_moved_path_runs_the_new_module() -> None:
 
 
 def test_comm_packing_holds_only_the_packing_for_communication() -> None:
-    """The builds, the JIT cache, the build check, the self-check and the compiled kernels live in kernels/
-    (issue #46, item 5); comm/packing/ keeps the entry point, the layouts, the dispatch and the implementations
+    """The builds, the JIT cache, the build check, the self-check and the compiled kernels live in kernels/;
+    comm/packing/ keeps the entry point, the layouts, the dispatch and the implementations
     that are not compiled here (torch, cupy), and the sketch's device order."""
     packing = {path.name for path in (PACKAGE / "comm" / "packing").glob("*.py")}
     assert packing == {

@@ -1,4 +1,4 @@
-"""Set-up once: LionCub's options are parsed once and its aggregation is built once (issue #46, item 6).
+"""Set-up once: LionCub's options are parsed once and its aggregation is built once.
 
 ``LionCub(params, **options)`` parses its options; :meth:`LionCub.from_config` takes them parsed already (the
 DeepSpeed hook parses the ds_config's block once, for the every-rank model check and the construction alike).

@@ -6,14 +6,14 @@ row of bins adds their squares the same way, and their pairwise fold is added to
 operands are fixed, so every implementation gives the same bits:
 
 - a CPU: the CPU op's kernel, or its torch reference (one elementwise add per row of bins);
-- a GPU since #47: the CUDA op's kernel (one launch per call, ``ops/csrc/cuda/lioncub_bandwidth_kernels.cu``) where
+- a GPU since v2: the CUDA op's kernel (one launch per call, ``ops/csrc/cuda/lioncub_bandwidth_kernels.cu``) where
   the compiled path has it, else :func:`scan_sketch_and_squares`: whole rows of bins at once by ``torch.cumsum``
   along the rows, whose CUDA and CPU kernels add a column's rows one after another (ATen's ``scan_outer_dim`` and
   ``cpu_cum_base_kernel``; the GPU tests hold it to the definition), a few kernels per million elements instead of
   the reference's one per row;
-- ``DS_LIONCUB_CUDA_KERNELS=v1`` keeps a GPU on the order it summed in before #47 (passes of column sums whose order
+- ``DS_LIONCUB_CUDA_KERNELS=v1`` keeps a GPU on the order it summed in before v2 (passes of column sums whose order
   is torch's; :func:`ds_lioncub.step.sketch.sketch_in_passes`): the benchmarks' "before", and the way to repeat a
-  GPU run made before #47 bit for bit.
+  GPU run made before v2 bit for bit.
 
 So a GPU's sketch now has a CPU's bits. Each rank sketches its own gradient and one all-reduce sums the sketches
 before any rank uses them, so ranks agree whatever order each took; the order only decides which bits a run has.
@@ -38,7 +38,7 @@ _REFERENCE = TorchPacking()
 
 def sums_in_element_order(device: torch.device) -> bool:
     """Whether the sketch of tensors on ``device`` sums in the element order above (the CPU's): always on a CPU, and
-    elsewhere unless ``DS_LIONCUB_CUDA_KERNELS=v1`` asks for the order of the passes before #47."""
+    elsewhere unless ``DS_LIONCUB_CUDA_KERNELS=v1`` asks for the order of the passes before v2."""
     return device.type == "cpu" or kernel_generation() != "v1"
 
 

@@ -120,9 +120,9 @@ def _choose(device_type: str, mode: str) -> PackingPath:
             name = f"compiled op {getattr(compiled, '__name__', type(compiled).__name__)}"
             kernels = CompiledPacking(compiled, _TORCH)
             identity: Any = compiled
-            if kernels.generation == "v1":  # the CUDA op's kernels before #47, checked apart from the others
-                name += f" ({KERNELS_ENV}=v1: its kernels before #47)"
-                why += f"; {KERNELS_ENV}=v1: the kernels before #47"
+            if kernels.generation == "v1":  # the CUDA op's kernels before v2, checked apart from the others
+                name += f" ({KERNELS_ENV}=v1: its kernels before v2)"
+                why += f"; {KERNELS_ENV}=v1: the kernels before v2"
                 identity = (compiled, "v1")
             ops = SelfCheckedPacking(kernels, name, device_type, identity)
             return PackingPath("compiled", forced + why, ops, compiled)
