@@ -109,6 +109,19 @@ def write_record(path: Path, record: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def noise_terms_record(terms: list[tuple[float, float] | None] | None, worker_windows: int) -> dict[str, Any] | None:
+    """The run's exact noise-scale terms for its JSON: per step |G|^2 and tr(Sigma) per worker batch (null for a
+    step whose gradient was not finite), and b, the windows in one worker's batch (B_simple in windows is
+    ``b * trace / |G|^2``, over the steps' means: benchmarks/study_noise_scale.py)."""
+    if terms is None:
+        return None
+    return {
+        "worker_windows": worker_windows,
+        "gradient_square": [None if t is None else t[0] for t in terms],
+        "trace_per_worker_batch": [None if t is None else t[1] for t in terms],
+    }
+
+
 def _init_worker(threads: int) -> None:
     torch.set_num_threads(threads)
 
@@ -177,6 +190,7 @@ def execute(run: Run, root: Path, device: str = "cpu", claim: bool = False) -> s
         grad_clip=clip_of_run(run.options(), design.grad_clip),
         clip_rule=STUDY_CLIP_RULE,
         drift_stats=True,
+        noise_terms=True,
         keep_model=True,
         device=device,
     )
@@ -196,6 +210,7 @@ def execute(run: Run, root: Path, device: str = "cpu", claim: bool = False) -> s
         "train_losses": result.train_losses,
         "agreement": None if result.agreement is None else asdict(result.agreement),
         "drift": None if result.drift is None else [asdict(tensor) for tensor in result.drift],
+        "noise_terms": noise_terms_record(result.noise_terms, design.global_batch // run.workers),
         "gradient_method": result.gradient_method,
         "wall_s": wall,
         "seconds_per_step": wall / run.steps,

@@ -150,6 +150,9 @@ DESIGNS: dict[str, Design] = {
     # ... and on 7/8 of it: about what 2 bits per element keep of a Gaussian mean (the optimal 4-level
     # quantizer's efficiency, 0.88), so the loss of a batch between 1 bit's share and all of it.
     "lr5e-4_batch56": Design(lr=5e-4, global_batch=56),
+    # The calm design at a quarter of its batch (1 window per voter at 16 voters): with lr5e-4 and lr5e-4_batch256,
+    # the batch against the noise scale over 1.2 decades, to test the model of steps to a loss.
+    "lr5e-4_batch16": Design(lr=5e-4, global_batch=16),
 }
 
 

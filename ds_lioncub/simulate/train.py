@@ -49,6 +49,7 @@ from ds_lioncub.quantities.student_t import MeanInterval, mean_interval
 from ds_lioncub.simulate.agreement import AgreementStats
 from ds_lioncub.simulate.drift import TensorDrift
 from ds_lioncub.simulate.gradients import Batch, GradientBuffers, Method, worker_gradients
+from ds_lioncub.simulate.noise_terms import exact_noise_terms
 from ds_lioncub.simulate.world import VirtualLionCub
 
 ClipRule = Literal["mean", "deepspeed", "per_worker"]
@@ -98,6 +99,9 @@ class TrainResult:
         model: the trained model, for evaluations beyond the task's own (``keep_model=True``), else None.
         drift: per tensor, how the compressed steps' sign errors added up over windows of steps
             (:mod:`ds_lioncub.simulate.drift`); None unless asked for (``drift_stats``) and compressed.
+        noise_terms: per step, the noise scale's exact terms ``(|G|^2, tr(Sigma) per worker batch)`` of the
+            workers' gradients before clipping (:func:`~ds_lioncub.simulate.noise_terms.exact_noise_terms`; None
+            for a step whose gradient was not finite); None unless asked for (``noise_terms``).
     """
 
     train_losses: list[float]
@@ -109,6 +113,7 @@ class TrainResult:
     lrs: list[float] = field(default_factory=list)
     model: nn.Module | None = None
     drift: list[TensorDrift] | None = None
+    noise_terms: list[tuple[float, float] | None] | None = None
 
 
 #: A quantity over seeds (:func:`seed_summary`): :class:`ds_lioncub.quantities.student_t.MeanInterval`, i.e. ``values``
@@ -180,6 +185,7 @@ def train_virtual(
     gradient_method: Method = "auto",
     agreement_stats: bool = True,
     drift_stats: bool = False,
+    noise_terms: bool = False,
     keep_model: bool = False,
     device: torch.device | str = "cpu",
     on_step: Callable[[int, float], None] | None = None,
@@ -197,6 +203,7 @@ def train_virtual(
         gradient_method: how the per-worker gradients are computed ("auto": the fused pass where it can).
         agreement_stats: record the compressed steps' agreement with exact Lion.
         drift_stats: record how their sign errors add up over steps (``TrainResult.drift``).
+        noise_terms: record the noise scale's exact terms each step (``TrainResult.noise_terms``).
         keep_model: return the trained model (``TrainResult.model``); off, so that runs kept in a list
             do not keep their models alive.
         device: where the model, the workers' momenta and the aggregation run ("cuda" for a GPU). The
@@ -228,6 +235,8 @@ def train_virtual(
         optimizer, lambda s: lr_ratio(s, steps, warmup_steps, warmup_min_ratio, cos_min_ratio)
     )
     result = TrainResult(train_losses=[], val_loss=math.nan, agreement=None, gradient_method="")
+    if noise_terms:
+        result.noise_terms = []
     tallies: list[tuple[float, float, float, float]] = []
     buffers = GradientBuffers()  # one set of (N, *shape) gradient tensors for every step
     model.train()
@@ -235,6 +244,8 @@ def train_virtual(
         t0 = time.perf_counter()
         batch = tuple(tensor.to(device) for tensor in task.batch(step, seed))
         computed = worker_gradients(model, task.loss, batch, workers, params, gradient_method, buffers)
+        if result.noise_terms is not None:  # timed with the gradients: it is not part of the optimizer's step
+            result.noise_terms.append(exact_noise_terms(computed.grads))
         t1 = time.perf_counter()
         clip_worker_gradients(computed.grads, grad_clip, clip_rule, exact)
         result.lrs.append(float(optimizer.param_groups[0]["lr"]))

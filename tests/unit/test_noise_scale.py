@@ -19,6 +19,7 @@ from ds_lioncub.comm import wire
 from ds_lioncub.config.clip_rule import DEFAULT_SKETCH_BINS
 from ds_lioncub.integration.wiring import voter_batch_samples
 from ds_lioncub.simulate import VirtualLionCub
+from ds_lioncub.simulate.noise_terms import exact_noise_terms
 from ds_lioncub.step.clipping import sketch_and_square_norm
 from ds_lioncub.step.noise_scale import NoiseScale, step_estimates
 from ds_lioncub.telemetry import StepRecord
@@ -206,3 +207,25 @@ def test_the_moving_average_weight_is_validated() -> None:
     for bad in (1.0, -0.1, 2):
         with pytest.raises(LionCubConfigError, match="telemetry.noise_scale_beta"):
             LionCub([torch.nn.Parameter(torch.zeros(3))], telemetry={"noise_scale_beta": bad})
+
+
+def test_the_virtual_worlds_exact_terms_are_mccandlishs_two_batch_estimates_over_several_tensors() -> None:
+    """:func:`exact_noise_terms` (the study's B_simple, no sketch) against McCandlish's formulas computed here in
+    plain Python from each worker's gradient split over two tensors; a non-finite gradient gives None."""
+    voters, batch = 5, 2
+    big_batch = voters * batch
+    gradient, std = synthetic_problem(4, 7.0)
+    grads = voter_gradients(gradient, std, voters, batch, torch.Generator().manual_seed(5))
+    split = [[g[:1200].reshape(40, 30), g[1200:]] for g in grads]
+    small = sum(float(g.double().square().sum()) for g in grads) / voters
+    big = float(sum(g.double() for g in grads).div(voters).square().sum())
+    exact_square = (big_batch * big - batch * small) / (big_batch - batch)
+    exact_trace_per_sample = (small - big) / (1 / batch - 1 / big_batch)
+    terms = exact_noise_terms(split)
+    assert terms is not None
+    assert terms[0] == pytest.approx(exact_square, rel=1e-9)
+    assert terms[1] * batch == pytest.approx(exact_trace_per_sample, rel=1e-9)  # a worker's covariance is Sigma / b
+    # The study's reading, B_simple in samples.
+    assert batch * terms[1] / terms[0] == pytest.approx(exact_trace_per_sample / exact_square, rel=1e-9)
+    split[2][1][3] = float("nan")
+    assert exact_noise_terms(split) is None
