@@ -13,16 +13,16 @@ included, happen there). One file per job:
 - :mod:`~ds_lioncub.aggregation.error_feedback`: error feedback on the k-bit L1 fields, k-bit votes that keep
   per-bucket state (docs/design.md section 4.8).
 
-A new aggregation is a new file here implementing :class:`Aggregator`, with its state in ``state.py``, and
-one branch in :func:`build_aggregation`.
+A new aggregation is a new file here implementing :class:`Aggregator`, with its state in ``state.py``; the mode
+that runs it builds it (its record's ``build_aggregation``, :mod:`ds_lioncub.modes`).
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 from ds_lioncub.aggregation.base import Aggregator, VoteStages
-from ds_lioncub.aggregation.error_feedback import build_error_feedback
 from ds_lioncub.aggregation.exact_mean import COMM_DTYPES, ExactMean
 from ds_lioncub.aggregation.kbit_vote import KbitVote, piece_means
 from ds_lioncub.aggregation.one_bit_vote import OneBitVote
@@ -34,9 +34,11 @@ from ds_lioncub.aggregation.state import (
     KbitVoteState,
     OneBitVoteState,
 )
-from ds_lioncub.comm.kbit import KbitCodec
 from ds_lioncub.comm.transport import Transport
-from ds_lioncub.config import LionCubConfig
+from ds_lioncub.errors import LionCubConfigError
+
+if TYPE_CHECKING:
+    from ds_lioncub.config import LionCubConfig
 
 #: A vote of sign fields or k-bit fields (what :func:`packed_sign_vote` answers).
 Vote = OneBitVote | KbitVote
@@ -64,16 +66,22 @@ def build_aggregation(options: LionCubConfig, transport: Transport, gradients_av
     caller (DeepSpeed's engine) has already averaged. Raises :class:`~ds_lioncub.errors.LionCubConfigError`
     (on every rank alike: the inputs are the same everywhere) when the k-bit fields cannot hold the world.
     """
-    if options.compression == "none":
-        if transport.world_size == 1 or gradients_averaged:
-            return None
-        return ExactMean(transport, COMM_DTYPES[options.comm_dtype])
-    if options.compression == "1bit":
-        return OneBitVote(transport)
-    codec = KbitCodec.build(transport.world_size, options.bits, options.quantizer, options.kbit_algorithm)
-    if options.error_feedback is not None:
-        return build_error_feedback(transport, codec, options.aggregation, options.l1_clip, options.error_feedback)
-    return KbitVote(transport, codec, options.aggregation, options.l1_clip)
+    # Imported here: the modes' records are built on this package's aggregations, and the config's rules on the
+    # records, so this package must be importable before either (error feedback reads the config's block).
+    from ds_lioncub.aggregation.error_feedback import build_error_feedback
+    from ds_lioncub.modes import mode_of
+
+    aggregator = mode_of(options).build_aggregation(options, transport, gradients_averaged)
+    feedback = options.error_feedback
+    if feedback is None:
+        return aggregator
+    # Error feedback keeps state on the k-bit L1 fields the mode built (the config refuses it with any other
+    # mode): the same codec and knobs, with the feedback on top.
+    if not isinstance(aggregator, KbitVote):
+        raise LionCubConfigError(
+            f"LionCub: error_feedback needs k-bit fields, and compression={options.compression!r} built {aggregator!r}."
+        )
+    return build_error_feedback(transport, aggregator.codec, aggregator.aggregation, aggregator.l1_clip, feedback)
 
 
 __all__ = [

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from ds_lioncub.config.options import LionCubConfig
 from ds_lioncub.config.sections import ClipConfig
 from ds_lioncub.errors import LionCubConfigError
+from ds_lioncub.modes import mode_of
 
 #: How to keep DeepSpeed's rule, as a config writes it (in messages and the log line).
 DEEPSPEED_RULE_JSON = '"clip": {"rule": "deepspeed"}'
@@ -57,7 +58,7 @@ def resolve_clipping(options: LionCubConfig, gradient_clipping: float, written: 
     ``stage``: the ZeRO stage. Idempotent: resolving the result again gives the same result.
     """
     clip = options.clip
-    compressed = options.compression != "none"
+    compressed = not mode_of(options).exact
     if clip is not None and clip.rule == "deepspeed":
         return ClipResolution(options, gradient_clipping, _deepspeed_rule_line(options, gradient_clipping))
     if clip is None and not compressed:
@@ -95,14 +96,9 @@ def sketch_bins_of(options: LionCubConfig) -> int:
 
 
 def measures_noise_scale(options: LionCubConfig, voters: int, gradients_averaged: bool) -> bool:
-    """Whether the noise scale is measured: option ``telemetry.noise_scale``, a compressed mode (with compression
+    """Whether the noise scale is measured: option ``telemetry.noise_scale``, a mode that votes (with compression
     ``"none"`` LionCub never sees a voter's own gradient) and two voters or more (one has no second batch size)."""
-    return (
-        options.telemetry.noise_scale
-        and options.compression not in ("none", "auto")
-        and not gradients_averaged
-        and voters > 1
-    )
+    return options.telemetry.noise_scale and mode_of(options).votes and not gradients_averaged and voters > 1
 
 
 def refuse_clip_without_norm(options: LionCubConfig) -> None:
@@ -140,7 +136,7 @@ def _deepspeed_rule_line(options: LionCubConfig, gradient_clipping: float) -> st
     """The log line when DeepSpeed's own clipping runs (or nothing clips)."""
     if gradient_clipping <= 0:
         return "LionCub: no gradient clipping (the ds_config's gradient_clipping is 0)."
-    if options.compression == "none":
+    if mode_of(options).exact:
         return (
             f"LionCub: DeepSpeed's gradient_clipping clips the averaged (mean) gradient at {gradient_clipping:g}, "
             f"as exact training clips."

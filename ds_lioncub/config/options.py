@@ -7,7 +7,7 @@ the option, the value, what is allowed, and how to fix it.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -41,6 +41,14 @@ from ds_lioncub.config.strict_types import (
     only_numbers,
 )
 from ds_lioncub.errors import LionCubConfigError
+from ds_lioncub.modes import MODE_NAMES, mode_of
+
+if TYPE_CHECKING:
+    CompressionName = str
+else:
+    # The registered modes' names (ds_lioncub.modes), as pydantic checks them and the options' reference lists them:
+    # a new mode registers there, not here.
+    CompressionName = Literal[MODE_NAMES]
 
 
 class LionCubConfig(DeepSpeedConfigModel):
@@ -75,7 +83,7 @@ class LionCubConfig(DeepSpeedConfigModel):
     weight_decay: Real = Field(0.0, ge=0, allow_inf_nan=False)
     """Decoupled weight decay; Lion wants 3-10x more than AdamW (lr * wd is what matters)."""
 
-    compression: Literal["none", "1bit", "kbit", "auto"] = "1bit"
+    compression: CompressionName = "1bit"
     """What crosses the network. "none": exact Lion on averaged gradients; "1bit": majority vote of the ranks' signs;
     "kbit": sums of b-bit fields (see ``bits``, ``quantizer``, ``aggregation``, ``kbit_algorithm``);
     "auto": the mode :mod:`ds_lioncub.planner` predicts fastest on ``network`` for this model and world,
@@ -225,14 +233,7 @@ class LionCubConfig(DeepSpeedConfigModel):
     def summary(self) -> str:
         """The options that shape this mode's step, as ``name=value`` pairs (for the set-up log line)."""
         names = ["compression", "lr", "betas", "weight_decay", "bucket_size"]
-        if self.compression == "none":
-            names.append("comm_dtype")
-        else:
-            names += ["tie_break", "check_finite", "overlap"]
-        if self.compression == "kbit":
-            names += ["bits", "quantizer", "aggregation", "kbit_algorithm"] + (
-                ["l1_clip"] if self.quantizer == "l1" else []
-            )
+        names += mode_of(self).shown_options(self)
         names.append("comm_backend_name")
         if self.comm_backend_name == "mpi":
             names.append("cuda_aware")

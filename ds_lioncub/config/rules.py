@@ -3,8 +3,11 @@
 :data:`CROSS_OPTION_RULES` is checked in order by :class:`~ds_lioncub.config.LionCubConfig`'s validator after
 every option is valid on its own; a config with several problems is refused with the first rule's message
 (:func:`~ds_lioncub.config.parse_config` puts "LionCub: invalid options: " before it). A new option that
-depends on another adds one entry here, not a branch. :func:`hybrid_refusal` is the message for an option the ZeRO
-hybrid refuses (a rule of the options and ZeRO's stage), which the DeepSpeed wiring and the simulator both raise.
+depends on another adds one entry here, not a branch. What depends on the mode is asked of its record
+(:mod:`ds_lioncub.modes`): whether the mode takes an option (:attr:`~ds_lioncub.modes.ModeRecord.takes`), and the
+refusals only it has, checked at their option's place in the table. :func:`hybrid_refusal` is the message for an
+option the ZeRO hybrid refuses (a rule of the options and ZeRO's stage), which the DeepSpeed wiring and the
+simulator both raise.
 """
 
 from __future__ import annotations
@@ -23,25 +26,18 @@ from ds_lioncub.config.sections import (
     TelemetryConfig,
 )
 from ds_lioncub.errors import LionCubConfigError
+from ds_lioncub.modes import ModeOptions, ModeRefusal, mode_of
 
 
-class OptionValues(Protocol):
+class OptionValues(ModeOptions, Protocol):
     """The options a rule reads: :class:`~ds_lioncub.config.LionCubConfig` is one. The rules are written
     against this view so that this table does not import the model that checks it (the model imports the
-    table)."""
+    table). What a mode's record reads (:class:`~ds_lioncub.modes.ModeOptions`) is part of it."""
 
-    @property
-    def compression(self) -> str: ...
     @property
     def network(self) -> NetworkConfig | None: ...
     @property
-    def comm_dtype(self) -> str: ...
-    @property
-    def quantizer(self) -> str: ...
-    @property
-    def aggregation(self) -> str: ...
-    @property
-    def kbit_algorithm(self) -> str: ...
+    def model_fields_set(self) -> set[str]: ...
     @property
     def momentum_sync(self) -> MomentumSyncConfig: ...
     @property
@@ -73,16 +69,45 @@ class CrossOptionRule:
     message: Callable[[OptionValues], str]
 
 
+def _not_taken(
+    name: str, refuses: Callable[[OptionValues], bool], message: Callable[[OptionValues], str]
+) -> CrossOptionRule:
+    """Option ``name`` where the mode does not take it (its record's ``takes``) and ``refuses`` holds."""
+    return CrossOptionRule(
+        name.split(".")[0], lambda config, given: name not in mode_of(config).takes and refuses(config), message
+    )
+
+
 def _kbit_only(name: str) -> CrossOptionRule:
-    """``name`` set with a compression other than "kbit", where it would silently do nothing."""
+    """``name`` set with a mode that does not read the k-bit fields, where it would silently do nothing."""
     return CrossOptionRule(
         name,
-        lambda config, given: config.compression != "kbit" and name in given,
+        lambda config, given: name not in mode_of(config).takes and name in given,
         lambda config: (
             f"{name}={getattr(config, name)!r} only applies to compression='kbit' "
             f"(compression is {config.compression!r}); set compression='kbit' or drop {name}"
         ),
     )
+
+
+class ModesOwnRefusals(CrossOptionRule):
+    """The place in the table where the refusals of one option that only the config's mode has (its record's
+    ``refusals``) are checked."""
+
+
+def _refused_by_the_mode(option: str) -> CrossOptionRule:
+    """:class:`ModesOwnRefusals` of ``option``: the first of the mode's refusals of it that refuses gives the
+    message."""
+
+    def refusing(config: OptionValues, given: AbstractSet[str]) -> ModeRefusal | None:
+        refusals = (refusal for refusal in mode_of(config).refusals if refusal.option == option)
+        return next((refusal for refusal in refusals if refusal.refuses(config, given)), None)
+
+    def message(config: OptionValues) -> str:
+        refusal = refusing(config, config.model_fields_set)
+        return "" if refusal is None else refusal.message(config)
+
+    return ModesOwnRefusals(option, lambda config, given: refusing(config, given) is not None, message)
 
 
 def _cuda_aware_conflict_of(config: OptionValues) -> str:
@@ -91,33 +116,19 @@ def _cuda_aware_conflict_of(config: OptionValues) -> str:
 
 
 # Every rule across options, in the order they are checked: a config with several problems is refused with the
-# first rule's message. A new option that depends on another adds its rule here (one entry).
+# first rule's message. A new option that depends on another adds its rule here (one entry); a refusal only one
+# mode has goes in its record, at an option that has a place here (_refused_by_the_mode).
 CROSS_OPTION_RULES: tuple[CrossOptionRule, ...] = (
-    CrossOptionRule(
+    _refused_by_the_mode("network"),
+    _not_taken(
         "network",
-        lambda config, given: config.compression == "auto" and config.network is None,
-        lambda config: (
-            "compression='auto' needs the network to plan for: add "
-            '"network": {"bandwidth": "1gbit", "latency": "50us"} with your links\' figures '
-            "(python -m ds_lioncub.planner shows what each mode would cost), or choose the compression yourself"
-        ),
-    ),
-    CrossOptionRule(
-        "network",
-        lambda config, given: config.compression != "auto" and config.network is not None,
+        lambda config: config.network is not None,
         lambda config: (
             f"network only applies to compression='auto' (compression is {config.compression!r}); "
             f"set compression='auto' or drop network"
         ),
     ),
-    CrossOptionRule(
-        "comm_dtype",
-        lambda config, given: config.compression == "auto" and "comm_dtype" in given,
-        lambda config: (
-            "comm_dtype is chosen by compression='auto' (exact Lion in fp32 or bf16); drop comm_dtype, "
-            "or choose the compression yourself"
-        ),
-    ),
+    _refused_by_the_mode("comm_dtype"),
     _kbit_only("bits"),
     _kbit_only("quantizer"),
     _kbit_only("aggregation"),
@@ -125,39 +136,41 @@ CROSS_OPTION_RULES: tuple[CrossOptionRule, ...] = (
     _kbit_only("l1_clip"),
     CrossOptionRule(
         "comm_dtype",
-        lambda config, given: config.compression != "none" and "comm_dtype" in given and config.comm_dtype != "fp32",
+        lambda config, given: (
+            "comm_dtype" not in mode_of(config).takes and "comm_dtype" in given and config.comm_dtype != "fp32"
+        ),
         lambda config: (
             f"comm_dtype={config.comm_dtype!r} applies to compression='none' (the uncompressed gradient "
             f"all-reduce); compressed modes send bits, so drop comm_dtype"
         ),
     ),
-    CrossOptionRule(
+    _not_taken(
         "momentum_sync",
-        lambda config, given: config.compression == "none" and config.momentum_sync.interval > 0,
+        lambda config: config.momentum_sync.interval > 0,
         lambda config: (
             "momentum_sync only applies to compressed modes: with compression='none' every rank's momentum "
             "is already identical; drop momentum_sync or choose compression='1bit' or 'kbit'"
         ),
     ),
-    CrossOptionRule(
-        "telemetry",
-        lambda config, given: config.compression == "none" and config.telemetry.vote_stats,
+    _not_taken(
+        "telemetry.vote_stats",
+        lambda config: config.telemetry.vote_stats,
         lambda config: (
             "telemetry.vote_stats only applies to compressed modes (compression='none' takes no vote); drop "
             "telemetry.vote_stats or choose compression='1bit' or 'kbit'"
         ),
     ),
-    CrossOptionRule(
+    _not_taken(
         "hybrid",
-        lambda config, given: config.compression == "none" and config.hybrid is not None,
+        lambda config: config.hybrid is not None,
         lambda config: (
             "hybrid only applies to compressed modes under ZeRO stage 1, 2 or 3 (with compression='none' ZeRO "
             "shards exact Lion over the whole world); drop hybrid or choose compression='1bit' or 'kbit'"
         ),
     ),
-    CrossOptionRule(
+    _not_taken(
         "overlap",
-        lambda config, given: config.overlap and config.compression == "none",
+        lambda config: config.overlap,
         lambda config: (
             "overlap=True starts compressed votes during backward; with compression='none' the gradients "
             "are averaged instead (DDP or DeepSpeed overlap that themselves). Drop overlap or choose "
@@ -174,25 +187,16 @@ CROSS_OPTION_RULES: tuple[CrossOptionRule, ...] = (
         ),
     ),
     CrossOptionRule("cuda_aware", lambda config, given: bool(_cuda_aware_conflict_of(config)), _cuda_aware_conflict_of),
-    CrossOptionRule(
+    _not_taken(
         "error_feedback",
-        lambda config, given: config.error_feedback is not None and config.compression != "kbit",
+        lambda config: config.error_feedback is not None,
         lambda config: (
             f"error_feedback only applies to compression='kbit' with quantizer='l1' (compression is "
             f"{config.compression!r}: a sign vote or an exact mean rounds nothing off that it could feed back); "
             f"set compression='kbit', quantizer='l1' or drop error_feedback"
         ),
     ),
-    CrossOptionRule(
-        "error_feedback",
-        lambda config, given: (
-            config.error_feedback is not None and config.compression == "kbit" and config.quantizer != "l1"
-        ),
-        lambda config: (
-            f"error_feedback only applies to quantizer='l1' (quantizer is {config.quantizer!r}: a sign field "
-            f"has no rounding error to feed back); set quantizer='l1' or drop error_feedback"
-        ),
-    ),
+    _refused_by_the_mode("error_feedback"),
     CrossOptionRule(
         "error_feedback",
         lambda config, given: config.error_feedback is not None and config.overlap,
@@ -214,11 +218,13 @@ CROSS_OPTION_RULES: tuple[CrossOptionRule, ...] = (
             f"estimate and applies its sign); set them or use kind 'residual'"
         ),
     ),
-    CrossOptionRule(
-        "l1_clip",
-        lambda config, given: config.compression == "kbit" and config.quantizer == "sign" and "l1_clip" in given,
-        lambda config: "l1_clip only applies to quantizer='l1'; set quantizer='l1' or drop l1_clip",
-    ),
+    _refused_by_the_mode("l1_clip"),
+)
+
+#: The options a mode's own refusals may govern: those with a place in the table (a refusal of another would
+#: never be checked; tests/unit/test_mode_records.py holds every record to it).
+MODE_REFUSAL_PLACES: frozenset[str] = frozenset(
+    rule.option for rule in CROSS_OPTION_RULES if isinstance(rule, ModesOwnRefusals)
 )
 
 
@@ -232,4 +238,11 @@ def hybrid_refusal(options: OptionValues, stage: int, what: str, fix: str) -> Li
     )
 
 
-__all__ = ["CROSS_OPTION_RULES", "CrossOptionRule", "OptionValues", "hybrid_refusal"]
+__all__ = [
+    "CROSS_OPTION_RULES",
+    "MODE_REFUSAL_PLACES",
+    "CrossOptionRule",
+    "ModesOwnRefusals",
+    "OptionValues",
+    "hybrid_refusal",
+]

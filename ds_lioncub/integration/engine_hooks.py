@@ -46,6 +46,7 @@ from ds_lioncub.integration.wiring import (
     resolve_clipping_for_engine,
     wire_engine,
 )
+from ds_lioncub.modes import mode_of
 from ds_lioncub.optimizer import LionCub
 from ds_lioncub.telemetry import StepRecord
 
@@ -137,7 +138,8 @@ def _wrap_configure_basic_optimizer(original: Callable[..., Any]) -> Callable[..
         options = ds_config_options(engine)
         if model_parameters is None:
             model_parameters = engine.module.parameters()
-        if options.compression == "auto":  # resolved here, where the engine's ZeRO stage and gradient path are known
+        # "auto" is resolved here, where the engine's ZeRO stage and gradient path are known.
+        if mode_of(options).chosen_by_planner:
             model_parameters = list(model_parameters)
             options = resolve_auto_for_engine(engine, options, model_parameters)
         # The same message on every rank, before anything is allocated (an MPI transport would be).
@@ -238,7 +240,7 @@ def _wrap_take_model_step(original: Callable[..., Any]) -> Callable[..., Any]:
 def _compressed_lioncub(engine: Any) -> LionCub | None:
     """The engine's LionCub when its ranks' momenta differ (a compressed mode), else None."""
     lioncub = find_lioncub(getattr(engine, "basic_optimizer", None))
-    if lioncub is None or lioncub.options.compression == "none":
+    if lioncub is None or mode_of(lioncub.options).exact:
         return None
     return lioncub
 

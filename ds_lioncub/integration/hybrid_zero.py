@@ -39,12 +39,12 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from ds_lioncub._logging import get_logger
 from ds_lioncub.comm import wire
-from ds_lioncub.comm.kbit import KbitCodec
 from ds_lioncub.comm.topology import HybridGroups
 from ds_lioncub.comm.transport import make_transport
 from ds_lioncub.comm.transport.released import HandedOver
 from ds_lioncub.consistency.fingerprint import gather_texts
 from ds_lioncub.errors import LionCubSetupError
+from ds_lioncub.modes import mode_of
 from ds_lioncub.optimizer import LionCub
 
 # The attribute of a DeepSpeedEngine that holds its hybrid set-up (absent: not a hybrid engine).
@@ -185,11 +185,8 @@ def log_topology(setup: HybridSetup, shard_sizes: list[int], lioncub: LionCub) -
         return
     shard = sum(shard_sizes)
     options = lioncub.options
-    if options.compression == "1bit":
-        per_step = sum(wire.vote_1bit_bytes(size, layout.nodes) for size in shard_sizes)
-    else:
-        codec = KbitCodec.build(layout.nodes, options.bits, options.quantizer, options.kbit_algorithm)
-        per_step = sum(wire.kbit_bytes(size, codec, options.aggregation) for size in shard_sizes)
+    mode = mode_of(options)
+    per_step = sum(wire.total_bytes_sent(mode.collectives(options, size, layout.nodes)) for size in shard_sizes)
     get_logger().info(
         f"LionCub hybrid ZeRO-{setup.zero_stage}: {layout.nodes} node(s) x {layout.node_size} rank(s) (node size from "
         f"{setup.node_size_source}); node groups {list(layout.node_groups)}, vote groups "

@@ -31,6 +31,7 @@ from ds_lioncub.consistency.fingerprint import agreed_text
 from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.integration.hybrid_zero import ENGINE_ATTRIBUTE, HybridSetup, check_node_blocks_on_one_host
 from ds_lioncub.integration.hybrid_zero3 import refuse_a_model_partitioned_elsewhere
+from ds_lioncub.modes import mode_of
 from ds_lioncub.optimizer import LionCub
 from ds_lioncub.planner.auto import AUTO_NODE_SIZE_LABEL, auto_node_size, log_auto_resolution, resolve_auto
 from ds_lioncub.planner.devices import device_of
@@ -46,7 +47,7 @@ CLIP_ATTRIBUTE = "_lioncub_clip_resolution"
 def refuse_before_construction(engine: Any, options: LionCubConfig) -> None:
     """What must be refused before LionCub is built from a ds_config (building it would already communicate)."""
     stage = int(engine.zero_optimization_stage())
-    if options.compression != "none" and stage in (1, 2, 3) and options.comm_backend_name != "torch":
+    if not mode_of(options).exact and stage in (1, 2, 3) and options.comm_backend_name != "torch":
         raise hybrid_refusal(
             options,
             stage,
@@ -99,7 +100,7 @@ def _count_trained(model_parameters: Iterable[Any]) -> int:
 
 def wire_engine(engine: Any, optimizer: LionCub) -> None:
     """Decide who communicates, and refuse what LionCub cannot do under this engine config."""
-    compression = optimizer.options.compression
+    exact = mode_of(optimizer.options).exact
     stage = int(engine.zero_optimization_stage())
     if optimizer.options.hybrid is not None and stage == 0:
         raise LionCubConfigError(
@@ -107,7 +108,7 @@ def wire_engine(engine: Any, optimizer: LionCub) -> None:
             "every rank is a voter already. Drop hybrid, or set zero_optimization.stage to 1, 2 or 3."
         )
     resolve_engine_clipping(engine, optimizer)
-    if compression == "none":
+    if exact:
         # Under ZeRO each rank steps its own partition: those are not replicas to compare.
         optimizer.bind(
             engine.seq_data_parallel_group, engine.module, gradients_averaged=True, params_are_replicas=stage == 0

@@ -33,6 +33,7 @@ from typing import Any
 from ds_lioncub._logging import get_logger
 from ds_lioncub.comm.topology import NODE_SIZE_VARIABLES, plan_hybrid, resolve_node_size
 from ds_lioncub.config import LionCubConfig, parse_config
+from ds_lioncub.modes import mode_named, mode_of
 from ds_lioncub.planner.convergence import choose
 from ds_lioncub.planner.devices import DEFAULT_GPU, Device, format_bandwidth, link_efficiency_for, local_costs_for
 from ds_lioncub.planner.local_costs import LocalCosts
@@ -74,9 +75,10 @@ def _concrete(options: LionCubConfig, chosen: dict[str, Any], zero_stage: int) -
     """The user's options with the chosen mode in place of "auto"."""
     given = options.model_dump(include=options.model_fields_set)
     given.pop("network", None)
-    if chosen["compression"] == "none" or zero_stage == 0:
+    exact = mode_named(chosen["compression"]).exact
+    if exact or zero_stage == 0:
         given.pop("hybrid", None)
-    if chosen["compression"] == "none":
+    if exact:
         given.pop("momentum_sync", None)
         given.pop("overlap", None)  # a vote to start during backward: exact Lion takes none
         if "telemetry" in given:
@@ -123,7 +125,7 @@ def resolve_auto(
     efficiencies left unset (gloo's, or NCCL's). ``default_clip``: the max_norm a compressed mode clips the mean
     gradient at when the options do not set clip (DeepSpeed's gradient_clipping under the engine; 0 in Python).
     """
-    if options.compression != "auto":
+    if not mode_of(options).chosen_by_planner:
         return AutoResolution(options, "", fell_back=False)
     assert options.network is not None  # the config's validation requires it with "auto"
     given = options.network
@@ -171,9 +173,9 @@ def resolve_auto(
     choice = choose(candidates, Cluster(layout.nodes, layout.node_size), options.betas[1], momentum_sync=sync)
     best = choice.best
     skipped = f" {choice.skipped_sentence()}" if choice.skipped else ""
-    exact = next(c for c in candidates if c.compression == "none")
-    compressed = next(c for c in candidates if c.compression != "none")
-    if best.compression == "none" and choice.skipped:
+    exact = next(c for c in candidates if c.exact)
+    compressed = next(c for c in candidates if not c.exact)
+    if best.exact and choice.skipped:
         sentence = (
             f"LionCub auto: compression would pay per step for {where} ({compressed.label} predicted at "
             f"{format_seconds(compressed.seconds_per_step)}/step, exact Lion at "
@@ -181,7 +183,7 @@ def resolve_auto(
             f"exact Lion (compression 'none', {exact.label})." + skipped + _vote_stats_note(options)
         )
         return AutoResolution(_concrete(options, best.params, zero_stage), sentence, True, tuple(candidates))
-    if best.compression == "none":
+    if best.exact:
         sentence = (
             f"LionCub auto: compression does not pay for {where}: the best compressed mode ({compressed.label}) is "
             f"predicted at {format_seconds(compressed.seconds_per_step)}/step, exact Lion at "

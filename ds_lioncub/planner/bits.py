@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ds_lioncub.comm import wire
-from ds_lioncub.comm.kbit import KbitCodec
 from ds_lioncub.config import parse_config
+from ds_lioncub.modes import mode_of
 
 #: Exact Lion's bits per element by its all-reduce's dtype.
 EXACT_BITS = {"fp32": 32, "bf16": 16}
@@ -25,17 +25,11 @@ def bits_per_element(params: Mapping[str, Any], workers: int) -> int:
     model's elements in the embeddings and head (``layers: "auto"``), which depends on the model.
     """
     options = parse_config(dict(params))
-    if options.compression == "none":
-        return EXACT_BITS[str(params.get("comm_dtype", "fp32"))]
-    numel = wire.vote_padded_numel(1, workers)
-    if options.compression == "1bit":
-        message = wire.sign_vote_message_bytes(numel, workers)
-    elif options.compression == "kbit":
-        codec = KbitCodec.build(workers, options.bits, options.quantizer, options.kbit_algorithm)
-        message = wire.kbit_message_bytes(codec, numel)
-    else:
+    mode = mode_of(options)
+    if mode.chosen_by_planner:
         raise ValueError(f"bits_per_element: {options.compression!r} sends no vote")
-    return 8 * message // numel
+    numel = wire.vote_padded_numel(1, workers)
+    return 8 * mode.message_bytes(options, numel, workers) // numel
 
 
 __all__ = ["EXACT_BITS", "bits_per_element"]

@@ -38,6 +38,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ds_lioncub.modes import mode_named
+from ds_lioncub.modes.record import CLIP_SUFFIX
 from ds_lioncub.planner.evidence import (
     EVIDENCE_FILE,
     LOSS_THRESHOLD_PERCENT,
@@ -50,9 +52,6 @@ from ds_lioncub.planner.evidence import (
 from ds_lioncub.planner.model import Candidate, Cluster
 from ds_lioncub.planner.time_to_loss import EXACT, JobBatch, StepsRatio, steps_ratio
 from ds_lioncub.quantities.units import format_seconds
-
-#: What a mode's study key adds with option clip (``"1bit+clip"``).
-CLIP_SUFFIX = "+clip"
 
 
 @dataclass(frozen=True)
@@ -79,23 +78,9 @@ class Verdict:
 
 
 def study_mode(params: Mapping[str, Any]) -> str | None:
-    """The study's key for LionCub params (None for exact Lion); ``"unmeasured"`` for a mode it has no cell for."""
-    compression = params.get("compression", "1bit")
-    if compression == "none":
-        return None
-    if params.get("error_feedback"):  # the study measured error feedback apart, not as planner evidence
-        return "unmeasured"
-    sync = params.get("momentum_sync") or {}
-    synced = bool(sync.get("interval")) and sync.get("layers", "auto") == "auto" and int(sync["interval"]) <= 10
-    voted = params.get("aggregation", "vote") == "vote"
-    # Option clip changes what the workers' updates are made of (the mean gradient's norm clips them): its own cells.
-    clip = params.get("clip")
-    clipped = CLIP_SUFFIX if clip and clip.get("rule", "mean") == "mean" else ""
-    if compression == "1bit" or (params.get("quantizer", "sign") == "sign" and voted):
-        return ("1bit+sync" if synced else "1bit") + clipped
-    if params.get("quantizer") == "l1" and voted:
-        return f"{params.get('bits', 4)}bit-l1-{params.get('kbit_algorithm', 'allreduce')}{clipped}"
-    return "unmeasured"
+    """The study's key for LionCub params (None for exact Lion); ``"unmeasured"`` for a mode it has no cell for. Each
+    mode's record names its cells (:attr:`ds_lioncub.modes.ModeRecord.study_key`)."""
+    return mode_named(str(params.get("compression", "1bit"))).study_key(params)
 
 
 def _pick(cells: Sequence[StudyCell], workers: int) -> tuple[StudyCell, bool]:
@@ -169,14 +154,14 @@ def assess(
 
 def voters(candidate: Candidate, cluster: Cluster) -> int:
     """The workers whose updates ``candidate`` votes over: the nodes under a ZeRO hybrid, else every rank."""
-    if candidate.compression != "none" and candidate.zero_stage in (1, 2, 3):
+    if not candidate.exact and candidate.zero_stage in (1, 2, 3):
         return cluster.nodes
     return cluster.nodes * cluster.gpus_per_node
 
 
 def candidate_ratio(candidate: Candidate, verdict: Verdict, job: JobBatch) -> StepsRatio:
     """r for ``candidate``: 1 for exact Lion; else from its verdict's ratio cell for ``job``."""
-    if candidate.compression == "none":
+    if candidate.exact:
         return EXACT
     cell = verdict.ratio_cell
     if verdict.cell is None or cell is None:
@@ -315,8 +300,7 @@ def choose(
     job = JobBatch() if job is None else job
     sync = {} if momentum_sync is None else {"momentum_sync": dict(momentum_sync)}
     verdicts = tuple(
-        assess({**c.params, **(sync if c.compression != "none" else {})}, voters(c, cluster), beta2, cells)
-        for c in candidates
+        assess({**c.params, **({} if c.exact else sync)}, voters(c, cluster), beta2, cells) for c in candidates
     )
     ratios = tuple(candidate_ratio(c, v, job) for c, v in zip(candidates, verdicts, strict=True))
     times = [c.seconds_per_step * r.value for c, r in zip(candidates, ratios, strict=True)]

@@ -24,18 +24,16 @@ from typing import Any
 
 from ds_lioncub.config import LionCubConfig
 from ds_lioncub.errors import LionCubConfigError
+from ds_lioncub.modes import mode_of
 from ds_lioncub.planner import default_local_costs
 
 LION_UPDATE = "lion_update"
 
 
 def aggregation_key(options: LionCubConfig) -> str:
-    """The table key of an aggregation: ``"none/fp32"``, ``"1bit"``, ``"kbit/l1/8/alltoall/vote"``, ..."""
-    if options.compression == "none":
-        return f"none/{options.comm_dtype}"
-    if options.compression == "1bit":
-        return "1bit"
-    return f"kbit/{options.quantizer}/{options.bits}/{options.kbit_algorithm}/{options.aggregation}"
+    """The table key of an aggregation: ``"none/fp32"``, ``"1bit"``, ``"kbit/l1/8/alltoall/vote"``, ... (its mode's
+    record names it)."""
+    return mode_of(options).local_cost_key(options)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ def ds_config_blocks(candidate: Candidate) -> dict[str, Any]:
         "optimizer": {"type": "LionCub", "params": candidate.params},
         "zero_optimization": {"stage": candidate.zero_stage},
     }
-    if candidate.params.get("compression") == "none" and candidate.params.get("comm_dtype") == "bf16":
+    if candidate.exact and candidate.params.get("comm_dtype") == "bf16":
         # Under DeepSpeed the engine runs exact Lion's all-reduce, in its communication dtype.
         blocks["communication_data_type"] = "bf16"
     clip = candidate.params.get("clip")
@@ -167,9 +167,9 @@ def as_table(
             f"{'' if bits is None else bits:>4} {c.node_link_bytes_per_step:>15,} {ratio.text():>18} {loss:>12}  "
             f"{_loss_column(c, verdict.cell):>21}"
         )
-    exact = [c for c in candidates if c.compression == "none"]
+    exact = [c for c in candidates if c.exact]
     lines += ["", f"Recommended: {best.label}, predicted {format_seconds(best.seconds_per_step)} per step"]
-    if exact and best.compression != "none":
+    if exact and not best.exact:
         later = time_to_loss(exact[0]) / time_to_loss(best)
         lines[-1] += (
             f", {choice.time_text(best)} to exact Lion's loss, against {format_seconds(time_to_loss(exact[0]))} for "
@@ -208,7 +208,7 @@ def _loss_column(candidate: Candidate, cell: StudyCell | None) -> str:
     """The study's gap in a table cell: ``+3.3 [+0.3, +6.3]``, ``+1.0(1)`` with one seed, ``-`` when not
     studied."""
     if cell is None:
-        return "exact" if candidate.compression == "none" else "-"
+        return "exact" if candidate.exact else "-"
     interval = "" if cell.low is None or cell.high is None else f" [{cell.low:+.1f}, {cell.high:+.1f}]"
     few = "" if cell.seeds >= MIN_SEEDS else f"({cell.seeds})"
     return f"{cell.gap_percent:+.1f}{interval}{few}"

@@ -21,6 +21,8 @@ from ds_lioncub.comm.schedule import DEFAULT_PIPELINE_CHUNK_NUMEL, chunk_bounds
 from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.config.clip_rule import measures_noise_scale, sketch_bins_of
 from ds_lioncub.errors import LionCubConfigError
+from ds_lioncub.modes import ModeRecord, mode_named, mode_of
+from ds_lioncub.modes.exact import ELEMENT_SIZE as ELEMENT_SIZE  # exact Lion's bytes per element, priced from here
 from ds_lioncub.planner.cluster import Network
 from ds_lioncub.planner.local_costs import DEFAULT_LOCAL_COSTS, LION_UPDATE, LocalCosts, aggregation_key
 
@@ -28,7 +30,6 @@ LIONCUB_BUCKET_SIZE: int = LionCubConfig.model_fields["bucket_size"].default
 # DeepSpeed's gradient all-reduce bucket at stage 0 (engine.allreduce_gradients) and ZeRO's
 # reduce_bucket_size / allgather_bucket_size defaults, in elements.
 DEEPSPEED_BUCKET_SIZE = 500_000_000
-ELEMENT_SIZE = {"fp32": 4, "bf16": 2}
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,16 @@ class Candidate:
     @property
     def compression(self) -> str:
         return str(self.params["compression"])
+
+    @property
+    def mode(self) -> ModeRecord:
+        """The record of its compression mode."""
+        return mode_named(self.compression)
+
+    @property
+    def exact(self) -> bool:
+        """Exact Lion (the ranks average their gradients), as its mode's record says."""
+        return self.mode.exact
 
 
 # ---------------------------------------------------------------------------------------------- collectives
@@ -147,13 +158,9 @@ def clip_local_cost(costs: LocalCosts, options: LionCubConfig, voters: int) -> f
 
 
 def aggregation_collectives(options: LionCubConfig, numel: int, world_size: int) -> list[wire.Collective]:
-    """What one aggregation of ``numel`` elements over ``world_size`` ranks issues (LionCub's own collectives)."""
-    if options.compression == "none":
-        return wire.dense_all_reduce_collectives(numel, world_size, ELEMENT_SIZE[options.comm_dtype])
-    if options.compression == "1bit":
-        return wire.vote_1bit_collectives(numel, world_size)
-    codec = KbitCodec.build(world_size, options.bits, options.quantizer, options.kbit_algorithm)
-    collectives = wire.kbit_collectives(numel, codec, options.aggregation)
+    """What one aggregation of ``numel`` elements over ``world_size`` ranks issues (LionCub's own collectives): its
+    mode's, and EF21's all-gather of the spreads where error feedback of that kind is on."""
+    collectives = mode_of(options).collectives(options, numel, world_size)
     if options.error_feedback is not None and options.error_feedback.kind == "ef21":
         collectives.insert(0, wire.Collective("all_gather", EF21_SPREAD_BYTES, world_size))
     return collectives
@@ -226,7 +233,7 @@ def predict_aggregation_seconds(
     options = parse_config(params)
     costs = DEFAULT_LOCAL_COSTS if local_costs is None else local_costs
     pieces = [numel]
-    if options.compression != "none":
+    if mode_of(options).votes:  # a vote is cut into pipeline chunks; an exact all-reduce is one piece
         pieces = vote_chunk_sizes(numel, world_size, pipeline_chunk_numel)
     tally = Tally()
     for piece in pieces:  # each chunk pays its own rounds

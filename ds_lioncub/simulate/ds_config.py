@@ -31,6 +31,7 @@ from ds_lioncub.config import LionCubConfig, parse_config
 from ds_lioncub.config.clip_rule import ClipResolution, resolve_clipping
 from ds_lioncub.config.rules import hybrid_refusal
 from ds_lioncub.errors import LionCubConfigError
+from ds_lioncub.modes import mode_of
 from ds_lioncub.simulate.train import ClipRule
 
 #: Options that do not change a step's math: dropped from the virtual world's options, each with this reason
@@ -108,13 +109,13 @@ def read_ds_config(path: Path) -> SimulationConfig:
         )
     options = dict(params)
     parsed = parse_config(options)  # LionCub's own validation and messages, before any training
-    if parsed.compression == "auto":
+    if mode_of(parsed).chosen_by_planner:
         raise LionCubConfigError(
             "LionCub: the simulator trains a concrete mode, and compression='auto' picks one for a real network; "
             "run python -m ds_lioncub.planner for your cluster and set the compression it recommends in the ds_config."
         )
     stage = zero_stage(config)
-    hybrid = parsed.compression != "none" and stage > 0
+    hybrid = not mode_of(parsed).exact and stage > 0
     if parsed.hybrid is not None and stage == 0:  # as the DeepSpeed job refuses it (ds_lioncub.integration.wiring)
         raise LionCubConfigError(
             "LionCub: hybrid applies under ZeRO stage 1, 2 or 3 (shard inside a node, vote across nodes); at stage 0 "
@@ -206,7 +207,7 @@ def hybrid_note(options: LionCubConfig, stage: int) -> str:
         f"so each simulated worker is one node ({ranks}' micro-batches, averaged in full precision inside the "
         f"node, are the node's batch) and --workers counts nodes"
     )
-    if options.compression == "kbit" and options.quantizer == "l1":
+    if mode_of(options).scales_by_tensor_mean_abs(options):
         note += (
             "; the L1 scale is the mean |c| of each tensor, which on a real hybrid is a flat ZeRO shard and here "
             "a parameter, so the levels differ in detail"
