@@ -31,11 +31,13 @@ share a node's unshaped loopback and its votes are what crosses the shaped links
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Runtime = Literal["deepspeed", "ddp"]
 DdpHook = Literal["bf16", "powersgd"]
+SCHEDULES = ("constant", "cosine")
 
 
 @dataclass(frozen=True)
@@ -52,11 +54,20 @@ class TrainSettings:
     d_model: int = 512
     seed: int = 0
     powersgd_rank: int = 2
+    # "constant" (bench_train's runs) or "cosine": DeepSpeed's WarmupCosineLR fitted to the run's length, as the
+    # convergence study trains (linear warmup from lr/10 over warmup_steps, cosine decay to lr/10 at the last step).
+    schedule: str = "constant"
+    warmup_steps: int = 10
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "n_layer", "n_head", "d_model", "powersgd_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.schedule not in SCHEDULES or self.warmup_steps < 0:
+            raise ValueError(
+                f"schedule must be one of {', '.join(SCHEDULES)} and warmup_steps >= 0; got {self.schedule!r}, "
+                f"{self.warmup_steps}"
+            )
         if not self.lr > 0 or self.weight_decay < 0 or not 0 <= self.beta1 < 1:
             raise ValueError(
                 f"need lr > 0, weight_decay >= 0, 0 <= beta1 < 1; got {self.lr}, {self.weight_decay}, {self.beta1}"
@@ -182,8 +193,9 @@ def select_methods(names: str) -> list[Method]:
     return [METHODS_BY_NAME[name] for name in chosen]
 
 
-def ds_config(method: Method, settings: TrainSettings, node_size: int = 1) -> dict[str, Any]:
-    """The DeepSpeed config of a DeepSpeed method: one micro-batch per step, no clipping, no scheduler.
+def ds_config(method: Method, settings: TrainSettings, node_size: int = 1, steps: int | None = None) -> dict[str, Any]:
+    """The DeepSpeed config of a DeepSpeed method: one micro-batch per step, no clipping, no scheduler unless
+    ``settings.schedule`` is "cosine" (then WarmupCosineLR over ``steps``, the run's length).
 
     ``node_size`` (ranks per node) is the hybrid's ``hybrid.node_size``; other methods ignore it.
     """
@@ -191,6 +203,8 @@ def ds_config(method: Method, settings: TrainSettings, node_size: int = 1) -> di
         raise ValueError(f"{method.name} runs under torch DDP, not DeepSpeed")
     if node_size < 1:
         raise ValueError(f"node_size must be >= 1, got {node_size}")
+    if settings.schedule == "cosine" and (steps is None or steps <= settings.warmup_steps):
+        raise ValueError(f"a cosine schedule needs the run's steps, more than its {settings.warmup_steps} warmup steps")
     options = dict(method.lioncub)
     if method.hybrid:
         options["hybrid"] = {"node_size": node_size}
@@ -213,4 +227,25 @@ def ds_config(method: Method, settings: TrainSettings, node_size: int = 1) -> di
         config["zero_optimization"] = {"stage": method.zero_stage}
     if method.communication_data_type is not None:
         config["communication_data_type"] = method.communication_data_type
+    if settings.schedule == "cosine":
+        # The same schedule as examples/compare.py and the convergence study (ds_lioncub.simulate.train.lr_ratio).
+        config["scheduler"] = {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": steps,
+                "warmup_num_steps": settings.warmup_steps,
+                "warmup_type": "linear",
+                "warmup_min_ratio": 0.1,
+                "cos_min_ratio": 0.1,
+            },
+        }
     return config
+
+
+def method_from_json(text: str) -> Method:
+    """A method not in :data:`METHODS`, from a JSON object of :class:`Method`'s fields (``name``, ``label``,
+    ``runtime`` and any others): what the planner recommends, run as it is written."""
+    fields = json.loads(text)
+    if not isinstance(fields, dict):
+        raise ValueError(f"a method must be a JSON object of Method's fields, got {text!r}")
+    return Method(**fields)

@@ -60,7 +60,7 @@ import ds_lioncub  # noqa: F401  (registers "type": "LionCub")
 from benchmarks.collective_clock import CollectiveClock
 from benchmarks.netcluster.counters import read_sysfs
 from benchmarks.plain_lion import PlainLion
-from benchmarks.train_methods import Method, TrainSettings, ds_config, select_methods
+from benchmarks.train_methods import Method, TrainSettings, ds_config, method_from_json, select_methods
 from ds_lioncub.comm.transport import COMMUNICATING_METHODS
 from ds_lioncub.integration import find_lioncub, hybrid_zero, hybrid_zero3
 from examples.corpus import DEFAULT_MAX_BYTES, Corpus, load_corpus
@@ -178,7 +178,7 @@ def train(
 
     if method.runtime == "deepspeed":
         engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=ds_config(method, settings, node_size)
+            model=model, model_parameters=model.parameters(), config=ds_config(method, settings, node_size, steps)
         )
         module: torch.nn.Module = engine.module
         clock.wrap(ds_comm, "all_reduce")  # the engine looks it up on the module at call time
@@ -265,6 +265,10 @@ def train(
             [t1 - t0, backward_s, update_s, comm_s, t3 - t0, loss.item(), (tx1 - tx0) / sharers, (rx1 - rx0) / sharers]
         )
     clock.restore()
+    # B_simple as LionCub measured it (compressed modes with two voters or more; None otherwise): what a user gives
+    # the planner as --noise-scale.
+    noise = getattr(state_holder, "noise_scale", None) if method.runtime == "deepspeed" else None
+    noise_scale = None if noise is None else {**asdict(noise), "b_simple": noise.b_simple}
     state_bytes = gathered(optimizer_state_bytes(state_holder) if state_holder is not None else 0)
 
     val_loss = evaluate(
@@ -294,6 +298,7 @@ def train(
         "link_rate_bps": int(os.environ["NETCLUSTER_RATE_BPS"]) if os.environ.get("NETCLUSTER_RATE_BPS") else None,
         "val_loss": val_loss,
         "params_in_sync": in_sync,
+        "noise_scale": noise_scale,
         "columns": list(COLUMNS),
         "per_step": {name: table[:, i].tolist() for i, name in enumerate(COLUMNS)},
     }
@@ -323,7 +328,11 @@ def _ddp_backward_compute(ddp: DistributedDataParallel, corpus: Corpus, settings
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", default="all", help="comma-separated names from benchmarks/train_methods.py, or all")
+    p.add_argument(
+        "--methods",
+        default="all",
+        help="comma-separated names from benchmarks/train_methods.py, all, or '' (only --method-json)",
+    )
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--eval-windows", type=int, default=256)
     p.add_argument("--out-dir", type=Path, required=True)
@@ -331,6 +340,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus-cache", type=Path, default=None, help="where the default corpus is cached")
     p.add_argument("--settings", type=str, default="{}", help="JSON object of TrainSettings fields")
     p.add_argument("--node-size", type=int, default=1, help="ranks per node (the ZeRO hybrid's hybrid.node_size)")
+    p.add_argument(
+        "--method-json",
+        action="append",
+        default=[],
+        help="a method not in train_methods.py, as a JSON object of Method's fields, run after --methods (repeatable)",
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.node_size < 1:
         p.error("--steps and --node-size must be >= 1")
@@ -339,7 +354,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    methods = select_methods(args.methods)
+    methods = (select_methods(args.methods) if args.methods else []) + [method_from_json(m) for m in args.method_json]
     settings = TrainSettings(**json.loads(args.settings))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     deepspeed.init_distributed(dist_backend="gloo")  # also the default group DDP uses
