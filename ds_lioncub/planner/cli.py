@@ -6,7 +6,7 @@
            [--device cpu|cuda] [--gpu NAME | --device-bandwidth RATE]
            [--intra-node-bandwidth RATE] [--latency T] [--json] [--local-costs FILE]
            [--ring-efficiency E] [--all-to-all-efficiency E] [--ranks-per-core R] [--beta2 B]
-           [--global-batch SAMPLES [--noise-scale SAMPLES]]
+           [--global-batch SAMPLES [--noise-scale SAMPLES]] [--compute-per-step SECONDS]
            [--zero-stage 0|2|3] [--clip MAX_NORM] [--clip-rule mean|deepspeed]
     python -m ds_lioncub.planner --calibrate [--device cpu|cuda] [--save FILE]
 
@@ -17,12 +17,15 @@ at the mode's worker count and ``--beta2`` (:mod:`ds_lioncub.planner.convergence
 the faster-per-step ones it was chosen over (one line each, with why), and its ds_config blocks. r
 (:mod:`ds_lioncub.planner.time_to_loss`) comes from the share of the batch the mode is worth (kappa, from the
 study) and the job's batch over its noise scale, ``--global-batch`` and ``--noise-scale`` (samples; LionCub
-measures B_simple as it trains); without the noise scale, the worst case, 1/kappa, which the output says. A mode
-is passed over only for one that reaches the loss sooner, never for its gap alone.
+measures B_simple as it trains); without the noise scale, the worst case, 1/kappa, which the output says. The time
+to the loss counts the job's forward and backward passes per step, ``--compute-per-step`` (a mode needing r times
+exact Lion's steps pays them r times; without it, communication and the optimizer only). A mode is passed over only
+for one that reaches the loss sooner, never for its gap alone.
 
 ``--json`` prints ``{"recommended": {"params", "zero_stage", "r", "r_low", "r_high", "r_basis",
 "seconds_to_lions_loss", "seconds_to_lions_loss_low", "seconds_to_lions_loss_high", "why"}, "local_costs":
-{"device", "measured_on"}, "time_to_loss": {"global_batch", "noise_scale", "basis", "evidence", "notes"},
+{"device", "measured_on"}, "time_to_loss": {"global_batch", "noise_scale", "compute_per_step", "basis", "evidence",
+"notes"},
 "candidates": [{"params", "zero_stage", "seconds_per_step", "bytes_per_step_per_rank", "bits_per_element",
 the r fields, "gap_percent", "half_width_percent", "seeds"}, ...]}``, plus ``"passed_over": [{"params",
 "zero_stage", "gap_percent", "half_width_percent", "seeds", the r fields, "why"}, ...]`` when faster candidates
@@ -203,6 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
         "monitor's LionCub/noise_scale); needs --global-batch. Without it r is the worst case, 1/kappa",
     )
     parser.add_argument(
+        "--compute-per-step",
+        type=argument(parse_duration),
+        default=0.0,
+        metavar="SECONDS",
+        help="the job's forward and backward passes per optimizer step (e.g. 280ms), the same in every mode: a mode "
+        "that needs r times exact Lion's steps pays them r times, so the time to exact Lion's loss counts them "
+        "(default 0: communication and optimizer only)",
+    )
+    parser.add_argument(
         "--convergence-evidence",
         metavar="FILE",
         help="a convergence study summary (python -m benchmarks.study_convergence --evidence writes one; default: "
@@ -355,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.convergence_evidence is None
         else f"the convergence study in {args.convergence_evidence}"
     )
-    job = JobBatch(args.global_batch, args.noise_scale)
+    job = JobBatch(args.global_batch, args.noise_scale, args.compute_per_step)
     choice = choose(candidates, cluster, args.beta2, evidence, job=job, study=study)
     if args.json:
         print(json.dumps(as_json(candidates, choice, costs), indent=2))

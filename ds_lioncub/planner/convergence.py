@@ -218,10 +218,15 @@ class Choice:
     def ratio_of(self, candidate: Candidate) -> StepsRatio:
         return self.ratios[self.candidates.index(candidate)]
 
+    def seconds_to_loss(self, candidate: Candidate) -> float:
+        """The predicted time to exact Lion's loss: (the step + the job's compute per step) x r."""
+        return (candidate.seconds_per_step + self.job.compute_seconds) * self.ratio_of(candidate).value
+
     def time_text(self, candidate: Candidate) -> str:
-        """``"458 ms x r 1.49 [1.35, 1.65] = 683 ms [618 ms, 756 ms]"``; the step alone for exact Lion."""
+        """``"458 ms x r 1.49 [1.35, 1.65] = 683 ms [618 ms, 756 ms]"``; the step alone for exact Lion. The step
+        includes the job's compute per step where given (:class:`~ds_lioncub.planner.time_to_loss.JobBatch`)."""
         ratio = self.ratio_of(candidate)
-        step = candidate.seconds_per_step
+        step = candidate.seconds_per_step + self.job.compute_seconds
         if ratio.basis == "exact":
             return f"{format_seconds(step)} (exact Lion, r = 1)"
         if not ratio.known:
@@ -303,7 +308,7 @@ def choose(
         assess({**c.params, **({} if c.exact else sync)}, voters(c, cluster), beta2, cells) for c in candidates
     )
     ratios = tuple(candidate_ratio(c, v, job) for c, v in zip(candidates, verdicts, strict=True))
-    times = [c.seconds_per_step * r.value for c, r in zip(candidates, ratios, strict=True)]
+    times = [(c.seconds_per_step + job.compute_seconds) * r.value for c, r in zip(candidates, ratios, strict=True)]
     index = min(range(len(candidates)), key=lambda i: (times[i], candidates[i].seconds_per_step, i))
     best = candidates[index]
     skipped = tuple(

@@ -37,7 +37,7 @@ def ds_config_blocks(candidate: Candidate) -> dict[str, Any]:
 def _ratio_fields(choice: Choice, candidate: Candidate) -> dict[str, Any]:
     """r, its interval and basis, and the predicted seconds to exact Lion's loss (step x r, with r's interval)."""
     ratio = choice.ratio_of(candidate)
-    step = candidate.seconds_per_step
+    step = candidate.seconds_per_step + choice.job.compute_seconds  # the job's forward and backward too, where given
     known = ratio.known
     return {
         "r": ratio.value if known else None,
@@ -67,6 +67,7 @@ def as_json(candidates: Sequence[Candidate], choice: Choice, costs: LocalCosts =
         "time_to_loss": {
             "global_batch": choice.job.global_batch,
             "noise_scale": choice.job.noise_scale,
+            "compute_per_step": choice.job.compute_seconds,
             "basis": basis_text(choice.job),
             "evidence": choice.study,
             "notes": choice.study_notes(),
@@ -152,9 +153,7 @@ def as_table(
         f"{'r [95% interval]':>18} {'to Lion loss':>12}  {'loss vs Lion %':>21}",
     ]
 
-    def time_to_loss(c: Candidate) -> float:
-        return c.seconds_per_step * choice.ratio_of(c).value
-
+    time_to_loss = choice.seconds_to_loss
     ranked = sorted(candidates, key=lambda c: (time_to_loss(c), c.seconds_per_step))
     for c in ranked:
         verdict = choice.verdicts[choice.candidates.index(c)]
@@ -180,12 +179,18 @@ def as_table(
     else:
         lines[-1] += ": compression does not pay here." if not choice.skipped else ", first to exact Lion's loss."
     lines += choice.skipped_lines()
+    compute = choice.job.compute_seconds
     lines += [
-        "(Communication and optimizer only: the forward and backward passes are the same in every mode.",
+        (
+            f"(step: communication and optimizer; to Lion loss adds the forward and backward, {format_seconds(compute)}"
+            " a step (--compute-per-step), which a mode pays r times."
+            if compute
+            else "(Communication and optimizer only: the forward and backward passes are the same in every mode."
+        ),
         " step: comm and local, a compressed mode's votes overlapped with its local work over its buckets.",
         " bits: per gradient element in each rank's message; out of a node: the bytes per step that cross one",
         " node's link to the network. r: the steps the mode needs to reach exact Lion's loss, in units of",
-        " exact Lion's; to Lion loss: step x r, the ranking ('?': r unknown, ranked by the step alone).",
+        " exact Lion's; to Lion loss: (step + compute) x r, the ranking ('?': r unknown, ranked by the step alone).",
         " loss vs Lion: the study's validation-loss gap to exact Lion after its steps at the mode's worker",
         " count and beta2, mean [95% Student-t interval] over seeds, judged without momentum sync; '(n)': only",
         f" n seeds (fewer than {MIN_SEEDS}); '-': not studied. It decides nothing alone: r does.)",

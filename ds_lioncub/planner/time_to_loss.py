@@ -99,10 +99,14 @@ class MeasuredRatio:
 
 @dataclass(frozen=True)
 class JobBatch:
-    """The job's global batch and gradient noise scale, in samples (None: not given)."""
+    """The job's global batch and gradient noise scale, in samples (None: not given), and its compute per step: the
+    seconds of its forward and backward passes, the same in every mode (0: not given; the time to exact Lion's loss
+    is then the communication and optimizer's alone). A mode that needs r times exact Lion's steps pays the compute
+    r times too."""
 
     global_batch: float | None = None
     noise_scale: float | None = None
+    compute_seconds: float = 0.0
 
     @property
     def ratio(self) -> float | None:

@@ -102,7 +102,8 @@ CELLS = (cell("1bit", 32, 3.0, 0.5), cell("4bit-l1-alltoall", 32, 8.0, 1.0))
 
 
 def first_by_hand(job: JobBatch) -> Candidate:
-    """The ranking written as a loop: step x r, r from each candidate's kappa (1 for exact Lion and the unstudied)."""
+    """The ranking written as a loop: (step + the job's compute) x r, r from each candidate's kappa (1 for exact
+    Lion and the unstudied)."""
     kappas = {"1-bit vote": 0.5, "4-bit L1": 1.0}
     best, best_time = None, math.inf
     for c in CANDIDATES:
@@ -113,15 +114,19 @@ def first_by_hand(job: JobBatch) -> Candidate:
             r = 1 / kappa
         else:
             r = steps_to_loss(kappa * job.ratio, 1.0) / steps_to_loss(job.ratio, 1.0)
-        if c.seconds_per_step * r < best_time:
-            best, best_time = c, c.seconds_per_step * r
+        time = (c.seconds_per_step + job.compute_seconds) * r
+        if time < best_time:
+            best, best_time = c, time
     assert best is not None
     return best
 
 
+@pytest.mark.parametrize("compute", [0.0, 1.0, 10.0])
 @pytest.mark.parametrize("ratio", [None, 0.5, 1.0, 2.0, 100.0])
-def test_the_first_to_lions_loss_is_recommended_and_only_faster_ones_are_passed_over(ratio: float | None) -> None:
-    job = JobBatch() if ratio is None else JobBatch(ratio * 1000, 1000)
+def test_the_first_to_lions_loss_is_recommended_and_only_faster_ones_are_passed_over(
+    ratio: float | None, compute: float
+) -> None:
+    job = JobBatch(compute_seconds=compute) if ratio is None else JobBatch(ratio * 1000, 1000, compute)
     choice = choose(CANDIDATES, Cluster(1, 32), 0.99, CELLS, job=job)
     assert choice.best is first_by_hand(job)
     assert [c for c, _ in choice.skipped] == [
@@ -141,6 +146,17 @@ def test_the_worst_case_passes_over_the_vote_and_a_large_batch_does_not() -> Non
     assert lines[1].startswith("  1-bit vote: 1 s x r 2.00 [1.82, 2.22] = 2 s [1.82 s, 2.22 s]; loss vs Lion +3.0%")
     large = choose(CANDIDATES, Cluster(1, 32), 0.99, CELLS, job=JobBatch(100_000, 1000))  # r = 1.0099
     assert large.best is VOTE and not large.skipped and large.ratio_of(VOTE).basis == "model"
+
+
+def test_the_compute_per_step_is_paid_r_times_and_can_change_the_pick() -> None:
+    """At B/B_noise = 2 the vote needs r = 4/3: 1 s x 4/3 beats 4-bit L1's 1.5 s, but with 1 s of forward and
+    backward a step, 2 s x 4/3 = 2.67 s loses to 2.5 s."""
+    alone = choose(CANDIDATES, Cluster(1, 32), 0.99, CELLS, job=JobBatch(2000, 1000))
+    assert alone.best is VOTE and alone.seconds_to_loss(VOTE) == pytest.approx(4 / 3)
+    with_compute = choose(CANDIDATES, Cluster(1, 32), 0.99, CELLS, job=JobBatch(2000, 1000, 1.0))
+    assert with_compute.best is FOUR_BIT and with_compute.seconds_to_loss(VOTE) == pytest.approx(2 * 4 / 3)
+    assert with_compute.seconds_to_loss(EXACT) == pytest.approx(4.0)
+    assert with_compute.time_text(VOTE).startswith("2 s x r 1.33")
 
 
 def test_clip_and_no_clip_are_judged_at_the_same_worker_count() -> None:
