@@ -41,7 +41,7 @@ def make_optimizer(model: GPT, bucket_size: int, schedule: str) -> LionCub:
     optimizer = LionCub(
         model.named_parameters(), lr=1e-4, weight_decay=0.1, bucket_size=bucket_size, overlap=schedule == "overlap"
     )
-    optimizer._pipelined_buckets = schedule != "serial"
+    optimizer.rank_step.pipelined = schedule != "serial"
     return optimizer
 
 

@@ -15,8 +15,8 @@ changes when work happens, never a bit of a result.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 #: Elements per chunk of one large vote (``CompressedBackend``'s ``pipeline_chunk_numel`` default, and
 #: the planner's model of it). Smaller chunks start the wire sooner and overlap more of the packing and
@@ -35,22 +35,50 @@ def run_three_stages(
     complete: Callable[[int, Reduced], object],
     pipelined: bool = True,
 ) -> None:
-    """Run ``start(k)``, ``reduce(k, started)``, ``complete(k, reduced)`` for pieces ``0..count-1``.
+    """Run ``start(k)``, ``reduce(k, started)``, ``complete(k, reduced)`` for pieces ``0..count-1``: every round
+    of :func:`three_stage_rounds`, one after the other."""
+    for _ in three_stage_rounds(count, start, reduce, complete, pipelined):
+        pass
 
-    Pipelined, each stage trails the one before by one iteration (at most three pieces in flight);
-    serial, piece k completes before piece k+1 starts. A piece's ``start`` result is dropped once it
-    is reduced, and its ``reduce`` result once it is completed, so at most three are held at a time.
+
+def three_stage_rounds(
+    count: int,
+    start: Callable[[int], Issued],
+    reduce: Callable[[int, Issued], Reduced],
+    complete: Callable[[int, Reduced], object],
+    pipelined: bool = True,
+) -> Iterator[None]:
+    """:func:`staged_rounds` of the three stages ``start(k)``, ``reduce(k, started)``, ``complete(k, reduced)``."""
+    return staged_rounds(count, [lambda k, _: start(k), reduce, complete], pipelined)
+
+
+def staged_rounds(count: int, stages: Sequence[Callable[[int, Any], Any]], pipelined: bool = True) -> Iterator[None]:
+    """Pieces ``0..count-1`` through ``stages`` in rounds, yielding after each round: stage j of piece k is
+    ``stages[j](k, what stage j - 1 of piece k returned)`` (stage 0 gets None). A round issues collectives and reads
+    only the results of collectives issued in earlier rounds, so a driver of several ranks in one process (the
+    virtual world) runs each round on every rank before the next.
+
+    Pipelined, each stage trails the one before by one round (at most ``len(stages)`` pieces in flight; within a
+    round the later pieces' stages run first, as in :func:`run_three_stages`); serial, each stage of a piece is a
+    round, and piece k completes before piece k+1 starts. What a stage returns is dropped once the next stage took
+    it.
     """
-    lag = 1 if pipelined else 0
-    started: dict[int, Issued] = {}
-    reduced: dict[int, Reduced] = {}
-    for k in range(count + 2 * lag):
-        if k < count:
-            started[k] = start(k)
-        if 0 <= k - lag < count:
-            reduced[k - lag] = reduce(k - lag, started.pop(k - lag))
-        if 0 <= k - 2 * lag < count:
-            complete(k - 2 * lag, reduced.pop(k - 2 * lag))
+    if not pipelined:
+        for k in range(count):
+            value: Any = None
+            for stage in stages:
+                value = stage(k, value)
+                yield
+        return
+    handed: list[dict[int, Any]] = [{} for _ in stages]  # handed[j][k]: what stage j - 1 of piece k returned
+    for round_number in range(count + len(stages) - 1 if count else 0):
+        for j, stage in enumerate(stages):
+            k = round_number - j
+            if 0 <= k < count:
+                value = stage(k, handed[j].pop(k, None))
+                if j + 1 < len(stages):
+                    handed[j + 1][k] = value
+        yield
 
 
 def chunk_bounds(numel: int, chunk_numel: int, multiple: int) -> list[tuple[int, int]]:
@@ -66,4 +94,4 @@ def chunk_bounds(numel: int, chunk_numel: int, multiple: int) -> list[tuple[int,
     return [(begin, min(numel, begin + step)) for begin in range(0, numel, step)]
 
 
-__all__ = ["DEFAULT_PIPELINE_CHUNK_NUMEL", "chunk_bounds", "run_three_stages"]
+__all__ = ["DEFAULT_PIPELINE_CHUNK_NUMEL", "chunk_bounds", "run_three_stages", "staged_rounds", "three_stage_rounds"]

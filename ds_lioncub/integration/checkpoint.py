@@ -78,20 +78,20 @@ _TEMPORARY_SUFFIX = ".tmp"  # the temporary name keeps "lioncub" in it, so it is
 
 def momentum_state(optimizer: LionCub, rank: int, hybrid: HybridSetup | None = None) -> dict[str, Any]:
     """This rank's momentum file content (see the module docstring)."""
-    momenta = optimizer.local_momentum_state()
+    momenta = optimizer.engine_side.local_momentum_state()
     state: dict[str, Any] = {
         "format": FORMAT,
         "world_size": dist.get_world_size() if hybrid is not None else optimizer.transport.world_size,
         "rank": rank,
         "step": optimizer.param_groups[0]["step"] if optimizer.param_groups else 0,
-        "parameters": optimizer.parameter_layout(),
+        "parameters": optimizer.engine_side.parameter_layout(),
         "options": repr(optimizer.options.model_dump()),  # what the run used; options may change across a resume
         "exp_avg": [None if m is None else m.cpu() for m in momenta],
     }
-    aggregation = optimizer.aggregation_state()
+    aggregation = optimizer.engine_side.aggregation_state()
     if aggregation is not None:
         state["aggregation"] = aggregation
-    state[NOISE_SCALE_KEY] = optimizer.noise_scale_state()
+    state[NOISE_SCALE_KEY] = optimizer.engine_side.noise_scale_state()
     if hybrid is not None:
         state.update(
             nodes=hybrid.groups.layout.nodes, node_size=hybrid.groups.layout.node_size, zero_stage=hybrid.zero_stage
@@ -221,7 +221,7 @@ def _momenta_to_restore(optimizer: LionCub, directory: str, hybrid: HybridSetup 
             + (f", missing {', '.join(missing)}" if missing else "")
             + (f", not part of it: {', '.join(foreign)}" if foreign else "")
         )
-    layout = optimizer.parameter_layout()
+    layout = optimizer.engine_side.parameter_layout()
     if hybrid is not None:
         saved_zero3, zero3 = int(first.get("zero_stage", 2)) == 3, hybrid.zero_stage == 3
         if saved_zero3 != zero3:
@@ -311,12 +311,12 @@ def prepare_load(optimizer: LionCub, load_dir: str, tag: str | None, hybrid: Hyb
 def restore(optimizer: LionCub, found: RankRestore) -> None:
     """Load what :func:`prepare_load` found into ``optimizer`` (after DeepSpeed's own load); logs on rank 0 when
     the optimizer has error feedback and its saved state could not be taken (it starts over from zeros)."""
-    optimizer.load_local_momentum(found.momenta)
+    optimizer.engine_side.load_local_momentum(found.momenta)
     if found.noise_scale is not None:
-        optimizer.load_noise_scale_state(found.noise_scale)
+        optimizer.engine_side.load_noise_scale_state(found.noise_scale)
     if optimizer.options.error_feedback is None:
         return
-    why = found.aggregation_dropped or optimizer.load_aggregation_state(found.aggregation)
+    why = found.aggregation_dropped or optimizer.engine_side.load_aggregation_state(found.aggregation)
     first = dist.get_rank() == 0 if dist.is_initialized() else optimizer.transport.rank == 0  # the world's, hybrid too
     if why and first:
         get_logger().warning(f"LionCub: error feedback starts over from zeros after this resume: {why}")

@@ -175,7 +175,7 @@ def _wrap_configure_fp16_optimizer(original: Callable[..., Any]) -> Callable[...
         lioncub = find_lioncub(optimizer)
         if lioncub is None:
             return original(engine, optimizer, *args, **kwargs)
-        with lioncub.initialising_states():
+        with lioncub.engine_side.initialising_states():
             return original(engine, optimizer, *args, **kwargs)
 
     return configure_fp16_optimizer
@@ -231,7 +231,7 @@ def _wrap_take_model_step(original: Callable[..., Any]) -> Callable[..., Any]:
             # rank skips together (the wrapper agrees on overflow), so every rank drains the votes here.
             lioncub.discard_overlapped_votes()
         step = lioncub.param_groups[0]["step"]
-        write_step_telemetry(engine, lioncub.telemetry.release(step, lioncub.take_traffic_before_step()))
+        write_step_telemetry(engine, lioncub.telemetry.release(step, lioncub.engine_side.take_traffic_before_step()))
         return result
 
     return take_model_step

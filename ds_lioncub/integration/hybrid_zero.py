@@ -88,20 +88,20 @@ class HybridZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def step(self, closure: Any = None) -> Any:
         lioncub = self.optimizer
-        if not isinstance(lioncub, LionCub) or not lioncub.sketches_each_step:
+        if not isinstance(lioncub, LionCub) or not lioncub.engine_side.sketches_each_step:
             return super().step(closure)
         # ZeRO unscales and steps one param group at a time; the factor (and the noise scale) must cover them all, so
         # the sketch comes first, from the reduced gradients of this rank's shards as ZeRO will flatten them
         # (loss-scaled under fp16). None: LionCub does not clip, the sketch only measured the noise scale.
         factor = clip_factor_of_shards(lioncub, self.averaged_gradients, len(self.bit16_groups), float(self.loss_scale))
-        with lioncub.clip_coefficient_given(factor):
+        with lioncub.engine_side.clip_coefficient_given(factor):
             return super().step(closure)
 
     def _optimizer_step(self, group_no: int) -> None:
         # ZeRO steps each param group's flat shard in its own LionCub.step() call: shard i is tensor i of
         # the bucket keys, so that error feedback keeps each shard's state apart.
         if isinstance(self.optimizer, LionCub):
-            with self.optimizer.bucket_keys_from(group_no):
+            with self.optimizer.engine_side.bucket_keys_from(group_no):
                 super()._optimizer_step(group_no)
         else:
             super()._optimizer_step(group_no)
@@ -132,7 +132,7 @@ def clip_factor_of_shards(
     world), before ZeRO's loop over the shards. The same sketch updates the noise scale when it is measured
     (the world-wide sum of the ranks' squared norms is the sum of the nodes'); None when LionCub does not clip."""
     pieces = [gradient_pieces(averaged_gradients.get(i)) for i in range(shards)]
-    return lioncub.sketch_step(pieces, lioncub.next_step, loss_scale)
+    return lioncub.engine_side.sketch_step(pieces, lioncub.engine_side.next_step, loss_scale)
 
 
 def zero_class_for(vote_group: dist.ProcessGroup | None) -> type[HybridZeroOptimizer]:

@@ -14,9 +14,9 @@ How it is wired into DeepSpeed's engine, while ``DeepSpeedEngine._configure_zero
   data_parallel_group=node)``), which DeepSpeed would otherwise do over the whole world;
 - the ZeRO-3 class is :class:`HybridZeroStage3`. Stage 3 calls the optimizer's ``step()`` once per
   sub-group, with that sub-group's flat fp32 tensor as the only parameter; the class brackets the
-  sub-group loop with :meth:`LionCub.optimizer_step_in_parts`, so LionCub counts optimizer steps (the
+  sub-group loop with :meth:`LionCub.engine_side.optimizer_step_in_parts`, so LionCub counts optimizer steps (the
   tie rule, momentum sync and telemetry are per step, not per call), and numbers each call's tensor by
-  its sub-group in the bucket keys (:meth:`LionCub.bucket_keys_from`: error feedback's state per
+  its sub-group in the bucket keys (:meth:`LionCub.engine_side.bucket_keys_from`: error feedback's state per
   sub-group). Under the hybrid its skip decisions (the fp16 overflow flag, and the validity of the
   gradient norm that skips fp32 and bf16 steps) are reduced over the node by ZeRO and then over the vote
   group: a NaN on any rank skips the step on every rank of every node.
@@ -88,13 +88,13 @@ class HybridZeroStage3(DeepSpeedZeroOptimizer_Stage3):
 
     def step(self, closure: Any = None) -> Any:
         lioncub = self._lioncub()
-        if not lioncub.sketches_each_step:
-            with lioncub.optimizer_step_in_parts():
+        if not lioncub.engine_side.sketches_each_step:
+            with lioncub.engine_side.optimizer_step_in_parts():
                 return super().step(closure)
         # Option clip and the noise scale: one sketch of the whole step, from every sub-group's reduced gradient,
         # before the first part (the factor is None when LionCub does not clip).
         factor = clip_factor_of_shards(lioncub, self.averaged_gradients, len(self.fp16_groups), float(self.loss_scale))
-        with lioncub.clip_coefficient_given(factor), lioncub.optimizer_step_in_parts():
+        with lioncub.engine_side.clip_coefficient_given(factor), lioncub.engine_side.optimizer_step_in_parts():
             return super().step(closure)
 
     def _optimizer_step(self, sub_group_id: int) -> None:
@@ -104,7 +104,7 @@ class HybridZeroStage3(DeepSpeedZeroOptimizer_Stage3):
         lioncub.param_names = [sub_group_name(sub_group_id, len(self.fp16_groups[sub_group_id]))]
         try:
             # Sub-group s is tensor s of the bucket keys, so that error feedback keeps each one's state apart.
-            with lioncub.bucket_keys_from(sub_group_id):
+            with lioncub.engine_side.bucket_keys_from(sub_group_id):
                 super()._optimizer_step(sub_group_id)
         finally:
             lioncub.param_names = names

@@ -10,7 +10,7 @@ the same slices in the same order, so both compute the same bits.
   then :func:`update_bucket_momenta`), or for a sign vote :func:`prepare_sign_message` (both, and the
   packing, one pass where compiled);
 - after it: :func:`apply_bucket` (an unpacked result) or :func:`apply_voted_signs` (packed signs);
-- exact Lion: :func:`mean_of_bucket` and :func:`exact_lion_bucket`;
+- exact Lion: :func:`exact_lion_bucket` (on the ranks' mean, which the step's aggregation takes);
 - the L1 quantizer's whole-tensor scale: :func:`whole_tensor_mean_abs`;
 - the non-finite check's local half: :func:`non_finite_parameters`.
 """
@@ -164,11 +164,6 @@ def apply_voted_signs(entries: Sequence[Entry], bucket: list[Piece], voted: torc
     apply_packed_signs(voted, pieces)
 
 
-def mean_of_bucket(mean: Aggregator, grads: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
-    """The ranks' mean of a bucket's gradient pieces, concatenated (exact Lion's aggregation)."""
-    return mean.finish(mean.start(Bucket(torch.cat(grads), sizes, []), True))
-
-
 def exact_lion_bucket(entries: Sequence[Entry], bucket: list[Piece], grads: list[torch.Tensor]) -> None:
     """Exact Lion on a bucket: ``sign(c)`` from each piece's (averaged) gradient in ``grads`` applied, and
     the piece's momentum updated with it."""
@@ -221,7 +216,6 @@ __all__ = [
     "exact_lion_bucket",
     "grad_piece",
     "mean_abs_direction",
-    "mean_of_bucket",
     "non_finite_parameters",
     "piece_of",
     "prepare_bucket",

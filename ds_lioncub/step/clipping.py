@@ -17,7 +17,7 @@ one across the nodes, :mod:`ds_lioncub.comm.transport.levels`), and every rank c
 norm): the ranks' parameters stay bit-identical, and a resumed run draws the same signs (they depend on
 the step, not on a generator's state).
 
-:class:`ClipControls` is the option's surface on :class:`~ds_lioncub.optimizer.LionCub` (a base class of it):
+:class:`ClipState` is the option's state on one rank (a part of its :class:`~ds_lioncub.step.rank_step.RankStep`):
 the factor of a step, and the factor a caller that steps in parts (the ZeRO hybrids) gives for all its parts. The
 same sketch, with each rank's squared norm appended (:func:`sketch_and_square_norm`), feeds the gradient noise
 scale (option ``telemetry.noise_scale``, :mod:`ds_lioncub.step.noise_scale`): one sketch and one all-reduce per
@@ -27,9 +27,9 @@ step serve both, and the sketch runs on every step where either is on.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ from ds_lioncub.config.clip_rule import measures_noise_scale, sketch_bins_of
 from ds_lioncub.errors import LionCubSetupError
 from ds_lioncub.step.bucket_work import Entry, non_finite_parameters
 from ds_lioncub.step.noise_scale import NoiseScaleState
-from ds_lioncub.step.parts import StepInParts
+from ds_lioncub.step.rounds import run_rounds
 from ds_lioncub.step.sketch import (  # re-exported: the sketch lived here until it got its own module
     CHUNK,
     CUDA_CHUNK,
@@ -75,39 +75,56 @@ def clip_shard_of(process_group: dist.ProcessGroup | None) -> int:
     return 0 if process_group is None else min(dist.get_process_group_ranks(process_group))
 
 
-class ClipControls:
-    """:class:`~ds_lioncub.optimizer.LionCub`'s surface of option ``clip`` (a base class of LionCub: the attributes
-    below are LionCub's)."""
+@dataclass
+class Wiring:
+    """Who a rank's step communicates with, and what the caller hands it; :meth:`~ds_lioncub.LionCub.bind` changes
+    it. One object, shared by the parts of the step that need it (:class:`ClipState`,
+    :class:`~ds_lioncub.step.rank_step.RankStep`).
 
-    options: LionCubConfig
+    Attributes:
+        transport: the voters' group.
+        agreement_transport: the ranks whose finite checks must agree: the voters, or the whole world under the
+            ZeRO hybrid.
+        agreement_sum: the same ranks' per-step sums (the finite check, the sketch), one all-reduce or one per
+            level (:mod:`ds_lioncub.comm.transport.levels`).
+        gradients_are_averaged: the caller averages the gradients before the step (DeepSpeed's engine with
+            compression "none"), so no voter's own gradient is seen.
+        params_are_replicas: every voter holds the same parameters (the replica check compares them).
+        clip_shard: which shard's signs this rank's sketch draws (:func:`clip_shard_of`).
+    """
+
     transport: Transport
-    param_groups: list[dict[str, Any]]
-    _agreement_sum: Summing
-    _parts: StepInParts | None
-    _first_key_tensor: int
-    #: Which shard's signs this rank's sketch draws (:func:`clip_shard_of`).
-    _clip_shard: int
-    #: The factor a caller that steps in parts computed for the whole step (:meth:`clip_coefficient_given`).
-    _given_clip_coefficient: float | None
-    #: The traffic of collectives a caller issued for the next step before it (:meth:`clip_coefficient`).
-    _traffic_before_step: CommStats
-    #: The factor option ``clip`` scaled the last step's gradients by (1: not clipped); None without clip.
-    last_clip_coefficient: float | None
-    #: Whether the caller averages the gradients before the step (then no voter's own gradient is seen).
-    gradients_are_averaged: bool
-    #: The gradient noise scale's moving averages (option ``telemetry.noise_scale``).
-    _noise_scale_state: NoiseScaleState
-    #: Whether a caller that steps in parts took this step's sketch already (:meth:`clip_coefficient_given`).
-    _sketch_given: bool
+    agreement_transport: Transport
+    agreement_sum: Summing
+    gradients_are_averaged: bool = False
+    params_are_replicas: bool = True
+    clip_shard: int = 0
 
-    def comm_stats(self) -> CommStats:
-        raise NotImplementedError
+
+class ClipState:
+    """Option ``clip`` and the gradient noise scale on one rank: the step's sketch, its factor, the factor a caller
+    that steps in parts (the ZeRO hybrids) gives for all its parts, and the noise scale's moving averages."""
+
+    def __init__(self, options: LionCubConfig, wiring: Wiring) -> None:
+        self.options = options
+        self.wiring = wiring
+        #: The gradient noise scale's moving averages (option ``telemetry.noise_scale``), fed by the sketch.
+        self.noise_scale = NoiseScaleState(options.telemetry.noise_scale_beta)
+        #: The factor option ``clip`` scaled the last step's gradients by (1: not clipped); None without clip.
+        self.last_coefficient: float | None = None
+        # The factor a caller that steps in parts computed for the whole step (clip_coefficient_given), and whether
+        # it took this step's sketch already.
+        self._given_coefficient: float | None = None
+        self._sketch_given = False
+        # The traffic of collectives a caller issued for the next step before calling it (sketch_step).
+        self.traffic_before_step = CommStats()
 
     @property
     def measures_noise_scale(self) -> bool:
         """Whether the steps measure the gradient noise scale: option ``telemetry.noise_scale``, a compressed mode, two
-        voters or more (:func:`~ds_lioncub.step.noise_scale.measures_noise_scale`)."""
-        return measures_noise_scale(self.options, self.transport.world_size, self.gradients_are_averaged)
+        voters or more (:func:`~ds_lioncub.config.clip_rule.measures_noise_scale`)."""
+        wiring = self.wiring
+        return measures_noise_scale(self.options, wiring.transport.world_size, wiring.gradients_are_averaged)
 
     @property
     def sketches_each_step(self) -> bool:
@@ -116,112 +133,86 @@ class ClipControls:
         return self.options.mean_clip is not None or self.measures_noise_scale
 
     def sketch_step(
-        self, tensors: Sequence[Sequence[torch.Tensor]], step: int, loss_scale: float = 1.0, first_tensor: int = 0
+        self,
+        tensors: Sequence[Sequence[torch.Tensor]],
+        step: int,
+        comm_stats: Callable[[], CommStats],
+        loss_scale: float = 1.0,
+        first_tensor: int = 0,
     ) -> float | None:
-        """The step's sketch, for a caller that steps in parts (the ZeRO hybrids), before the first part: what
-        :meth:`clip_coefficient` does, and the noise scale's update when it is measured; returns option ``clip``'s
-        factor, or None when LionCub does not clip. Give the result to :meth:`clip_coefficient_given`.
-
-        A collective over the agreement group, called by every rank when :attr:`sketches_each_step` is true.
-        """
-        before = self.comm_stats()
-        factor, _ = self._sketch(tensors, step, loss_scale, first_tensor)
-        # A caller's, before its step: that step's record counts it (:meth:`take_traffic_before_step`).
-        self._traffic_before_step = self._traffic_before_step + (self.comm_stats() - before)
+        """The step's sketch taken before the step (:meth:`~ds_lioncub.step.engine_side.EngineSide.sketch_step`), its
+        traffic counted for that step (``comm_stats``: the rank's traffic so far); option ``clip``'s factor, or None."""
+        before = comm_stats()
+        factor, _ = run_rounds(self.sketch_rounds(tensors, step, loss_scale, first_tensor))
+        self.traffic_before_step = self.traffic_before_step + (comm_stats() - before)
         return factor
 
-    def clip_coefficient(
-        self, tensors: Sequence[Sequence[torch.Tensor]], step: int, loss_scale: float = 1.0, first_tensor: int = 0
-    ) -> float:
-        """Option ``clip``'s factor for step ``step``: the sketch of this rank's gradients (``tensors[t]``: the pieces
-        of flat tensor ``first_tensor + t``), summed over the ranks by one all-reduce (one per level under the ZeRO
-        hybrid), gives the estimated norm of the voters' mean gradient (divided by ``loss_scale``) and
-        ``min(1, max_norm / (norm + 1e-6))``.
-
-        A collective: every rank of the agreement group (the voters; under the ZeRO hybrid the whole world, each
-        rank with its shard) calls it once per step with the same layout, and all get the same factor
-        (:mod:`ds_lioncub.step.clipping`). With the noise scale measured, the same all-reduce updates it.
-        """
-        if self.options.mean_clip is None:
-            raise LionCubSetupError("LionCub: clip_coefficient() needs option clip, e.g. clip={'max_norm': 1.0}.")
-        factor = self.sketch_step(tensors, step, loss_scale, first_tensor)
-        assert factor is not None
-        return factor
-
-    def _sketch(
+    def sketch_rounds(
         self,
         tensors: Sequence[Sequence[torch.Tensor]],
         step: int,
         loss_scale: float,
         first_tensor: int,
         non_finite_here: bool | None = None,
-    ) -> tuple[float | None, int | None]:
-        """One sketch, one all-reduce (whose traffic the current step counts): option ``clip``'s factor (None
-        without clip), the noise scale's update (when measured) and, given ``non_finite_here`` (whether this rank's
-        gradient holds a NaN or inf), how many ranks' gradients do: the non-finite check's verdict, carried by the
-        same all-reduce (None when not given)."""
+    ) -> Generator[None, None, tuple[float | None, int | None]]:
+        """One sketch, one all-reduce (a round): option ``clip``'s factor (None without clip), the noise scale's
+        update (when measured) and, given ``non_finite_here`` (whether this rank's gradient holds a NaN or inf), how
+        many ranks' gradients do: the non-finite check's verdict, carried by the same all-reduce (None when not
+        given)."""
         clip = self.options.mean_clip
         bins = sketch_bins_of(self.options)
         noise = self.measures_noise_scale
         # Without the noise scale the all-reduce stays the sketch alone (its bytes as before the noise scale).
         make = sketch_and_square_norm if noise else gradient_sketch
-        summed = make(tensors, bins, step, self._clip_shard, first_tensor)
+        summed = make(tensors, bins, step, self.wiring.clip_shard, first_tensor)
         if non_finite_here is not None:
             # A value of its own, 1 on a rank whose gradient is not finite: its sum counts those ranks exactly, where
             # the non-finite bins would say only that some rank has one. It saves the check its own collective round.
             summed = torch.cat([summed, summed.new_full((1,), 1.0 if non_finite_here else 0.0)])
-        self._agreement_sum.all_reduce_sum(summed)
+        self.wiring.agreement_sum.all_reduce_sum(summed)
+        yield
         ranks_not_finite = None
         if non_finite_here is not None:
             ranks_not_finite, summed = int(summed[-1].item()), summed[:-1]  # a sum of 0s and 1s: exact
-        voters = self.transport.world_size
+        voters = self.wiring.transport.world_size
         if noise:
-            self._noise_scale_state.update(summed, voters, loss_scale)
+            self.noise_scale.update(summed, voters, loss_scale)
         if clip is None:
             return None, ranks_not_finite
         # The bins alone: summed element by element in rank order, the same bits with or without the squares.
         return clip_coefficient(summed[:bins], voters, clip.max_norm, loss_scale), ranks_not_finite
 
-    @property
-    def next_step(self) -> int:
-        """The number of the step the next ``step()`` takes (1 for the first)."""
-        return self.param_groups[0]["step"] + 1 if self.param_groups else 1
-
     @contextmanager
-    def clip_coefficient_given(self, coefficient: float | None) -> Iterator[None]:
-        """Within this block ``step()`` scales the gradients by ``coefficient`` instead of computing option ``clip``'s
-        (None: LionCub does not clip), and takes the step's sketch as taken.
-
-        For callers that step in parts (DeepSpeed's ZeRO under the hybrid steps one flat shard per call), which
-        sketch once over every part with :meth:`sketch_step` (or :meth:`clip_coefficient`) before the first.
-        """
-        self._given_clip_coefficient = coefficient
+    def coefficient_given(self, coefficient: float | None) -> Iterator[None]:
+        """Within this block the step scales the gradients by ``coefficient`` instead of computing option ``clip``'s
+        (None: no clipping), and takes the step's sketch as taken."""
+        self._given_coefficient = coefficient
         self._sketch_given = True
         try:
             yield
         finally:
-            self._given_clip_coefficient = None
+            self._given_coefficient = None
             self._sketch_given = False
 
     def take_traffic_before_step(self) -> CommStats:
-        """What was sent for a step that never ran (option clip's all-reduce before a step DeepSpeed then skipped),
-        for that step's record; it no longer counts toward the next step."""
-        traffic, self._traffic_before_step = self._traffic_before_step, CommStats()
+        """What was sent for the next step before it ran; it no longer counts toward the next step."""
+        traffic, self.traffic_before_step = self.traffic_before_step, CommStats()
         return traffic
 
-    def _clip_gradients(self, entries: list[Entry], step: int, carry_finite_check: bool = False) -> int | None:
+    def step_sketch_rounds(
+        self, entries: list[Entry], step: int, in_parts: bool, carry_finite_check: bool = False
+    ) -> Generator[None, None, int | None]:
         """The step's sketch (:attr:`sketches_each_step`): option ``clip`` scales every participating gradient in
         place by the step's factor; the noise scale takes its update from the same all-reduce.
 
-        ``carry_finite_check``: the step's path runs the agreed non-finite check
-        (:func:`~ds_lioncub.step.paths.require_finite_gradients`), whose verdict the sketch's all-reduce then
-        carries; returns how many ranks have a non-finite gradient (checked before the scaling), for the path to
-        raise on without a collective of its own. None: this call carried no verdict (not asked, or no sketch
-        here: a caller that steps in parts took it)."""
-        coefficient = self._given_clip_coefficient
+        ``in_parts``: this step() is one part of a step (the whole gradient is not here). ``carry_finite_check``:
+        the step's path runs the agreed non-finite check, whose verdict the sketch's all-reduce then carries;
+        returns how many ranks have a non-finite gradient (checked before the scaling), for the path to raise on
+        without a collective of its own. None: this call carried no verdict (not asked, or no sketch here: a caller
+        that steps in parts took it)."""
+        coefficient = self._given_coefficient
         ranks_not_finite = None
         if not self._sketch_given:
-            in_parts = self._parts is not None or self._first_key_tensor != 0
             if in_parts and self.options.mean_clip is None:
                 # The noise scale alone: a part is not the whole gradient and no caller sketched the whole step, so
                 # this step is not measured (every rank steps in the same parts, so every rank skips it alike).
@@ -235,18 +226,18 @@ class ClipControls:
                 )
             non_finite_here = bool(non_finite_parameters(entries)) if carry_finite_check else None
             grads = [[entry.grad] for entry in entries]
-            coefficient, ranks_not_finite = self._sketch(grads, step, 1.0, 0, non_finite_here)
+            coefficient, ranks_not_finite = yield from self.sketch_rounds(grads, step, 1.0, 0, non_finite_here)
         if coefficient is not None:
             if coefficient < 1.0:
                 torch._foreach_mul_([entry.grad for entry in entries], coefficient)
-            self.last_clip_coefficient = coefficient
+            self.last_coefficient = coefficient
         return ranks_not_finite
 
 
 __all__ = [
     "CHUNK",
     "CUDA_CHUNK",
-    "ClipControls",
+    "ClipState",
     "NORM_EPSILON",
     "SIGN_PERIOD",
     "SIGN_SEED",
@@ -260,4 +251,5 @@ __all__ = [
     "sign_table",
     "sketch_and_square_norm",
     "sketch_in_passes",
+    "Wiring",
 ]

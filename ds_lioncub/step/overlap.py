@@ -13,14 +13,13 @@ momentum is updated at ``step()``, after the ranks agree the step can be taken.
 
 The messages are a guess: clipping, loss-scale unscaling or user code may change the gradients
 after backward. The step therefore packs every bucket again from the final gradients and compares
-(:func:`ds_lioncub.step.paths.overlapped_step`; docs/design.md section 9.2).
+(:func:`ds_lioncub.step.paths.overlapped_rounds`; docs/design.md section 9.2).
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -126,7 +125,7 @@ class OverlapController:
 
     Owned by the optimizer. :meth:`set_up` runs at construction and on every re-binding to a process
     group; :meth:`arm` arms the next backward (``LionCub.overlap_next_backward``); the step takes the
-    armed backward with :meth:`take_armed` and runs it (:func:`ds_lioncub.step.paths.overlapped_step`).
+    armed backward with :meth:`take_armed` and runs it (:func:`ds_lioncub.step.paths.overlapped_rounds`).
     """
 
     def __init__(self) -> None:
@@ -241,81 +240,18 @@ class OverlapController:
         """What the overlap transport has sent so far (nothing without an overlap vote)."""
         return self.vote.transport.stats if self.vote is not None else CommStats()
 
-
-class OverlapControls:
-    """:class:`~ds_lioncub.optimizer.LionCub`'s surface of option ``overlap``, over its :class:`OverlapController`
-    (a base class of LionCub: the attributes below are LionCub's)."""
-
-    options: LionCubConfig
-    transport: Transport
-    process_group: dist.ProcessGroup | None
-    param_groups: list[dict[str, Any]]
-    state: defaultdict[torch.Tensor, Any]
-    _overlap: OverlapController
-
-    def _flat_params(self) -> list[torch.Tensor]:
-        raise NotImplementedError
-
-    def _make_transport(self, process_group: dist.ProcessGroup | None) -> Transport:
-        raise NotImplementedError
-
-    def overlap_next_backward(self) -> None:
-        """Start the bucket votes of the next backward from its gradient hooks (option ``overlap``).
-
-        Call it on every rank before ``loss.backward()`` of the last micro-step before ``step()``
-        (DeepSpeed's ``engine.backward`` does it on the accumulation boundary). Buckets leave, in
-        reverse parameter order, as soon as their gradients are accumulated; ``step()`` checks them
-        against the final gradients and votes again where needed
-        (:func:`~ds_lioncub.step.paths.overlapped_step`). Votes from an earlier armed backward that
-        ``step()`` never used are waited for and dropped first, so a skipped step costs no exactness,
-        only the wasted bytes. A world of one arms nothing.
-        """
-        if not self.options.overlap:
+    def arm_next_backward(
+        self, options: LionCubConfig, param_groups: list[dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]]
+    ) -> None:
+        """:meth:`ds_lioncub.LionCub.overlap_next_backward`: :meth:`arm` for the next step, refused without option
+        ``overlap``."""
+        if not options.overlap:
             raise LionCubConfigError(
                 "LionCub: overlap_next_backward() starts votes during backward, which needs the option overlap=True; "
                 "construct LionCub with overlap=True or drop the call."
             )
-        positive_ties = tie_sign(self.param_groups[0]["step"] + 1, self.options.tie_break) > 0
-        self._overlap.arm(self.param_groups, self.state, positive_ties, self.options.bucket_size)
-
-    def discard_overlapped_votes(self) -> None:
-        """Wait for and drop the votes of an armed backward whose step will not come (a skipped step).
-
-        Collective: every rank must call it, as every rank armed. ``overlap_next_backward`` calls it.
-        """
-        self._overlap.discard()
-
-    @property
-    def votes_in_flight(self) -> bool:
-        """Whether a backward was armed (``overlap_next_backward``) and its step has not run yet."""
-        return self._overlap.armed is not None
-
-    @property
-    def buckets_launched_in_backward(self) -> int:
-        """Buckets of armed backwards launched before ``step()``, from gradient hooks (overlap=True)."""
-        return self._overlap.buckets_launched_in_backward
-
-    @property
-    def revoted_buckets(self) -> int:
-        """Buckets voted again at ``step()`` because some rank's final message differed (overlap=True)."""
-        return self._overlap.revoted_buckets
-
-    def _set_up_overlap(self) -> None:
-        """With ``overlap``: the vote over a group of its own and a gradient hook on every parameter (once)."""
-        ranks = self._voter_ranks() if self.options.overlap and self.transport.world_size > 1 else []
-        params = self._flat_params()
-        self._overlap.set_up(self.options, self.transport.world_size, ranks, self._make_overlap_transport, params)
-
-    def _voter_ranks(self) -> list[int]:
-        """The global ranks of the voters' group."""
-        group = self.process_group if self.process_group is not None else dist.group.WORLD
-        return list(dist.get_process_group_ranks(group))
-
-    def _make_overlap_transport(self, ranks: list[int]) -> Transport:
-        """The overlap vote's transport: a new process group of the voters (global ``ranks``)."""
-        params = self._flat_params()
-        device = params[0].device if params else torch.device("cpu")
-        return overlap_transport(ranks, self._make_transport, device)
+        positive_ties = tie_sign(param_groups[0]["step"] + 1, options.tie_break) > 0
+        self.arm(param_groups, state, positive_ties, options.bucket_size)
 
 
 def overlap_transport(
@@ -365,4 +301,4 @@ def _remove_hooks(handles: list[Any]) -> None:
         handle.remove()
 
 
-__all__ = ["ArmedBackward", "LaunchedBucket", "OverlapControls", "OverlapController", "overlap_transport"]
+__all__ = ["ArmedBackward", "LaunchedBucket", "OverlapController", "overlap_transport"]

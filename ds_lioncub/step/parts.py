@@ -14,23 +14,28 @@ from ds_lioncub.errors import LionCubSetupError
 
 @dataclass
 class StepInParts:
-    """The optimizer step that ``step()`` calls are parts of (:meth:`LionCub.optimizer_step_in_parts`)."""
+    """The optimizer step that ``step()`` calls are parts of (:meth:`StepCalls.optimizer_step_in_parts`)."""
 
     step: int
     taken: int = 0
 
 
-class SteppedInParts:
-    """:class:`~ds_lioncub.optimizer.LionCub`'s blocks that change what a ``step()`` call is (a base class of
-    LionCub: the attributes below are LionCub's)."""
+class StepCalls:
+    """The blocks that change what a ``step()`` call of :class:`~ds_lioncub.optimizer.LionCub` is (its methods of
+    the same names hand over to these)."""
 
-    param_groups: list[dict[str, Any]]
-    #: Inside :meth:`initialising_states`: ``step()`` only creates state.
-    _states_only: bool
-    #: Inside :meth:`optimizer_step_in_parts`: the step every ``step()`` call is a part of (None outside).
-    _parts: StepInParts | None
-    #: Inside :meth:`bucket_keys_from`: the number the first tensor of a ``step()`` call has in bucket keys.
-    _first_key_tensor: int
+    def __init__(self) -> None:
+        #: Inside :meth:`initialising_states`: ``step()`` only creates state.
+        self.states_only = False
+        #: Inside :meth:`optimizer_step_in_parts`: the step every ``step()`` call is a part of (None outside).
+        self.parts: StepInParts | None = None
+        #: Inside :meth:`bucket_keys_from`: the number the first tensor of a ``step()`` call has in bucket keys.
+        self.first_key_tensor = 0
+
+    @property
+    def in_parts(self) -> bool:
+        """Whether a ``step()`` call now is one part of a step (not the whole gradient)."""
+        return self.parts is not None or self.first_key_tensor != 0
 
     @contextmanager
     def initialising_states(self) -> Iterator[None]:
@@ -39,14 +44,14 @@ class SteppedInParts:
         DeepSpeed's fp16/bf16 wrapper calls ``step()`` once on zero gradients to create the state;
         for Lion Cub a real step would move every parameter by lr (a zero vote is a tie).
         """
-        self._states_only = True
+        self.states_only = True
         try:
             yield
         finally:
-            self._states_only = False
+            self.states_only = False
 
     @contextmanager
-    def optimizer_step_in_parts(self) -> Iterator[None]:
+    def optimizer_step_in_parts(self, param_groups: list[dict[str, Any]]) -> Iterator[None]:
         """Within this block every ``step()`` call is one part of a single optimizer step.
 
         For callers that step the parameters in several calls, each with only some of them in
@@ -56,16 +61,16 @@ class SteppedInParts:
         when the block ends after at least one part; a block in which no part ran (a skipped step) or
         that raised leaves it as it was.
         """
-        if self._parts is not None:
+        if self.parts is not None:
             raise LionCubSetupError("LionCub: optimizer_step_in_parts() blocks do not nest; end the first one.")
-        parts = StepInParts(self.param_groups[0]["step"] + 1 if self.param_groups else 1)
-        self._parts = parts
+        parts = StepInParts(param_groups[0]["step"] + 1 if param_groups else 1)
+        self.parts = parts
         try:
             yield
         finally:
-            self._parts = None
+            self.parts = None
         if parts.taken:
-            for group in self.param_groups:
+            for group in param_groups:
                 group["step"] = parts.step
 
     @contextmanager
@@ -77,11 +82,11 @@ class SteppedInParts:
         steps each param group in its own call, every call's tensors then numbered from 0): numbering each
         call's tensors after the earlier calls' keeps each tensor's state its own.
         """
-        before, self._first_key_tensor = self._first_key_tensor, first_tensor
+        before, self.first_key_tensor = self.first_key_tensor, first_tensor
         try:
             yield
         finally:
-            self._first_key_tensor = before
+            self.first_key_tensor = before
 
 
-__all__ = ["StepInParts", "SteppedInParts"]
+__all__ = ["StepCalls", "StepInParts"]

@@ -1,16 +1,16 @@
 """What runs after an optimizer step: momentum sync and the replica check, as post-step hooks.
 
-``LionCub.step`` calls every hook of its ``post_step_hooks`` list, in order, after the step's update
-and step count, before the step's telemetry record closes (so their traffic is the step's). A hook is
-any callable taking a :class:`StepDone`; each decides for itself whether this step is one of its steps.
-A new per-step duty is a new hook, not a new branch in the step.
+A rank's step (:class:`~ds_lioncub.step.rank_step.RankStep`) runs every hook of its ``post_step_hooks`` list, in
+order, after the step's update and step count, before the step ends (so their traffic is the step's). A hook is
+any callable taking a :class:`StepDone` and giving its rounds (:mod:`ds_lioncub.step.rounds`: a generator that
+yields after issuing a collective and before reading it); each decides for itself whether this step is one of its
+steps. A new per-step duty is a new hook, not a new branch in the step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ class StepDone:
         step: the optimizer step just taken (1-based).
         params: every parameter, by flat position (group order, then parameter order).
         names: their names by flat position, or None when some parameter has none.
-        state: the optimizer's per-parameter state (``exp_avg`` is the momentum).
+        momenta: this rank's momentum (``exp_avg``) of each parameter by flat position (None: none yet).
         transport: the voters' group.
         agreement: the ranks that must raise together (the voters, or the whole world under ZeRO hybrid).
         params_are_replicas: whether the voters hold the same parameters (not so when ZeRO partitions them).
@@ -42,14 +42,14 @@ class StepDone:
     step: int
     params: list[torch.Tensor]
     names: list[str] | None
-    state: Mapping[torch.Tensor, dict[str, Any]]
+    momenta: list[torch.Tensor | None]
     transport: Transport
     agreement: Transport
     params_are_replicas: bool
     bucket_size: int
 
 
-PostStepHook = Callable[[StepDone], None]
+PostStepHook = Callable[[StepDone], Iterator[None]]
 
 
 class MomentumSync:
@@ -68,21 +68,24 @@ class MomentumSync:
         selected = select_parameters(params, names, self.options.layers, module)
         self.positions = {position for position, chosen in enumerate(selected) if chosen}
 
-    def __call__(self, done: StepDone) -> None:
+    def __call__(self, done: StepDone) -> Iterator[None]:
+        """Every selected parameter that has a momentum, whether or not it took part in this step: per bucket, the
+        mean's collective issued (a round), then the mean copied back."""
         interval = self.options.interval
         if not interval or done.step % interval != 0 or done.transport.world_size == 1:
             return
         momenta = [
-            done.state[p]["exp_avg"]
-            for position, p in enumerate(done.params)
-            if position in self.positions and "exp_avg" in done.state[p]
+            momentum
+            for position, momentum in enumerate(done.momenta)
+            if position in self.positions and momentum is not None
         ]
         mean = ExactMean(done.transport, COMM_DTYPES[self.options.dtype])
         for bucket in plan_buckets([m.numel() for m in momenta], done.bucket_size):
             slices = [piece_of(momenta[piece.tensor_index], piece) for piece in bucket]
             sizes = [piece.length for piece in bucket]
-            averaged = mean.finish(mean.start(Bucket(torch.cat(slices), sizes, [])))
-            for target, value in zip(slices, averaged.split(sizes), strict=True):
+            pending = mean.start(Bucket(torch.cat(slices), sizes, []))
+            yield
+            for target, value in zip(slices, mean.finish(pending).split(sizes), strict=True):
                 target.copy_(value)
 
 
@@ -94,15 +97,18 @@ class ReplicaCheck:
     def __init__(self, options: ConsistencyCheckConfig) -> None:
         self.options = options
 
-    def __call__(self, done: StepDone) -> None:
+    def __call__(self, done: StepDone) -> Iterator[None]:
+        """One blocking collective round of its own (the virtual world, whose workers share one copy of the
+        parameters, refuses the option)."""
         interval = self.options.interval
         if not interval or done.step % interval != 0 or not done.params_are_replicas:
-            return
+            return iter(())
         if done.names:
             labels = [repr(name) for name in done.names]
         else:
             labels = [f"parameter #{i} of shape {tuple(p.shape)}" for i, p in enumerate(done.params)]
         check_replicas(done.transport, done.params, labels, done.step, agreement=done.agreement)
+        return iter(())
 
 
 __all__ = ["MomentumSync", "PostStepHook", "ReplicaCheck", "StepDone"]

@@ -12,20 +12,20 @@ one (docs/design.md, section 15).
 
 The package: :mod:`.records` the records, their totals and their monitor events (the monitor names, one list
 for the DeepSpeed integration and the documentation); :mod:`.vote_counts` the counting of a step's votes;
-:mod:`.recorder` :class:`StepTelemetry` and :class:`BucketWatch`. Every name imports from here.
+:mod:`.recorder` :class:`StepTelemetry`, the observer of a rank's step (:mod:`ds_lioncub.step.events`). Every
+name imports from here.
 """
 
 from __future__ import annotations
 
 from ds_lioncub.comm.votes import count_set_bits
-from ds_lioncub.telemetry.recorder import BucketWatch, StepTelemetry
+from ds_lioncub.telemetry.recorder import StepTelemetry
 from ds_lioncub.telemetry.records import FEEDBACK_EVENTS, MONITOR_PREFIX, StepRecord, TelemetryTotals
 from ds_lioncub.telemetry.vote_counts import VoteCounts, count_tied_votes, pack_local_signs
 
 __all__ = [
     "FEEDBACK_EVENTS",
     "MONITOR_PREFIX",
-    "BucketWatch",
     "StepRecord",
     "StepTelemetry",
     "TelemetryTotals",

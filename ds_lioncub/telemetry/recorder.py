@@ -1,12 +1,10 @@
-"""The optimizer's recorder of its steps (:class:`StepTelemetry`) and what one step path's buckets tell it
-(:class:`BucketWatch`)."""
+"""The optimizer's recorder of its steps (:class:`StepTelemetry`): an observer of the events a rank's step emits
+(:class:`~ds_lioncub.step.events.StepEvents`), which it turns into one :class:`StepRecord` per step."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
 import torch
 
@@ -14,6 +12,7 @@ from ds_lioncub.aggregation import Aggregator
 from ds_lioncub.comm.packing import pack_signs
 from ds_lioncub.comm.transport import CommStats, Transport
 from ds_lioncub.comm.votes import PendingAggregate, count_set_bits
+from ds_lioncub.step.events import StepEnded
 from ds_lioncub.step.noise_scale import NoiseScale
 from ds_lioncub.telemetry.records import StepRecord, TelemetryTotals
 from ds_lioncub.telemetry.vote_counts import VoteCounts, add_count, count_tied_votes
@@ -23,11 +22,11 @@ from ds_lioncub.telemetry.vote_counts import VoteCounts, add_count, count_tied_v
 class StepTelemetry:
     """The optimizer's per-step records: the last one, and totals over all of them.
 
-    The optimizer calls :meth:`begin_step` and, at the end, :meth:`close_step`; in between the step
-    paths observe their buckets through a :class:`BucketWatch` (:meth:`watch`), which calls
-    :meth:`add_bucket` per aggregated bucket, :meth:`count_vote` per bucket when ``vote_stats`` is on,
-    and :meth:`note_revoted_bucket` when a bucket's vote is taken again in the same step, so the
-    record shows it. The DeepSpeed integration brackets each engine step with :meth:`hold` and
+    It subscribes to the rank's step (:class:`~ds_lioncub.step.events.StepEvents`): :meth:`step_started` begins
+    a record, each bucket's :meth:`bucket_done` adds its local seconds and voted elements, with ``vote_stats``
+    this rank's signs (:meth:`local_signs`) are counted against the applied direction (:meth:`applied`),
+    :meth:`revoted_bucket` counts a bucket voted again, and :meth:`step_ended` closes the record. The
+    DeepSpeed integration brackets each engine step with :meth:`hold` and
     :meth:`release`, which make one record of however many ``step`` calls it took (none: a skipped
     step; one per param group under ZeRO).
     """
@@ -44,6 +43,49 @@ class StepTelemetry:
     _held: list[StepRecord] | None = None
     _feedback: tuple[str | None, float | None] = (None, None)
     _noise_scale: NoiseScale | None = None
+    _signs: dict[int, torch.Tensor] = field(default_factory=dict)
+    _pending: dict[int, object] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ the step's events
+
+    @property
+    def wants_signs(self) -> bool:
+        """This rank's signs are counted against the applied direction (option ``telemetry.vote_stats``)."""
+        return self.vote_stats
+
+    def step_started(self, traffic: CommStats) -> None:
+        self.begin_step(traffic)
+
+    def bucket_starting(self, k: int) -> None:
+        pass
+
+    def local_signs(self, k: int, signs: torch.Tensor) -> None:
+        self._signs[k] = signs
+
+    def issued(self, k: int, pending: object) -> None:
+        if k in self._signs:  # kept only for a vote that is counted
+            self._pending[k] = pending
+
+    def wants_applied(self, k: int) -> bool:
+        return k in self._signs
+
+    def applied(self, k: int, aggregator: Aggregator, direction: torch.Tensor) -> None:
+        self.count_vote(aggregator, self._pending.pop(k), self._signs.pop(k), direction)
+
+    def bucket_done(self, k: int, voted_elements: int, local_seconds: float) -> None:
+        self.add_bucket(local_seconds, voted_elements)
+
+    def revoted_bucket(self) -> None:
+        self.note_revoted_bucket()
+
+    def step_ended(self, ended: StepEnded) -> None:
+        aggregation = ended.aggregator
+        if aggregation is not None:  # error feedback's ratio (one host sync), None without
+            self.note_feedback(aggregation.state.feedback_kind, aggregation.state.take_feedback_ratio())
+        self.note_noise_scale(ended.noise_scale)
+        self.close_step(ended.step, ended.transport, ended.comm_stats)
+
+    # ------------------------------------------------------------------ the records
 
     def hold(self) -> None:
         """Keep the records of the following ``step`` calls apart until :meth:`release` (or :meth:`drop_held`)."""
@@ -68,6 +110,8 @@ class StepTelemetry:
         self._votes = VoteCounts()
         self._feedback = (None, None)
         self._noise_scale = None
+        self._signs.clear()
+        self._pending.clear()
 
     def note_feedback(self, kind: str | None, ratio: float | None) -> None:
         """The step's error-feedback ratio (:attr:`StepRecord.feedback_ratio`), of the aggregation's ``kind``."""
@@ -108,10 +152,6 @@ class StepTelemetry:
         # Both packed alike (padding bits 0): the differing bits are the disagreements.
         differing = count_set_bits(torch.bitwise_xor(local_signs, pack_signs(applied, pending.positive_ties)))
         votes.agreeing = add_count(votes.agreeing, applied.numel() - differing)
-
-    def watch(self, transport: Transport) -> BucketWatch:
-        """The observer of one step path whose aggregation communicates over ``transport``."""
-        return BucketWatch(self, transport)
 
     def close_step(self, step: int, transport: Transport, comm: Callable[[], CommStats]) -> StepRecord:
         """Sum the chunk owners' tie counts over ``transport``'s group (``vote_stats`` only), then close
@@ -163,60 +203,3 @@ class StepTelemetry:
         self.last = record
         self.totals.add(record)
         return record
-
-
-_Result = TypeVar("_Result")
-
-
-class BucketWatch:
-    """What one step path's buckets tell :class:`StepTelemetry`, through one object.
-
-    The path times each bucket's aggregation stages with :meth:`timed` (the transport's collectives
-    taken out), hands over this rank's packed signs before the vote (:meth:`local_signs`, only when
-    :attr:`wants_signs`) and the pending vote (:meth:`issued`), counts them against the applied
-    direction (:meth:`voted`, where :meth:`counts`) and closes each bucket with :meth:`bucket_done`.
-    """
-
-    def __init__(self, telemetry: StepTelemetry, transport: Transport) -> None:
-        self._telemetry = telemetry
-        self._transport = transport
-        #: Whether the step's vote statistics are counted (option ``telemetry.vote_stats``).
-        self.wants_signs = telemetry.vote_stats
-        self._seconds: dict[int, float] = {}
-        self._signs: dict[int, torch.Tensor] = {}
-        self._pending: dict[int, object] = {}
-
-    def timed(self, k: int, stage: Callable[..., _Result], *args: Any) -> _Result:
-        """``stage(*args)``, its local seconds (its collectives' taken out) added to bucket ``k``'s."""
-        started, in_collectives = time.perf_counter(), self._transport.stats.seconds
-        try:
-            return stage(*args)
-        finally:
-            elapsed = time.perf_counter() - started - (self._transport.stats.seconds - in_collectives)
-            self._seconds[k] = self._seconds.get(k, 0.0) + elapsed
-
-    def local_signs(self, k: int, signs: torch.Tensor) -> None:
-        """This rank's signs of bucket ``k`` (:func:`pack_local_signs`), taken before the vote."""
-        self._signs[k] = signs
-
-    def issued(self, k: int, pending: object) -> None:
-        """Bucket ``k``'s first collective is out; kept until :meth:`voted` only if its signs are counted."""
-        if k in self._signs:
-            self._pending[k] = pending
-
-    def counts(self, k: int) -> bool:
-        """Whether bucket ``k``'s vote is counted (its local signs were handed over)."""
-        return k in self._signs
-
-    def voted(self, k: int, aggregator: Aggregator, applied: torch.Tensor) -> None:
-        """Count bucket ``k``'s tied votes and agreeing signs against ``applied``; forget what was kept."""
-        signs, pending = self._signs.pop(k), self._pending.pop(k)
-        self._telemetry.count_vote(aggregator, pending, signs, applied)
-
-    def bucket_done(self, k: int, voted_elements: int) -> None:
-        """Bucket ``k`` is aggregated: record its local seconds and the elements it voted on."""
-        self._telemetry.add_bucket(self._seconds.pop(k, 0.0), voted_elements)
-
-    def revoted_bucket(self) -> None:
-        """A bucket of this step was voted on again."""
-        self._telemetry.note_revoted_bucket()

@@ -14,7 +14,7 @@ from tests.support.error_feedback_reference import EfState
 def assert_rank_feedback_matches(
     aggregation: dict[str, Any] | None, expected: EfState, node: int, nodes: int, kind: str, what: str
 ) -> None:
-    """Rank (k, j)'s saved aggregation state (``LionCub.aggregation_state()``) against the EF state of the
+    """Rank (k, j)'s saved aggregation state (``LionCub.engine_side.aggregation_state()``) against the EF state of the
     simulated vote it takes part in, whose worker ``node`` it is: bucket keys, each residual (or EF21
     estimate G_i) bit for bit, not all zeros over the rank's buckets (else the comparison proves nothing; one
     bucket may be: a slice of one element and padding quantizes exactly), and EF21's shared G: the rank owns

@@ -126,7 +126,7 @@ def final_state(engine: Any, record: Record, view: ZeroView) -> None:
     record["masters"] = masters(engine, view)
     record["momenta"] = momenta(engine, view)
     record["exp_avg_numel"] = view.exp_avg_numel(engine, record["momenta"])
-    record["aggregation"] = lioncub_of(engine).aggregation_state()  # error feedback's state (None without)
+    record["aggregation"] = lioncub_of(engine).engine_side.aggregation_state()  # error feedback's state (None without)
 
 
 def run_trained(cases: list[HybridCase], view: ZeroView, only: set[str] | None = None) -> dict[str, Any]:
@@ -182,7 +182,7 @@ def resume_one(case: HybridCase, directory: Path, view: ZeroView) -> Record:
         record["loaded_lioncub_step"] = lioncub_step(engine)
         if view.loaded_params:
             record["loaded_params"] = view.params(engine)
-        record["loaded_aggregation"] = lioncub_of(engine).aggregation_state()
+        record["loaded_aggregation"] = lioncub_of(engine).engine_side.aggregation_state()
         train(engine, case, CHECKPOINT_AT + 1, case.steps - CHECKPOINT_AT, record, view)
         final_state(engine, record, view)
 

@@ -44,7 +44,7 @@ def train(transport: ThreadTransport, pipelined: bool, bucket_size: int, options
     """TRAIN_STEPS steps on this rank's batches; the final parameters, momenta and the collectives issued."""
     params = fresh_params()
     optimizer = ThreadLionCub(transport, list(params.items()), **scenario_settings(bucket_size=bucket_size, **options))
-    optimizer._pipelined_buckets = pipelined
+    optimizer.rank_step.pipelined = pipelined
     for step in range(1, sc.TRAIN_STEPS + 1):
         optimizer.zero_grad()
         sc.loss_of(params, transport.rank, step).backward()

@@ -213,9 +213,12 @@ def test_a_step_in_parts_without_a_given_factor_is_refused() -> None:
     params = fresh_params()
     optimizer = LionCub(list(params.items()), compression="1bit", clip={"max_norm": 1.0})
     sc.loss_of(params, 0, 1).backward()
-    with optimizer.optimizer_step_in_parts(), pytest.raises(LionCubSetupError, match="clip_coefficient_given"):
+    with (
+        optimizer.engine_side.optimizer_step_in_parts(),
+        pytest.raises(LionCubSetupError, match="clip_coefficient_given"),
+    ):
         optimizer.step()
-    with optimizer.clip_coefficient_given(0.5), optimizer.optimizer_step_in_parts():
+    with optimizer.engine_side.clip_coefficient_given(0.5), optimizer.engine_side.optimizer_step_in_parts():
         before = {name: p.grad.clone() for name, p in params.items()}  # type: ignore[union-attr]
         optimizer.step()
     assert optimizer.last_clip_coefficient == 0.5

@@ -70,7 +70,7 @@ def test_a_loss_scaled_hybrid_shard_is_unscaled_exactly_once(loss_scale: float) 
         clip = {"max_norm": MAX_NORM, "sketch_bins": BINS}
         optimizer = ThreadLionCub(transport, [param], lr=1e-3, compression="1bit", clip=clip)  # type: ignore[arg-type]
         scaled = rank_gradient(optimizer.transport.rank, 1) * loss_scale  # a power of two: exact in fp32
-        return optimizer.sketch_step([[scaled]], optimizer.next_step, loss_scale)
+        return optimizer.engine_side.sketch_step([[scaled]], optimizer.engine_side.next_step, loss_scale)
 
     factors = on_every_rank(p, run)
     assert factors == [pytest.approx(plain_factor(p, 1), rel=1e-12, abs=0)] * p

@@ -83,14 +83,14 @@ def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(feedback: dict[s
     first, param = build()
     train(first, param, range(1, 5))
     saved = io.BytesIO()
-    torch.save({"optimizer": first.state_dict(), "aggregation": first.aggregation_state()}, saved)
+    torch.save({"optimizer": first.state_dict(), "aggregation": first.engine_side.aggregation_state()}, saved)
     saved.seek(0)
     checkpoint = torch.load(saved, weights_only=True)
     resumed, resumed_param = build()
     with torch.no_grad():
         resumed_param.copy_(param)
     resumed.load_state_dict(checkpoint["optimizer"])
-    assert resumed.load_aggregation_state(checkpoint["aggregation"]) == ""
+    assert resumed.engine_side.load_aggregation_state(checkpoint["aggregation"]) == ""
     train(resumed, resumed_param, range(5, 9))
     assert torch.equal(resumed_param, expected)
     # Without the aggregation state the resumed run differs: the state is what makes the resume exact.
@@ -107,14 +107,15 @@ def test_a_state_saved_under_other_knobs_is_not_taken() -> None:
     saver = LionCub([param], **HYPER, **L1_A2A, error_feedback={"kind": "residual", "beta": 0.9})
     train(saver, param, range(1, 3))
     other = LionCub([torch.zeros(3000, requires_grad=True)], **HYPER, **L1_A2A, error_feedback={"kind": "residual"})
-    assert other.load_aggregation_state(saver.aggregation_state()) == ""  # the same knobs (beta 0.9 is the default)
+    saved = saver.engine_side.aggregation_state()
+    assert other.engine_side.load_aggregation_state(saved) == ""  # the same knobs (beta 0.9 is the default)
     changed = LionCub(
         [torch.zeros(3000, requires_grad=True)], **HYPER, **L1_A2A, error_feedback={"kind": "residual", "beta": 0.8}
     )
-    why = changed.load_aggregation_state(saver.aggregation_state())
+    why = changed.engine_side.load_aggregation_state(saver.engine_side.aggregation_state())
     assert "cannot load" in why and "'beta': 0.8" in why
-    assert changed.aggregation_state() is None  # it starts over from zeros
-    assert changed.load_aggregation_state(None).startswith("the checkpoint holds no aggregation state")
+    assert changed.engine_side.aggregation_state() is None  # it starts over from zeros
+    assert changed.engine_side.load_aggregation_state(None).startswith("the checkpoint holds no aggregation state")
 
 
 def two_groups_trained(kind: str, per_group_calls: bool, numbered: bool = True) -> tuple[list[torch.Tensor], LionCub]:
@@ -134,7 +135,7 @@ def two_groups_trained(kind: str, per_group_calls: bool, numbered: bool = True) 
             optimizer.param_groups = [group]
             try:
                 if numbered:
-                    with optimizer.bucket_keys_from(index):
+                    with optimizer.engine_side.bucket_keys_from(index):
                         optimizer.step()
                 else:
                     optimizer.step()
@@ -151,7 +152,7 @@ def test_one_call_per_param_group_numbered_by_bucket_keys_from_keeps_each_groups
     together, _ = two_groups_trained(kind, per_group_calls=False)
     apart, optimizer = two_groups_trained(kind, per_group_calls=True)
     assert all(torch.equal(a, b) for a, b in zip(apart, together, strict=True))
-    state = optimizer.aggregation_state()
+    state = optimizer.engine_side.aggregation_state()
     assert state is not None
     name = "residual" if kind == "residual" else "estimate"
     assert {key: tensors[name].numel() for key, tensors in state["buckets"].items()} == {(0, 0): 3000, (1, 0): 1000}

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ds_lioncub import LionCub, LionCubConfigError
+from ds_lioncub.step.engine_side import MOVED_TO_ENGINE_SIDE
 from tests.support.reference import simulate_lioncub, tie_value
 
 # ------------------------------------------------------------------ helpers
@@ -306,3 +307,18 @@ def test_deprecated_attach_and_backend_warn_and_still_work() -> None:
     # and its result is the local sign with the tie rule, as the optimizer's own vote would be.
     update = torch.tensor([1.0, -2.0, 0.0])
     assert backend.vote_1bit(update, step=2).tolist() == [1.0, -1.0, -1.0]
+
+
+def test_the_calls_moved_to_the_engine_side_still_answer_on_lioncub_with_a_warning() -> None:
+    """DeepSpeed's wiring's calls moved to ``LionCub.engine_side``; until 0.3.0 LionCub forwards each, warning."""
+    optimizer = LionCub([nn.Parameter(torch.randn(10))], compression="1bit", clip={"max_norm": 1.0})
+    for name in MOVED_TO_ENGINE_SIDE:
+        with pytest.warns(DeprecationWarning, match=rf"LionCub\.{name} is deprecated.*LionCub\.engine_side\.{name}"):
+            forwarded = getattr(optimizer, name)
+        direct = getattr(optimizer.engine_side, name)
+        if callable(direct):  # the same method of an engine side of the same optimizer
+            assert forwarded.__func__ is direct.__func__ and forwarded.__self__ == direct.__self__
+        else:
+            assert forwarded == direct
+    with pytest.raises(AttributeError, match="no_such_option"):
+        optimizer.no_such_option  # noqa: B018 - the attribute access is the test

@@ -18,20 +18,23 @@ from torch import nn
 
 import ds_lioncub
 from ds_lioncub import LionCub, LionCubConfig, optimizer, parse_config
+from ds_lioncub.step import rank_step
 
 OPTIONS: dict[str, Any] = {"lr": 1e-2, "betas": (0.9, 0.99), "weight_decay": 0.1, "compression": "kbit", "bits": 4}
 
 
 def counted(monkeypatch: pytest.MonkeyPatch, name: str) -> list[Any]:
-    """Every call of ``ds_lioncub.optimizer.<name>`` from now on, by its first argument."""
+    """Every call of ``<name>`` from now on, by its first argument, where LionCub calls it: ``parse_config`` in
+    ``ds_lioncub.optimizer``, ``build_aggregation`` in the rank's step (``ds_lioncub.step.rank_step``)."""
+    module = rank_step if name == "build_aggregation" else optimizer
     calls: list[Any] = []
-    original: Callable[..., Any] = getattr(optimizer, name)
+    original: Callable[..., Any] = getattr(module, name)
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         calls.append(args[0] if args else None)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(optimizer, name, counting)
+    monkeypatch.setattr(module, name, counting)
     return calls
 
 

@@ -1,4 +1,5 @@
-"""LionCub.optimizer_step_in_parts: several step() calls, each with some of the parameters, are one optimizer step.
+"""LionCub.engine_side.optimizer_step_in_parts: several step() calls, each with some of the parameters, are one
+optimizer step.
 
 ZeRO-3 steps the optimizer once per sub-group with that sub-group's flat tensor as its only parameter. In a world
 of one rank the 1-bit vote is the rank's own sign with exact zeros resolved by the tie rule of the step, so a
@@ -43,7 +44,7 @@ def _stepped_in_parts(steps: int, skip: int | None = None) -> tuple[LionCub, lis
     tensors = [torch.nn.Parameter(torch.linspace(-1, 1, 7)), torch.nn.Parameter(torch.linspace(2, -2, 5))]
     opt = LionCub(tensors, lr=LR, betas=BETAS, weight_decay=WD, compression="1bit")
     for step in range(1, steps + 1):
-        with opt.optimizer_step_in_parts():
+        with opt.engine_side.optimizer_step_in_parts():
             if step == skip:
                 continue  # a skipped step: no part runs
             for tensor in tensors:
@@ -71,10 +72,10 @@ def test_a_block_in_which_no_part_ran_leaves_the_count() -> None:
 
 def test_blocks_do_not_nest_and_a_raising_part_leaves_the_count() -> None:
     opt = LionCub([torch.nn.Parameter(torch.zeros(3))], lr=LR, compression="1bit")
-    with opt.optimizer_step_in_parts(), pytest.raises(LionCubError, match="do not nest"):
-        with opt.optimizer_step_in_parts():
+    with opt.engine_side.optimizer_step_in_parts(), pytest.raises(LionCubError, match="do not nest"):
+        with opt.engine_side.optimizer_step_in_parts():
             pass
-    with pytest.raises(RuntimeError, match="boom"), opt.optimizer_step_in_parts():
+    with pytest.raises(RuntimeError, match="boom"), opt.engine_side.optimizer_step_in_parts():
         opt.param_groups[0]["params"][0].grad = torch.ones(3)
         opt.step()
         raise RuntimeError("boom")

@@ -335,3 +335,36 @@ def test_gradients_of_another_dtype_are_refused_and_reading_momenta_creates_none
     grads = [sc.model_grads(list(params.values()), worker, 1) for worker in range(2)]
     with pytest.raises(LionCubConfigError, match="is torch.float64 on cpu, the parameter torch.float32"):
         optimizer.step([grads[0], [grads[1][0].double(), *grads[1][1:]]])
+
+
+def test_agreement_under_option_clip_compares_with_exact_lion_on_the_clipped_gradients() -> None:
+    """Option clip scales every worker's gradient by the step's factor before any bucket is voted: the agreement
+    compares the applied signs with sign(sum of the workers' c) on the clipped gradients, computed here."""
+    workers, beta1 = 8, 0.9
+    generator = torch.Generator().manual_seed(7)
+    grads = [torch.randn(3000, generator=generator) * (1 + worker) for worker in range(workers)]
+    param = torch.nn.Parameter(torch.zeros(3000))
+    optimizer = VirtualLionCub(
+        [param],
+        workers=workers,
+        lr=0.1,
+        betas=(beta1, 0.99),
+        compression="1bit",
+        clip={"max_norm": 1.0},
+        agreement_stats=True,
+    )
+    optimizer.step([[grad.clone()] for grad in grads])
+    coefficient = optimizer.last_clip_coefficient
+    assert coefficient is not None and coefficient < 0.1  # the clip is at work
+    c = [(1 - beta1) * coefficient * grad for grad in grads]  # Lion's direction from a zero momentum
+    exact = torch.stack(c).sum(0)
+    applied = brute_force_vote_1bit(c, 1, "alternate")
+    assert torch.equal(torch.sign(param.detach()), -torch.sign(applied))  # what was applied: -lr sign(vote)
+    stats = optimizer.last_agreement
+    assert stats is not None
+    assert stats.match == pytest.approx(
+        float(((torch.sign(applied) == torch.sign(exact)) & (exact != 0)).float().mean())
+    )
+    assert stats.flip == pytest.approx(
+        float(((torch.sign(applied) == -torch.sign(exact)) & (exact != 0)).float().mean())
+    )

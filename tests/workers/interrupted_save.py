@@ -45,7 +45,7 @@ def train(engine: Any, first: int, steps: int) -> None:
 def momenta(engine: Any) -> list[torch.Tensor]:
     lioncub = find_lioncub(engine.optimizer)
     assert lioncub is not None
-    return [m.clone() for m in lioncub.local_momentum_state() if m is not None]
+    return [m.clone() for m in lioncub.engine_side.local_momentum_state() if m is not None]
 
 
 def crash(out: Path) -> None:

@@ -119,7 +119,7 @@ def train_mode(
     keys = prefix + ("train" if pipelined else "train-serial")
     params = fresh_params()
     optimizer = scenario_lioncub(params, **options)
-    optimizer._pipelined_buckets = pipelined
+    optimizer.rank_step.pipelined = pipelined
     for step in range(1, sc.TRAIN_STEPS + 1):
         optimizer.zero_grad()
         sc.loss_of(params, rank, step).backward()
