@@ -22,6 +22,8 @@ Per batch (design):
   the study's kappa at 16 voters (the batch-share cell of the shipped evidence, with its interval).
 - **kappa_eff**, the kappa at which the model gives the measured r: x / (r (1 + x) - 1). Where the model holds,
   kappa_eff is the same at every batch.
+- **r of the model at the end's noise scale** (B_simple over the last 50 steps, kappa the study's): what the model
+  says when fed the noise scale as it stands at the end of the run, which is where a moving average of it goes.
 """
 
 from __future__ import annotations
@@ -120,20 +122,23 @@ def table(points: list[BatchPoint], kappa: float, kappa_low: float, kappa_high: 
     study's kappa (its interval in brackets), and kappa_eff."""
     lines = [
         "| global batch (windows) | B_simple (windows, steps 10-T) | x = B_simple / B | r measured (seeds) "
-        f"| model r, kappa 2/pi | model r, kappa {kappa:.2f} [{kappa_low:.2f}, {kappa_high:.2f}] | kappa_eff |",
-        "|---|---|---|---|---|---|---|",
+        f"| model r, kappa 2/pi | model r, kappa {kappa:.2f} [{kappa_low:.2f}, {kappa_high:.2f}] | kappa_eff "
+        f"| model r at the last {BLOCK} steps' B_simple, kappa {kappa:.2f} |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for point in points:
         if point.b_simple is None:
-            lines.append(f"| {point.batch} | - | - | {_text(point.r)} ({point.r_seeds}) | - | - | - |")
+            lines.append(f"| {point.batch} | - | - | {_text(point.r)} ({point.r_seeds}) | - | - | - | - |")
             continue
+        last = point.blocks[-1][1]
+        late = "-" if last is None else f"{model_ratio(kappa, point.batch / last.mean):.3f} (B_simple {last.mean:.0f})"
         x = point.b_simple.mean / point.batch
         low, high = model_ratio(kappa_high, 1 / x), model_ratio(kappa_low, 1 / x)
         effective = kappa_effective(point.r.mean, x) if point.r is not None else None
         lines.append(
             f"| {point.batch} | {_text(point.b_simple, 1)} ({point.exact_seeds}) | {x:.3f} | {_text(point.r)} "
             f"({point.r_seeds}) | {model_ratio(SIGN_TEST_KAPPA, 1 / x):.3f} | {model_ratio(kappa, 1 / x):.3f} "
-            f"[{low:.3f}, {high:.3f}] | {'-' if effective is None else f'{effective:.2f}'} |"
+            f"[{low:.3f}, {high:.3f}] | {'-' if effective is None else f'{effective:.2f}'} | {late} |"
         )
     return "\n".join(lines)
 

@@ -9,6 +9,8 @@ update, hands over the direction applied; the others, their votes' pending colle
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ds_lioncub.aggregation import Aggregator
@@ -19,26 +21,21 @@ from ds_lioncub.step.bucket_work import Entry
 from ds_lioncub.step.events import NoEvents
 
 
+@dataclass
 class StepComparison:
-    """One step's buckets compared with exact Lion: the agreement tally (None: not kept) and the drift (None)."""
+    """One step's buckets compared with exact Lion: the agreement tally (None: not kept) and the drift (None), over
+    every worker's ``entries`` and the step's bucket ``plan``; ``labels`` name the tensors in the drift."""
 
-    def __init__(
-        self,
-        entries: list[list[Entry]],
-        plan: list[list[Piece]],
-        aggregators: list[Aggregator],
-        tally: AgreementTally | None,
-        drift: DriftTally | None,
-        labels: list[str] | None,
-    ) -> None:
-        self.entries = entries
-        self.plan = plan
-        self.aggregators = aggregators
-        self.tally = tally
-        self.drift = drift
-        self.labels = labels
-        self.exact: dict[int, torch.Tensor] = {}
-        self.pending: dict[int, list[object]] = {}
+    entries: list[list[Entry]]
+    plan: list[list[Piece]]
+    aggregators: list[Aggregator]
+    tally: AgreementTally | None
+    drift: DriftTally | None
+    labels: list[str] | None
+    #: Exact Lion's summed direction of each bucket started, until it is applied.
+    exact: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: Each started bucket's pending votes, one per worker in worker order.
+    pending: dict[int, list[object]] = field(default_factory=dict)
 
     def bucket_starting(self, k: int) -> None:
         """Exact Lion's direction of bucket ``k`` (summed), before any worker's momentum of it changes."""
