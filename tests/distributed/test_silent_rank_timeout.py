@@ -56,7 +56,8 @@ WORKER = textwrap.dedent("""
         if rank == 1:
             go_silent_or_step(3)
         # rank 0: one all-to-all on a group LionCub made, while rank 1 is stopped
-        transport = optimizer.rank_step.overlap.vote.transport if where == "overlap" else TorchTransport(hybrid_vote_group)
+        overlap_vote = optimizer.rank_step.overlap.vote
+        transport = overlap_vote.transport if where == "overlap" else TorchTransport(hybrid_vote_group)
         print(f"rank 0 waits on the {where} group", flush=True)
         transport.all_to_all(torch.zeros(64, dtype=torch.uint8))
     print("no error", flush=True)
