@@ -19,8 +19,9 @@
 - :mod:`~ds_lioncub.step.parts`: a step taken in several ``step()`` calls, and calls that only create state;
 - :mod:`~ds_lioncub.step.setup`: the set-up before the first step (the same on every rank,
   ``compression="auto"`` resolved, the setting logged);
-- :mod:`~ds_lioncub.step.clipping`: who a rank's step talks to, and option ``clip``, the norm of the ranks' mean
-  gradient from their summed sketches (:mod:`~ds_lioncub.step.sketch`, a rank's sketch);
+- :mod:`~ds_lioncub.step.wiring`: who a rank's step talks to;
+- :mod:`~ds_lioncub.step.clipping`: option ``clip``, the norm of the ranks' mean gradient from their summed sketches
+  (:mod:`~ds_lioncub.step.sketch`, a rank's sketch);
   :mod:`~ds_lioncub.step.noise_scale`: the gradient noise scale measured from that sketch.
 
 A new step path goes in ``paths.py`` (and its choice in ``step_path_rounds``); a new per-step duty is a new

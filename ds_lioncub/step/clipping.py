@@ -29,12 +29,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ds_lioncub.comm.transport import CommStats, Summing, Transport
+from ds_lioncub.comm.transport import CommStats
 from ds_lioncub.config import LionCubConfig
 from ds_lioncub.config.clip_rule import measures_noise_scale, sketch_bins_of
 from ds_lioncub.errors import LionCubSetupError
@@ -55,6 +54,7 @@ from ds_lioncub.step.sketch import (  # re-exported: the sketch lived here until
     sketch_and_square_norm,
     sketch_in_passes,
 )
+from ds_lioncub.step.wiring import Wiring
 
 #: DeepSpeed's guard against a zero norm in its clipping coefficient.
 NORM_EPSILON = 1e-6
@@ -73,32 +73,6 @@ def clip_shard_of(process_group: dist.ProcessGroup | None) -> int:
     """Which signs the sketch draws on a rank voting over ``process_group``: the group's lowest global rank. The
     voters of one shard share it; under the ZeRO hybrid each shard's voters have their own."""
     return 0 if process_group is None else min(dist.get_process_group_ranks(process_group))
-
-
-@dataclass
-class Wiring:
-    """Who a rank's step communicates with, and what the caller hands it; :meth:`~ds_lioncub.LionCub.bind` changes
-    it. One object, shared by the parts of the step that need it (:class:`ClipState`,
-    :class:`~ds_lioncub.step.rank_step.RankStep`).
-
-    Attributes:
-        transport: the voters' group.
-        agreement_transport: the ranks whose finite checks must agree: the voters, or the whole world under the
-            ZeRO hybrid.
-        agreement_sum: the same ranks' per-step sums (the finite check, the sketch), one all-reduce or one per
-            level (:mod:`ds_lioncub.comm.transport.levels`).
-        gradients_are_averaged: the caller averages the gradients before the step (DeepSpeed's engine with
-            compression "none"), so no voter's own gradient is seen.
-        params_are_replicas: every voter holds the same parameters (the replica check compares them).
-        clip_shard: which shard's signs this rank's sketch draws (:func:`clip_shard_of`).
-    """
-
-    transport: Transport
-    agreement_transport: Transport
-    agreement_sum: Summing
-    gradients_are_averaged: bool = False
-    params_are_replicas: bool = True
-    clip_shard: int = 0
 
 
 class ClipState:
@@ -251,5 +225,4 @@ __all__ = [
     "sign_table",
     "sketch_and_square_norm",
     "sketch_in_passes",
-    "Wiring",
 ]

@@ -166,6 +166,8 @@ class CompressedBuckets:
         self.scratch = context.buffers if context.buffers is not None else BucketBuffers(self.plan)
         self.whole_mean_abs = whole_tensor_mean_abs(entries, capacity) if aggregator.needs_whole_tensor_mean_abs else {}
         self.clock = StageClock(aggregator.transport)
+        #: Each bucket's elements, counted once.
+        self.numels = [sum(piece.length for piece in bucket) for bucket in self.plan]
 
     def stages(self) -> list[Callable[[int, Any], Any]]:
         """The stages in schedule order: ``stage(k, what the stage before returned)``."""
@@ -173,20 +175,17 @@ class CompressedBuckets:
             return [lambda k, _: self.prepare(k), self.issue, self.reduce, self.finish]
         return [lambda k, _: self.issue(k, self.prepare(k)), self.reduce, self.finish]
 
-    def numel(self, k: int) -> int:
-        return sum(piece.length for piece in self.plan[k])
-
     def prepare(self, k: int) -> Any:
         """Bucket ``k``'s local work before the vote: a sign vote's packed message, else the bucket of ``c``."""
         events, aggregator, bucket = self.context.events, self.aggregator, self.plan[k]
         events.bucket_starting(k)
         if aggregator.votes_packed_signs:
-            bits, nbytes = aggregator.sign_message_layout(self.numel(k))
+            bits, nbytes = aggregator.sign_message_layout(self.numels[k])
             # The packing shares its pass with Lion's direction and the momentum update: the pass counts whole.
             with self.clock.timing(k):
                 message = prepare_sign_message(self.entries, bucket, self.positive_ties, bits, nbytes)
             if events.wants_signs:
-                events.local_signs(k, sign_bits_of_message(message, bits, self.numel(k)))
+                events.local_signs(k, sign_bits_of_message(message, bits, self.numels[k]))
             return message
         first_key = self.context.first_key_tensor
         prepared = prepare_bucket(self.entries, bucket, self.scratch, self.whole_mean_abs, aggregator, first_key)
@@ -202,7 +201,7 @@ class CompressedBuckets:
         pending: object
         with self.clock.timing(k):
             if self.aggregator.votes_packed_signs:
-                pending = self.aggregator.issue(prepared, self.numel(k), self.positive_ties)
+                pending = self.aggregator.issue(prepared, self.numels[k], self.positive_ties)
             else:
                 pending = self.aggregator.start(prepared, self.positive_ties)
         self.context.events.issued(k, pending)
@@ -216,17 +215,17 @@ class CompressedBuckets:
         """Bucket ``k``'s result completed and applied (where this rank applies); its local seconds reported."""
         events, aggregator, bucket = self.context.events, self.aggregator, self.plan[k]
         if not self.context.applies:
-            events.bucket_done(k, self.numel(k), self.clock.take(k))
+            events.bucket_done(k, self.numels[k], self.clock.take(k))
             return
         if aggregator.votes_packed_signs:
             with self.clock.timing(k):
                 voted = aggregator.complete_packed(result)
             if events.wants_applied(k):
-                events.applied(k, aggregator, unpack_signs(voted, self.numel(k)))
+                events.applied(k, aggregator, unpack_signs(voted, self.numels[k]))
             # The received messages are released (by voted) before the update is applied.
             with self.clock.timing(k):
                 apply_voted_signs(self.entries, bucket, voted)
-            events.bucket_done(k, self.numel(k), self.clock.take(k))
+            events.bucket_done(k, self.numels[k], self.clock.take(k))
         else:
             with self.clock.timing(k):
                 delta = aggregator.complete(result, self.scratch.for_bucket(self.entries, bucket))
@@ -317,7 +316,7 @@ def overlapped_rounds(
             return launched.pending
         vote.transport.wait(launched.pending.received)
         with clock.timing(k):
-            pending = vote.issue(launched.message, buckets.numel(k), positive_ties)
+            pending = vote.issue(launched.message, buckets.numels[k], positive_ties)
         events.issued(k, pending)
         return pending
 

@@ -1,7 +1,7 @@
 """One rank's Lion Cub step: the object that :class:`~ds_lioncub.LionCub` owns on each rank, and of which the virtual
 world drives N (:class:`~ds_lioncub.simulate.VirtualLionCub`).
 
-It is composed of what a step needs on a rank: who it talks to (:class:`~ds_lioncub.step.clipping.Wiring`: the
+It is composed of what a step needs on a rank: who it talks to (:class:`~ds_lioncub.step.wiring.Wiring`: the
 voters' transport, the agreement group and its sums), the aggregation (built once, :mod:`ds_lioncub.aggregation`),
 option ``clip`` and the noise scale (:class:`~ds_lioncub.step.clipping.ClipState`), option ``overlap``
 (:class:`~ds_lioncub.step.overlap.OverlapController`) and the post-step hooks (momentum sync, the replica check).
@@ -26,12 +26,13 @@ from ds_lioncub.comm.transport import CommStats, LevelledSum, Transport, make_tr
 from ds_lioncub.config import LionCubConfig
 from ds_lioncub.errors import LionCubSetupError
 from ds_lioncub.step.bucket_work import BucketBuffers, Entry
-from ds_lioncub.step.clipping import ClipState, Wiring
+from ds_lioncub.step.clipping import ClipState
 from ds_lioncub.step.events import NO_EVENTS, StepEnded, StepEvents
 from ds_lioncub.step.finite_check import ParameterLabel, runs_finite_check
 from ds_lioncub.step.overlap import OverlapController
 from ds_lioncub.step.paths import StepContext, step_path_rounds
 from ds_lioncub.step.post_step import MomentumSync, PostStepHook, ReplicaCheck, StepDone
+from ds_lioncub.step.wiring import Wiring
 
 
 class RankStep:
@@ -167,9 +168,7 @@ class RankStep:
         applied, before the post-step hooks: the caller advances its step count there and says what the hooks see.
         """
         positive_ties = tie_sign(step, self.options.tie_break) > 0
-        before_step = self.clip.take_traffic_before_step()  # this step's, whoever listens
-        if self.events is not NO_EVENTS:  # the traffic is summed only for an observer
-            self.events.step_started(self._traffic_not_this_steps(before_step))
+        self.events.step_started(self._traffic_not_this_steps())
         # Option clip and the noise scale share one sketch, taken before any path reads the gradients (and before
         # the finite check, which may then refuse the step: the noise scale leaves non-finite steps out). Its
         # all-reduce carries the finite check's verdict where the path runs that check (one collective, not two).
@@ -218,14 +217,14 @@ class RankStep:
             self.options.bucket_size,
         )
 
-    def _traffic_not_this_steps(self, before_step: CommStats) -> CommStats:
-        """The traffic so far, less ``before_step``, what a caller sent for this step before it (option clip's
-        sketch, taken first by a caller that steps in parts), and the votes an armed backward launched for it."""
+    def _traffic_not_this_steps(self) -> CommStats:
+        """The traffic so far, less what a caller sent for this step before it (option clip's sketch, taken first by
+        a caller that steps in parts) and the votes an armed backward launched for it."""
         traffic = self.comm_stats()
         armed = self.overlap.armed
         if armed is not None:
             traffic = traffic - armed.traffic_since_armed()
-        return traffic - before_step
+        return traffic - self.clip.take_traffic_before_step()
 
 
 __all__ = ["RankStep"]
