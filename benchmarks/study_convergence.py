@@ -340,6 +340,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --evidence: this summary's cells, with each (workers, beta2) point of these runs in place of its "
         "own (every mode of the point needed; each cell names its study)",
     )
+    p.add_argument(
+        "--noise-scale-from",
+        type=Path,
+        help="with --evidence: a results root whose exact Lion runs of the design recorded their noise terms (the "
+        "batch sweep's): each measured r is written with the noise scale it was measured at, so that the planner "
+        "can place it against a job's B / B_noise",
+    )
     return p.parse_args(argv)
 
 
@@ -349,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--evidence summarises one design; got {args.design}: name one with --design")
     if args.evidence_base is not None and args.evidence is None:
         raise SystemExit("--evidence-base needs --evidence (the file to write the merged summary to)")
+    if args.noise_scale_from is not None and args.evidence is None:
+        raise SystemExit("--noise-scale-from needs --evidence (it adds the noise scale to the summary's r)")
     directory = config_dir(args.results, args.task, args.steps, args.design[0])
     if args.report or args.evidence is not None:
         modes = [m for m in args.modes if m != "exact"]
@@ -357,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             design_dir = config_dir(args.results, args.task, args.steps, design)
             print(write_report(design_dir, args.workers, modes, args.beta2))
         if args.evidence is not None:
-            summary = evidence(directory, args.workers, modes, args.beta2)
+            summary = evidence(directory, args.workers, modes, args.beta2, args.noise_scale_from)
             if args.evidence_base is not None:
                 summary = merge_evidence(json.loads(args.evidence_base.read_text()), summary)
             args.evidence.write_text(json.dumps(summary, indent=1) + "\n")

@@ -5,20 +5,23 @@ planner and ``compression="auto"`` read (:func:`evidence`: per mode key, worker 
 exact Lion, its interval, the seeds and the mode's bits per element; where the results root has the runs for
 them, the share of the batch the gap is worth, kappa, with its interval (:func:`kappa_fields`,
 benchmarks/study_batch_share.py) and r, the steps to exact Lion's loss measured at the study's batch
-(:func:`ratio_fields`, benchmarks/study_time_to_loss.py)), and the merge of a sharper study's points into an
-existing summary (:func:`merge_evidence`). ``python -m benchmarks.study_convergence --evidence FILE
-[--evidence-base BASE]`` writes it.
+(:func:`ratio_fields`, benchmarks/study_time_to_loss.py), with the noise scale the study ran at where a results
+root holds exact Lion's runs with their noise terms (:func:`noise_scale_fields`)), and the merge of a sharper
+study's points into an existing summary (:func:`merge_evidence`). ``python -m benchmarks.study_convergence
+--evidence FILE [--evidence-base BASE] [--noise-scale-from ROOT]`` writes it.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
 
 from benchmarks import study_time_to_loss
 from benchmarks.study_batch_share import WHOLE, extrapolated_share, share_gaps
-from benchmarks.study_grid import DESIGNS
+from benchmarks.study_grid import DESIGNS, config_dir
+from benchmarks.study_noise_scale import FIRST_STEP, b_simple_windows
 from benchmarks.study_report import load_runs, summarised_cells
 from ds_lioncub.planner.bits import bits_per_element
 from ds_lioncub.planner.convergence import study_mode
@@ -61,11 +64,37 @@ def kappa_fields(gap: MeanInterval, curve: list[tuple[float, float]]) -> dict[st
     }
 
 
-def ratio_fields(root: Path, task: str, steps: int, design: str, workers: int, mode: str, beta2: float) -> dict:
+def noise_scale_fields(noise_root: Path | None, task: str, steps: int, design: str, beta2: float) -> dict[str, Any]:
+    """``r_noise_scale_samples``: the noise scale B_simple the study ran at, in samples (windows), the mean over
+    exact Lion's runs of the design under ``noise_root`` (any worker count: exact Lion's path does not depend on
+    it) of each run's B_simple over steps 10 to ``steps`` (:func:`benchmarks.study_noise_scale.b_simple_windows`,
+    the run's average, which the batch sweep found the model needs), and ``r_noise_scale_runs``, how many runs.
+    {} without a root, or where it has no such run with noise terms."""
+    if noise_root is None:
+        return {}
+    paths = sorted(config_dir(noise_root, task, steps, design).glob(f"N*_exact_b2-{beta2}_seed*.json"))
+    values = [b_simple_windows(json.loads(path.read_text()), FIRST_STEP, steps) for path in paths]
+    found = [value for value in values if value is not None]
+    if not found:
+        return {}
+    return {"r_noise_scale_samples": round(sum(found) / len(found), 2), "r_noise_scale_runs": len(found)}
+
+
+def ratio_fields(
+    root: Path,
+    task: str,
+    steps: int,
+    design: str,
+    workers: int,
+    mode: str,
+    beta2: float,
+    noise_root: Path | None = None,
+) -> dict[str, Any]:
     """``r``, the steps the mode needs to reach exact Lion's loss after ``steps`` in units of them, measured at the
     study's batch (:func:`benchmarks.study_time_to_loss.summary`): its mean over the seeds whose r is found, its 95%
-    half-width (null with one seed), the seeds, the batch in samples, and the seeds whose r is beyond the runs
-    where there are any. {} where the root has no longer runs of the mode."""
+    half-width (null with one seed), the seeds, the batch in samples, the seeds whose r is beyond the runs where
+    there are any, and the noise scale the study ran at where ``noise_root`` has it (:func:`noise_scale_fields`).
+    {} where the root has no longer runs of the mode."""
     found = study_time_to_loss.summary(root, task, steps, design, workers, mode, beta2)
     if found.interval is None:
         return {}
@@ -78,15 +107,19 @@ def ratio_fields(root: Path, task: str, steps: int, design: str, workers: int, m
     }
     if found.unbracketed:
         fields["r_unbracketed_seeds"] = len(found.unbracketed)
+    fields.update(noise_scale_fields(noise_root, task, steps, design, beta2))
     return fields
 
 
-def evidence(directory: Path, workers: list[int], modes: list[str], beta2s: list[float]) -> dict[str, Any]:
+def evidence(
+    directory: Path, workers: list[int], modes: list[str], beta2s: list[float], noise_root: Path | None = None
+) -> dict[str, Any]:
     """The study's summary for the planner and ``compression="auto"`` (ds_lioncub/planner/convergence.py):
     one cell per (planner mode key, workers, beta2) with the gap's mean, the half-width of its 95% Student-t
     interval (both in %), the seeds, and the mode's bits per element (:func:`bits_per_element`); in the batch
     share's design (lr5e-4) where exact Lion's share runs exist at the cell's beta2, the batch share kappa
-    (:func:`kappa_fields`); where the root has the mode's longer runs, r (:func:`ratio_fields`). The summary's
+    (:func:`kappa_fields`); where the root has the mode's longer runs, r (:func:`ratio_fields`, with the noise
+    scale the study ran at from ``noise_root``'s exact runs). The summary's
     ``time_to_loss`` says which cells have which.
 
     The planner's key comes from each run's own options (``study_mode``); two study modes with the same
@@ -126,7 +159,7 @@ def evidence(directory: Path, workers: list[int], modes: list[str], beta2s: list
                 curves[beta2] = [(share, mean_interval(values).mean) for share, values in shares]
             if design == WHOLE and curves[beta2]:
                 cell.update(kappa_fields(gap, curves[beta2]))
-            cell.update(ratio_fields(root, task, steps, design, n, mode, beta2))
+            cell.update(ratio_fields(root, task, steps, design, n, mode, beta2, noise_root))
         out.append(cell)
     return {
         # The root's name too: the first study and the pinned corpus's both hold a gpt-small_300steps.
@@ -190,4 +223,12 @@ def merge_evidence(base: dict[str, Any], newer: dict[str, Any]) -> dict[str, Any
     }
 
 
-__all__ = ["bits_per_element", "evidence", "kappa_fields", "merge_evidence", "ratio_fields", "study_point"]
+__all__ = [
+    "bits_per_element",
+    "evidence",
+    "kappa_fields",
+    "merge_evidence",
+    "noise_scale_fields",
+    "ratio_fields",
+    "study_point",
+]

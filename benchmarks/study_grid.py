@@ -151,8 +151,10 @@ DESIGNS: dict[str, Design] = {
     # quantizer's efficiency, 0.88), so the loss of a batch between 1 bit's share and all of it.
     "lr5e-4_batch56": Design(lr=5e-4, global_batch=56),
     # The calm design at a quarter of its batch (1 window per voter at 16 voters): with lr5e-4 and lr5e-4_batch256,
-    # the batch against the noise scale over 1.2 decades, to test the model of steps to a loss.
+    # the batch against the noise scale over 1.0 decade, to test the model of steps to a loss.
     "lr5e-4_batch16": Design(lr=5e-4, global_batch=16),
+    # ... and at 16 times it (64 windows per voter at 16 voters): with lr5e-4_batch16, B / B_noise over 1.6 decades.
+    "lr5e-4_batch1024": Design(lr=5e-4, global_batch=1024),
 }
 
 

@@ -39,6 +39,7 @@ from benchmarks.study_grid import DESIGNS, config_dir
 from benchmarks.study_time_to_loss import summary
 from ds_lioncub.planner.time_to_loss import model_ratio
 from ds_lioncub.quantities.student_t import MeanInterval, mean_interval
+from ds_lioncub.simulate.time_to_loss import b_simple
 
 #: The share of the batch a majority vote of signs keeps against a mean of them (Gaussian noise): 2/pi.
 SIGN_TEST_KAPPA = 2 / math.pi
@@ -48,23 +49,17 @@ BLOCK = 50
 
 
 def b_simple_windows(record: dict[str, Any], first: int, end: int) -> float | None:
-    """B_simple in windows over steps ``[first, end)`` of one run's JSON: b x mean(trace) / mean(|G|^2), skipping
-    steps without terms; None where the run has no terms or the mean |G|^2 is not positive."""
+    """B_simple in windows over steps ``[first, end)`` of one run's JSON (:func:`ds_lioncub.simulate.time_to_loss.
+    b_simple`: b x mean(trace) / mean(|G|^2), skipping steps without terms); None where the run has no terms or the
+    mean |G|^2 is not positive."""
     terms = record.get("noise_terms")
     if not terms:
         return None
     pairs = [
-        (square, trace)
-        for square, trace in zip(
-            terms["gradient_square"][first:end], terms["trace_per_worker_batch"][first:end], strict=True
-        )
-        if square is not None and trace is not None
+        None if square is None or trace is None else (square, trace)
+        for square, trace in zip(terms["gradient_square"], terms["trace_per_worker_batch"], strict=True)
     ]
-    if not pairs:
-        return None
-    square = sum(pair[0] for pair in pairs) / len(pairs)
-    trace = sum(pair[1] for pair in pairs) / len(pairs)
-    return terms["worker_windows"] * trace / square if square > 0 else None
+    return b_simple(pairs, terms["worker_windows"], first, end)
 
 
 def kappa_effective(r: float, noise_over_batch: float) -> float | None:

@@ -39,6 +39,7 @@ from benchmarks.study_batch_share import WHOLE, extrapolated_share, share_gaps
 from benchmarks.study_grid import RESULTS, config_dir
 from benchmarks.study_report import paired
 from ds_lioncub.quantities.student_t import MeanInterval, mean_interval
+from ds_lioncub.simulate.time_to_loss import crossing
 
 
 @dataclass(frozen=True)
@@ -63,23 +64,6 @@ class RatioSummary:
     @property
     def unbracketed(self) -> tuple[SeedRatio, ...]:
         return tuple(seed for seed in self.seeds if seed.r is None)
-
-
-def crossing(points: list[tuple[int, float]], target: float) -> tuple[float | None, str, int]:
-    """The length at which the losses ``points`` ((length, val loss), any order) reach ``target``, linear between
-    the two lengths around the first crossing from above: (length, "", 0). Where the shortest run is already at
-    or below it: (length, "<=", L_min), the length on the line through the two shortest runs (at most L_min), or
-    (None, "<=", L_min) when that line does not fall. Not reached by the longest run: (None, ">", L_max)."""
-    ordered = sorted(points)
-    if ordered[0][1] <= target:
-        (short, short_loss), (long, long_loss) = ordered[0], ordered[1]
-        if long_loss >= short_loss:
-            return None, "<=", short
-        return short + (long - short) * (short_loss - target) / (short_loss - long_loss), "<=", short
-    for (short, short_loss), (long, long_loss) in zip(ordered[:-1], ordered[1:], strict=True):
-        if short_loss > target >= long_loss:
-            return short + (long - short) * (short_loss - target) / (short_loss - long_loss), "", 0
-    return None, ">", ordered[-1][0]
 
 
 #: The schedules' lengths, in units of T, that the time-to-loss issue trains (the default of ``--lengths``).

@@ -11,7 +11,7 @@ DeepSpeed engine through benchmarks/train_worker.py):
    its validation loss is the target L*; exact Lion with a bf16 all-reduce runs the same T steps;
 3. the planner's pick runs with its cosine schedule fitted to each length L in T x ``--multiples``; L*, the length
    at which its validation loss reaches the target, is read between them exactly as benchmarks/study_time_to_loss.py
-   does (:func:`benchmarks.study_time_to_loss.crossing`), and r = L* / T;
+   does (:func:`ds_lioncub.simulate.time_to_loss.crossing`), and r = L* / T;
 4. time to L* = steps to L* x the run's measured seconds per step (the mean step wall time of its runs); the ratio
    is exact fp32 Lion's time over the pick's, set beside the planner's predicted ratio.
 
@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import REPO, repo_environment
-from benchmarks.study_time_to_loss import crossing
 from benchmarks.train_methods import METHODS_BY_NAME, Method, TrainSettings
+from ds_lioncub.simulate.time_to_loss import crossing
 
 WORKER = REPO / "benchmarks" / "train_worker.py"
 RESULT_NAME = "time_to_loss_cluster.json"

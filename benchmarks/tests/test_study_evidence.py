@@ -360,6 +360,35 @@ def test_the_cells_carry_kappa_through_the_share_curve_and_r_from_the_longer_run
     assert "r measured (benchmarks/study_time_to_loss.py) for 1bit+clip at 32 workers" in summary["time_to_loss"]
 
 
+def test_a_measured_r_carries_the_noise_scale_of_exact_lions_runs_with_noise_terms(
+    timed_study: Path, tmp_path: Path
+) -> None:
+    sweep = study_grid.config_dir(tmp_path / "batch_sweep", "small", 300, "lr5e-4")
+    sweep.mkdir(parents=True)
+    # Two exact runs at 16 workers (4 windows per worker): |G|^2 and tr(Sigma) per step; steps 0-9 are skipped.
+    for seed, (square, trace) in enumerate([(2.0, 10.0), (4.0, 30.0)]):
+        terms = {"gradient_square": [99.0] * 10 + [square] * 290, "trace_per_worker_batch": [1.0] * 10 + [trace] * 290}
+        record = {"val_loss": 2.0, "noise_terms": {**terms, "worker_windows": 4}}
+        (sweep / f"N16_exact_b2-0.99_seed{seed}.json").write_text(json.dumps(record))
+    (sweep / "N16_1bit_sketchclip_b2-0.99_seed0.json").write_text(json.dumps({"val_loss": 2.1}))  # not exact Lion
+    summary = evidence(timed_study, [32], ["1bit_sketchclip"], [0.99], tmp_path / "batch_sweep")
+    clipped = summary["cells"][0]
+    # B_simple = b x tr(Sigma) / |G|^2 per run: 4 x 10 / 2 = 20 and 4 x 30 / 4 = 30; their mean.
+    assert clipped["r_noise_scale_samples"] == 25.0 and clipped["r_noise_scale_runs"] == 2
+    read = read_evidence_text(tmp_path, summary)
+    assert read.measured_ratio is not None and read.measured_ratio.noise_scale_samples == 25.0
+    # No noise root, or one without such runs: no noise scale.
+    assert "r_noise_scale_samples" not in evidence(timed_study, [32], ["1bit_sketchclip"], [0.99])["cells"][0]
+    empty = evidence(timed_study, [32], ["1bit_sketchclip"], [0.99], tmp_path / "nowhere")
+    assert "r_noise_scale_samples" not in empty["cells"][0]
+
+
+def read_evidence_text(tmp_path: Path, summary: dict[str, Any]) -> Any:
+    path = tmp_path / "evidence.json"
+    path.write_text(json.dumps(summary))
+    return read_evidence(path)[0]
+
+
 def test_the_planner_ranks_the_studys_cells_by_step_time_times_r(timed_study: Path, tmp_path: Path) -> None:
     path = tmp_path / "evidence.json"
     path.write_text(json.dumps(evidence(timed_study, [32], ["1bit_sketchclip", "2bit_l1_a2a"], [0.99])))
@@ -462,6 +491,7 @@ PINNED_COMMAND = [
     "--modes", "exact", "1bit", "1bit_sync", "2bit_l1_a2a", "4bit_l1_a2a", "8bit_l1", "8bit_l1_a2a",
     "1bit_sketchclip", "4bit_l1_a2a_sketchclip", "8bit_l1_a2a_sketchclip",
     "--evidence", str(EVIDENCE_FILE), "--evidence-base", "first.json",
+    "--noise-scale-from", str(study_grid.STDLIB_RESULTS.parent / "batch_sweep"),
 ]  # fmt: skip
 
 
@@ -470,7 +500,7 @@ def summary_of(argv: list[str]) -> dict[str, Any]:
     args = study_convergence.parse_args(argv)
     directory = study_grid.config_dir(args.results, args.task, args.steps, args.design[0])
     assert any(directory.glob("N*_seed*.json")), directory
-    return evidence(directory, args.workers, [m for m in args.modes if m != "exact"], args.beta2)
+    return evidence(directory, args.workers, [m for m in args.modes if m != "exact"], args.beta2, args.noise_scale_from)
 
 
 def test_the_shipped_evidence_is_what_the_documented_commands_give_from_the_shipped_runs() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks import REPO
 from benchmarks.time_to_loss_cluster import (
     EXACT_BF16,
     EXACT_FP32,
@@ -212,3 +213,22 @@ def test_the_cosine_schedule_and_a_method_given_as_json() -> None:
     method = METHODS_BY_NAME["lioncub_8bit_l1"]
     assert method_from_json(json.dumps(asdict(method))) == method
     assert RunSpec(PICK, 100).name == "pick_100steps"
+
+
+def test_the_virtual_worlds_task_is_the_cluster_jobs() -> None:
+    """benchmarks/cluster_job_task.py stands for the cluster's job: its model, global batch and validation windows
+    are what the cluster run recorded and trained with."""
+    from benchmarks.cluster_job_task import cluster_job
+    from benchmarks.time_to_loss_cluster import parse_args as cluster_args
+
+    task = cluster_job()
+    recorded = json.loads((REPO / "benchmarks/results/time_to_loss_cluster/time_to_loss_cluster.json").read_text())
+    assert sum(p.numel() for p in task.build_model(0).parameters()) == recorded["params"] == 12_915_200
+    assert task.global_batch_size == recorded["global_batch"] == 16
+    assert task.seq_len == recorded["settings"]["seq_len"]
+    assert task.eval_windows == cluster_args(["--out-dir", "x"]).eval_windows
+    config = json.loads((REPO / "benchmarks/cluster_job_ds_config.json").read_text())
+    settings, params = recorded["settings"], config["optimizer"]["params"]
+    assert params["lr"] == settings["lr"] and params["weight_decay"] == settings["weight_decay"]
+    assert params["betas"] == [settings["beta1"], recorded["pick"]["beta2"]]
+    assert params["compression"] == recorded["pick"]["lioncub"]["compression"] and config["gradient_clipping"] == 0

@@ -28,6 +28,7 @@ from ds_lioncub.config.sections import (
     ConsistencyCheckConfig,
     ErrorFeedbackConfig,
     HybridConfig,
+    JobConfig,
     MeanClip,
     MomentumSyncConfig,
     NetworkConfig,
@@ -96,6 +97,10 @@ class LionCubConfig(DeepSpeedConfigModel):
     network: NetworkConfig | None = None
     """The links ``compression="auto"`` plans for (required with it, and only used by it); the planner
     behind it: docs/user-guide.md, "Which mode pays on my network"."""
+
+    job: JobConfig | None = None
+    """The job's global batch, gradient noise scale and compute per step, for ``compression="auto"`` (only used by
+    it): with them it ranks the modes by the time to exact Lion's loss at your batch instead of the worst case."""
 
     bits: Annotated[KbitWidth, BeforeValidator(only_numbers)] = 4
     """Field width for "kbit": 2, 4 or 8 bits per element."""
@@ -291,7 +296,7 @@ def parse_config(options: dict[str, Any]) -> LionCubConfig:
                 f"{', '.join(HybridConfig.model_fields)}; error_feedback takes "
                 f"{', '.join(ErrorFeedbackConfig.model_fields)}; clip takes "
                 f"{', '.join(ClipConfig.model_fields)}; network takes "
-                f"{', '.join(NetworkConfig.model_fields)}; "
+                f"{', '.join(NetworkConfig.model_fields)}; job takes {', '.join(JobConfig.model_fields)}; "
                 f"telemetry takes {', '.join(TelemetryConfig.model_fields)}."
             )
         raise LionCubConfigError(f"LionCub: invalid options: {problems}.{hint}") from None

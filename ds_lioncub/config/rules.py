@@ -21,6 +21,7 @@ from ds_lioncub.comm.transport import cuda_aware_conflict
 from ds_lioncub.config.sections import (
     ErrorFeedbackConfig,
     HybridConfig,
+    JobConfig,
     MomentumSyncConfig,
     NetworkConfig,
     TelemetryConfig,
@@ -36,6 +37,8 @@ class OptionValues(ModeOptions, Protocol):
 
     @property
     def network(self) -> NetworkConfig | None: ...
+    @property
+    def job(self) -> JobConfig | None: ...
     @property
     def model_fields_set(self) -> set[str]: ...
     @property
@@ -126,6 +129,14 @@ CROSS_OPTION_RULES: tuple[CrossOptionRule, ...] = (
         lambda config: (
             f"network only applies to compression='auto' (compression is {config.compression!r}); "
             f"set compression='auto' or drop network"
+        ),
+    ),
+    _not_taken(
+        "job",
+        lambda config: config.job is not None,
+        lambda config: (
+            f"job only applies to compression='auto' (compression is {config.compression!r}); "
+            f"set compression='auto' or drop job"
         ),
     ),
     _refused_by_the_mode("comm_dtype"),

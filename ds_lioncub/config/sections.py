@@ -325,12 +325,44 @@ class NetworkConfig(DeepSpeedConfigModel):
     use the built-in measured table and ignore it."""
 
 
+class JobConfig(DeepSpeedConfigModel):
+    """What ``compression="auto"`` knows of the job besides its network: its global batch against its gradient noise
+    scale, and its compute per step. They decide how many more steps a compressed mode needs to reach exact Lion's
+    loss (r) and what those steps cost, as the planner's ``--global-batch``, ``--noise-scale`` and
+    ``--compute-per-step`` do (docs/user-guide.md, "What a mode costs in steps"). Unset, r is its worst case."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    global_batch: OptionalReal = Field(None, gt=0, allow_inf_nan=False)
+    """Samples per optimizer step over the whole job (micro-batch x gradient accumulation x data-parallel ranks), in
+    the unit of ``noise_scale``; unset: not known."""
+
+    noise_scale: OptionalReal = Field(None, gt=0, allow_inf_nan=False)
+    """The gradient noise scale B_simple, in samples, as LionCub measures it (``LionCub.noise_scale``, the monitor's
+    ``LionCub/noise_scale``; an earlier run's average over its steps); needs ``global_batch``. Unset: not known,
+    and r is its worst case, 1/kappa."""
+
+    compute_per_step: Duration = Field(0.0, ge=0, allow_inf_nan=False)
+    """The forward and backward passes' seconds per optimizer step ("280ms", or a number of seconds): the same in
+    every mode, and paid r times by a mode that needs r times exact Lion's steps. Default 0: not counted."""
+
+    @model_validator(mode="after")
+    def _noise_scale_needs_the_batch(self) -> JobConfig:
+        if self.noise_scale is not None and self.global_batch is None:
+            raise ValueError(
+                "noise_scale needs global_batch (r depends on the batch over the noise scale, B/B_noise): add "
+                '"global_batch" in the same samples, e.g. "global_batch": 1024'
+            )
+        return self
+
+
 __all__ = [
     "ClipConfig",
     "CommDtype",
     "ConsistencyCheckConfig",
     "ErrorFeedbackConfig",
     "HybridConfig",
+    "JobConfig",
     "MomentumSyncConfig",
     "NetworkConfig",
     "TelemetryConfig",

@@ -10,14 +10,15 @@ communication dtype).
 
 The result is the candidate of :func:`~ds_lioncub.planner.plan` at that ZeRO stage that reaches exact Lion's
 loss first, as the planner ranks them (:func:`ds_lioncub.planner.convergence.choose`): step time x r, the steps
-the mode needs in units of exact Lion's at the voters' count and ``betas[1]``. ``"auto"`` has no option that
-gives the job's noise scale, so r is its worst case, 1/kappa, and the sentence says so (the planner's
-``--noise-scale`` takes the one LionCub measures). Passing over a faster mode (it reaches the loss later) is
+the mode needs in units of exact Lion's at the voters' count and ``betas[1]``, at the job's global batch over its
+noise scale where option ``job`` gives them (the planner's ``--global-batch`` and ``--noise-scale``), else its
+worst case, 1/kappa; the sentence says which. ``job.compute_per_step`` is added to every mode's step, as the
+planner's ``--compute-per-step``. Passing over a faster mode (it reaches the loss later) is
 said in the sentence, with each mode's step x r, and logged as a warning; the chosen mode's gap after the
 study's steps is in the sentence too. Under
 ZeRO stage 3 the candidates are exact Lion under ZeRO-3 and the ZeRO-3 hybrid
 (:mod:`ds_lioncub.planner.zero3`). The options the user gave are kept, except that ``network`` is
-dropped (it served its purpose), and when exact Lion wins ``momentum_sync`` and ``hybrid`` too (they
+dropped (it served its purpose), and ``job`` too, and when exact Lion wins ``momentum_sync`` and ``hybrid`` too (they
 apply to compressed modes only), and ``telemetry.vote_stats`` is turned off (exact Lion takes no vote
 to measure; the sentence says so); at stage 0 ``hybrid`` only gives the node size. One sentence says
 what was chosen and why; the caller logs it on rank 0, at warning level when compression was found not
@@ -46,6 +47,7 @@ from ds_lioncub.planner.model import (
     plan,
 )
 from ds_lioncub.planner.output import best_gap
+from ds_lioncub.planner.time_to_loss import JobBatch
 from ds_lioncub.quantities.units import format_seconds
 
 COMPRESSED_ONLY = ("momentum_sync", "hybrid")
@@ -75,6 +77,7 @@ def _concrete(options: LionCubConfig, chosen: dict[str, Any], zero_stage: int) -
     """The user's options with the chosen mode in place of "auto"."""
     given = options.model_dump(include=options.model_fields_set)
     given.pop("network", None)
+    given.pop("job", None)  # like network: what auto planned with, which no concrete mode takes
     exact = mode_named(chosen["compression"]).exact
     if exact or zero_stage == 0:
         given.pop("hybrid", None)
@@ -167,10 +170,13 @@ def resolve_auto(
         hybrid_with_one_rank_per_node=zero_stage != 0,
         clip=_planned_clip(options, default_clip),
     )
-    # The mode first to exact Lion's loss at these voters and beta2: step time x r (r's worst case, 1/kappa: "auto"
-    # has no option that gives the job's noise scale).
+    # The mode first to exact Lion's loss at these voters and beta2: (step + compute) x r, r at the job's batch over
+    # its noise scale where option job gives them, else its worst case.
     sync = options.momentum_sync.model_dump() if options.momentum_sync.interval else None
-    choice = choose(candidates, Cluster(layout.nodes, layout.node_size), options.betas[1], momentum_sync=sync)
+    job = JobBatch()
+    if options.job is not None:
+        job = JobBatch(options.job.global_batch, options.job.noise_scale, options.job.compute_per_step)
+    choice = choose(candidates, Cluster(layout.nodes, layout.node_size), options.betas[1], momentum_sync=sync, job=job)
     best = choice.best
     skipped = f" {choice.skipped_sentence()}" if choice.skipped else ""
     exact = next(c for c in candidates if c.exact)

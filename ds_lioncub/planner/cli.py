@@ -93,6 +93,7 @@ from ds_lioncub.planner.devices import (
     local_costs_for,
     this_machines_device,
 )
+from ds_lioncub.planner.evidence import StudyCell, with_job_cells
 from ds_lioncub.planner.local_costs import LocalCosts
 from ds_lioncub.planner.model import (
     DEFAULT_LATENCY,
@@ -219,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="a convergence study summary (python -m benchmarks.study_convergence --evidence writes one; default: "
         "the study shipped with ds_lioncub, the example GPT at 4-64 workers)",
+    )
+    parser.add_argument(
+        "--job-evidence",
+        metavar="FILE",
+        help="cells measured on your own task (python -m ds_lioncub.simulate ... --time-to-loss 1.25 1.5 "
+        "--evidence-out FILE): they take the place of the study's cells of the same mode, worker count and beta2",
     )
     parser.add_argument(
         "--zero-stage",
@@ -360,6 +367,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         evidence = load_evidence() if args.convergence_evidence is None else read_evidence(args.convergence_evidence)
     except (OSError, ValueError, KeyError, TypeError) as error:
         parser.error(f"--convergence-evidence: {error}")
+    job_cells: tuple[StudyCell, ...] = ()
+    if args.job_evidence is not None:
+        try:
+            job_cells = read_evidence(args.job_evidence)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            parser.error(f"--job-evidence: {error}")
+        evidence = with_job_cells(evidence, job_cells)
     if args.noise_scale is not None and args.global_batch is None:
         parser.error("--noise-scale needs --global-batch (r depends on the batch over the noise scale, B/B_noise)")
     study = (
@@ -367,6 +381,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.convergence_evidence is None
         else f"the convergence study in {args.convergence_evidence}"
     )
+    if job_cells:
+        measured = ", ".join(sorted({f"{cell.mode} at {cell.workers} workers" for cell in job_cells}))
+        study += f", with your job's own cells from {args.job_evidence} ({measured})"
     job = JobBatch(args.global_batch, args.noise_scale, args.compute_per_step)
     choice = choose(candidates, cluster, args.beta2, evidence, job=job, study=study)
     if args.json:

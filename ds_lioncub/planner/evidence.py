@@ -11,7 +11,7 @@ steps it needs to reach exact Lion's loss in units of exact Lion's (benchmarks/s
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,8 @@ class StudyCell:
             and its momentum-sync form, b for a b-bit vote); None where the file does not say.
         kappa: the share of the batch the gap is worth (None where the study has no batch-share runs).
         measured_ratio: r measured at the study's batch (None where not measured).
+        job: measured on the job's own task (the planner's ``--job-evidence``, :func:`with_job_cells`): it judges
+            the mode wherever the job's voters are its worker count.
     """
 
     mode: str
@@ -56,6 +58,7 @@ class StudyCell:
     bits_per_element: int | None = None
     kappa: Kappa | None = None
     measured_ratio: MeasuredRatio | None = None
+    job: bool = False
 
     @property
     def low(self) -> float | None:
@@ -179,6 +182,15 @@ def read_evidence(path: str | Path) -> tuple[StudyCell, ...]:
     return tuple(cells)
 
 
+def with_job_cells(cells: tuple[StudyCell, ...], job_cells: tuple[StudyCell, ...]) -> tuple[StudyCell, ...]:
+    """``cells`` with ``job_cells`` (measured on the job's own task: ``python -m ds_lioncub.simulate
+    --evidence-out``) in place of the cell of the same mode, worker count and beta2, and added where there is
+    none: the job's own measurement is the better evidence for its mode, the study's stays for the rest."""
+    mine = {(cell.mode, cell.workers, cell.beta2) for cell in job_cells}
+    kept = tuple(cell for cell in cells if (cell.mode, cell.workers, cell.beta2) not in mine)
+    return kept + tuple(replace(cell, job=True) for cell in job_cells)
+
+
 @cache
 def load_evidence() -> tuple[StudyCell, ...]:
     """The cells of the study shipped with ds_lioncub (none when it has not been summarised yet)."""
@@ -193,4 +205,5 @@ __all__ = [
     "StudyCell",
     "load_evidence",
     "read_evidence",
+    "with_job_cells",
 ]

@@ -17,10 +17,14 @@ exact Lion reaches (:func:`ds_lioncub.planner.convergence.choose`). r comes from
 - **the worst case**, 1/kappa (:func:`worst_case_ratio`), the model's limit of a batch far below the noise
   scale, where the job's noise scale is not known;
 - **a measurement** (benchmarks/study_time_to_loss.py: the run length at which the mode's validation loss equals
-  exact Lion's after T steps), which takes precedence over the model at the study's batch: where the job's
-  B / B_noise is the study's (within :data:`SAME_BATCH_TOLERANCE`), which the planner knows only when the
-  evidence records the noise scale the study ran at. Elsewhere the measurement is printed beside the model's
-  figure, as a check of it.
+  exact Lion's after T steps), which takes precedence over the batch share wherever the evidence records the
+  noise scale the study ran at: at the job's B / B_noise when it is the study's (within
+  :data:`SAME_BATCH_TOLERANCE`), r as measured; at another B / B_noise, the model with the kappa that gives the
+  measured r at the study's (:func:`kappa_from_ratio`, "kappa_eff": the study's batch sweep found it about the
+  same at every batch, docs/user-guide.md "What each mode costs in steps"); where the job's noise scale is not
+  known, that kappa's worst case. A measured r below 1 (the mode beat exact Lion in steps) gives a kappa above 1,
+  and r stays below 1 at every batch. Without the study's noise scale the measurement is printed beside the
+  batch share's figure, as a check of it.
 
 Exact Lion has r = 1 by definition. A mode with neither kappa nor a measurement has no r: it is ranked by its
 step time alone (r taken as 1), and the output says so.
@@ -37,19 +41,32 @@ SAME_BATCH_TOLERANCE = 0.05
 
 def model_ratio(kappa: float, batch_over_noise: float) -> float:
     """r = (1 + 1 / (kappa x)) / (1 + 1 / x), x = B / B_noise: the steps a mode worth ``kappa`` of the batch
-    needs, in units of exact Lion's, to reach the same loss."""
-    if not 0 < kappa <= 1:
-        raise ValueError(f"kappa must be in (0, 1], got {kappa}")
+    needs, in units of exact Lion's, to reach the same loss. A batch share comes out in (0, 1]; a kappa measured
+    through r (:func:`kappa_from_ratio`) may exceed 1 (r < 1), up to infinity (r = x / (1 + x))."""
+    if not kappa > 0:
+        raise ValueError(f"kappa must be positive, got {kappa}")
     if not batch_over_noise > 0:
         raise ValueError(f"B / B_noise must be positive, got {batch_over_noise}")
     return (1 + 1 / (kappa * batch_over_noise)) / (1 + 1 / batch_over_noise)
 
 
 def worst_case_ratio(kappa: float) -> float:
-    """1/kappa: :func:`model_ratio`'s limit as B / B_noise -> 0, its largest value over every batch."""
-    if not 0 < kappa <= 1:
-        raise ValueError(f"kappa must be in (0, 1], got {kappa}")
-    return 1 / kappa
+    """:func:`model_ratio`'s largest value over every batch: 1/kappa (as B / B_noise -> 0) for kappa <= 1; 1 (as
+    B / B_noise -> infinity) for a kappa above 1."""
+    if not kappa > 0:
+        raise ValueError(f"kappa must be positive, got {kappa}")
+    return max(1.0, 1 / kappa)
+
+
+def kappa_from_ratio(ratio: float, batch_over_noise: float) -> float:
+    """The kappa at which :func:`model_ratio` gives ``ratio`` at x = B / B_noise: 1 / (r (1 + x) - x); infinity
+    where r (1 + x) - x <= 0 (an r at or below x / (1 + x), which no finite kappa gives)."""
+    if not ratio > 0:
+        raise ValueError(f"r must be positive, got {ratio}")
+    if not batch_over_noise > 0:
+        raise ValueError(f"B / B_noise must be positive, got {batch_over_noise}")
+    denominator = ratio * (1 + batch_over_noise) - batch_over_noise
+    return 1 / denominator if denominator > 0 else math.inf
 
 
 @dataclass(frozen=True)
@@ -68,10 +85,10 @@ class Kappa:
     high: float | None = None
     extrapolated: bool = False
 
-    def text(self) -> str:
+    def text(self, name: str = "kappa") -> str:
         """``"kappa 0.78 [0.70, 0.87]"``, with ``", extrapolated"`` where it is."""
         interval = "" if self.low is None or self.high is None else f" [{self.low:.2f}, {self.high:.2f}]"
-        return f"kappa {self.value:.2f}{interval}" + (", extrapolated" if self.extrapolated else "")
+        return f"{name} {self.value:.2f}{interval}" + (", extrapolated" if self.extrapolated else "")
 
 
 @dataclass(frozen=True)
@@ -161,30 +178,47 @@ def _positive(value: float | None) -> float | None:
     return value if value is not None and value > 0 else None
 
 
-def _from_kappa(kappa: Kappa, job: JobBatch) -> StepsRatio:
+def _from_kappa(kappa: Kappa, job: JobBatch, source: str = "") -> StepsRatio:
+    """r from ``kappa`` for ``job``; ``source`` (where kappa came from, e.g. r measured) ends the note, and names
+    kappa "kappa_eff"."""
     ratio = job.ratio
     kappa_low, kappa_high = _positive(kappa.low), _positive(kappa.high)
+    named = kappa.text("kappa_eff" if source else "kappa") + source
     if ratio is None:
         high = None if kappa_low is None else worst_case_ratio(kappa_low)
         low = None if kappa_high is None else worst_case_ratio(kappa_high)
-        note = f"worst case 1/kappa (the job's noise scale unknown), {kappa.text()}"
+        worst = "worst case 1/kappa" if kappa.value <= 1 else "worst case 1 (r < 1 at every batch)"
+        note = f"{worst} (the job's noise scale unknown), {named}"
         return StepsRatio(worst_case_ratio(kappa.value), low, high, "worst case", note)
     high = None if kappa_low is None else model_ratio(kappa_low, ratio)
     low = None if kappa_high is None else model_ratio(kappa_high, ratio)
-    note = f"model at B/B_noise = {ratio:.3g}, {kappa.text()}"
+    note = f"model at B/B_noise = {ratio:.3g}, {named}"
     return StepsRatio(model_ratio(kappa.value, ratio), low, high, "model", note)
+
+
+def _from_measured(measured: MeasuredRatio, study: float, job: JobBatch, where: str) -> StepsRatio:
+    """r at ``job`` from r measured at the study's B / B_noise ``study``, through its kappa_eff."""
+    spread = measured.half_width
+    kappa = Kappa(
+        kappa_from_ratio(measured.value, study),
+        None if spread is None else kappa_from_ratio(measured.value + spread, study),
+        None if spread is None or measured.value - spread <= 0 else kappa_from_ratio(measured.value - spread, study),
+    )
+    source = f" from r measured at the study's B/B_noise = {study:.3g}: {measured.text()}{where}"
+    return _from_kappa(kappa, job, source)
 
 
 def steps_ratio(kappa: Kappa | None, measured: MeasuredRatio | None, job: JobBatch, where: str = "") -> StepsRatio:
     """r for a compressed mode with study cell figures ``kappa`` and ``measured`` (either may be None) for a job
     ``job``; ``where`` (e.g. ``" at 32 workers, beta2 0.99"``) is added to the note's measured figure."""
     study = None if measured is None else _study_ratio(measured)
-    if measured is not None and study is not None and job.ratio is not None:
-        if math.isclose(job.ratio, study, rel_tol=SAME_BATCH_TOLERANCE):
+    if measured is not None and study is not None:
+        if job.ratio is not None and math.isclose(job.ratio, study, rel_tol=SAME_BATCH_TOLERANCE):
             spread = measured.half_width
             low, high = (None, None) if spread is None else (measured.value - spread, measured.value + spread)
             note = f"measured at the study's batch (B/B_noise = {study:.3g}): {measured.text()}{where}"
             return StepsRatio(measured.value, low, high, "measured", note)
+        return _from_measured(measured, study, job, where)
     check = "" if measured is None else f"; measured at the study's batch: {measured.text()}{where}"
     if kappa is None:
         return StepsRatio(1.0, None, None, "unknown", f"no batch share for this mode: r unknown{check}")
@@ -199,6 +233,7 @@ __all__ = [
     "Kappa",
     "MeasuredRatio",
     "StepsRatio",
+    "kappa_from_ratio",
     "model_ratio",
     "steps_ratio",
     "worst_case_ratio",

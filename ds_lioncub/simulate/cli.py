@@ -51,6 +51,7 @@ import argparse
 import importlib
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +62,22 @@ from ds_lioncub.errors import LionCubConfigError, LionCubError
 from ds_lioncub.simulate.agreement import AgreementStats
 from ds_lioncub.simulate.ds_config import RunSettings, SimulationConfig, read_ds_config
 from ds_lioncub.simulate.gradients import split_batch
+from ds_lioncub.simulate.plan import estimate_seconds, plan_text, run_steps
 from ds_lioncub.simulate.plot import check_plot_path, write_gap_plot
 from ds_lioncub.simulate.progress import Progress
 from ds_lioncub.simulate.table import Row, format_table, rows_as_json
+from ds_lioncub.simulate.time_to_loss import (
+    RatioRow,
+    SeedRatio,
+    b_simple,
+    evidence_summary,
+    format_ratios,
+    ratio_row,
+    seed_ratio,
+    study_key,
+    time_to_loss_lengths,
+    trained_options,
+)
 from ds_lioncub.simulate.train import Task, TrainResult, gap_percent, seed_summary, train_virtual
 from ds_lioncub.simulate.world import VirtualLionCub
 
@@ -71,8 +85,6 @@ DEFAULT_TASK = "ds_lioncub.simulate.tasks:small_gpt"
 DEFAULT_WORKERS = [8, 16, 32]
 DEFAULT_STEPS = 300
 DEFAULT_SEEDS = [0, 1, 2]
-#: Steps of the mode timed at the largest worker count before the runs start, for the plan's time estimate.
-PROBE_STEPS = 2
 #: The options exact Lion keeps from the mode's: Lion's own and the bucket plan.
 EXACT_KEEPS = ("lr", "betas", "weight_decay", "bucket_size")
 
@@ -151,32 +163,52 @@ def compare(
     warmup_steps: int = 10,
     progress: Progress | None = None,
     unit: str = "workers",
+    longer: Sequence[int] = (),
 ) -> list[Row]:
     """Train the mode and exact Lion for every (worker count, seed); one :class:`Row` per worker count.
 
     ``progress`` shows each step and prints each run's validation loss; ``unit`` names a worker in those lines.
+    ``longer``: more run lengths of the mode (``--time-to-loss``), each with its own schedule; then exact Lion's
+    runs record the noise terms, and each row carries r (:mod:`ds_lioncub.simulate.time_to_loss`).
     """
     rows = []
+    lengths = sorted({steps, *longer})
     for n in workers:
         exact_runs: list[TrainResult] = []
         mode_runs: list[TrainResult] = []
+        seed_ratios: list[SeedRatio] = []
         for seed in seeds:
-            for label, opts, runs in (("exact Lion", exact_options(options), exact_runs), ("mode", options, mode_runs)):
-                run = f"{unit} {n} seed {seed} {label}"
+            points = []
+            runs_of_seed: list[tuple[str, dict[str, Any], int, list[TrainResult] | None]]
+            runs_of_seed = [("exact Lion", exact_options(options), steps, exact_runs)]
+            runs_of_seed += [("mode", options, length, mode_runs if length == steps else None) for length in lengths]
+            for label, opts, length, runs in runs_of_seed:
+                run = f"{unit} {n} seed {seed} {label}" + (f", {length} steps" if length != steps else "")
                 result = train_virtual(
                     task,
                     opts,
                     n,
-                    steps,
+                    length,
                     seed,
                     warmup_steps=warmup_steps,
                     grad_clip=exact_grad_clip(options, settings) if label == "exact Lion" else settings.grad_clip,
                     clip_rule=settings.clip_rule,
+                    noise_terms=bool(longer) and label == "exact Lion",
                     on_step=None if progress is None else progress.start_run(run),
                 )
-                runs.append(result)
+                if runs is not None:
+                    runs.append(result)
+                if label == "mode":
+                    points.append((length, result.val_loss))
                 if progress is not None:
                     progress.write(f"[simulate] {run}: val loss {result.val_loss:.4f}")
+            if longer:
+                seed_ratios.append(seed_ratio(seed, points, exact_runs[-1].val_loss, steps))
+        time_to_loss = None
+        if longer:
+            worker_samples = task.global_batch_size // n
+            noise = [b_simple(r.noise_terms or [], worker_samples, min(warmup_steps, steps - 1)) for r in exact_runs]
+            time_to_loss = ratio_row(n, seed_ratios, noise, task.global_batch_size, lengths)
         gaps = [gap_percent(m.val_loss, e.val_loss) for m, e in zip(mode_runs, exact_runs, strict=True)]
         agreements = [r.agreement for r in mode_runs if r.agreement is not None]
         mean_agreement = None
@@ -191,44 +223,10 @@ def compare(
                 mode_val=seed_summary([r.val_loss for r in mode_runs]),
                 gap=seed_summary(gaps),
                 agreement=mean_agreement,
+                time_to_loss=time_to_loss,
             )
         )
     return rows
-
-
-def estimate_seconds(
-    task: Task, options: dict[str, Any], settings: RunSettings, workers: list[int], steps: int, seeds: list[int]
-) -> tuple[float, float]:
-    """(seconds per step, seconds for the whole comparison): :data:`PROBE_STEPS` steps of the mode timed at the
-    largest worker count, the slowest, times every run's steps (exact Lion's steps are cheaper: an upper
-    estimate)."""
-    probe = min(PROBE_STEPS, steps)
-    result = train_virtual(
-        task, options, max(workers), probe, seeds[0], grad_clip=settings.grad_clip, clip_rule=settings.clip_rule
-    )
-    per_step = (result.gradient_seconds + result.optimizer_seconds) / probe
-    return per_step, per_step * 2 * len(workers) * len(seeds) * steps
-
-
-def duration_text(seconds: float) -> str:
-    """``"40 s"``, ``"12 min"``, ``"2.9 h"``."""
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 90 * 60:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
-
-
-def plan_text(workers: list[int], seeds: list[int], steps: int, per_step: float, total: float) -> str:
-    """The comparison before it starts: its runs, steps and about how long it takes here."""
-    runs = 2 * len(workers) * len(seeds)
-    counts = f"{len(workers)} worker count{'s' if len(workers) != 1 else ''}"
-    seeded = f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''}"
-    return (
-        f"[simulate] plan: {runs} runs ({counts} x {seeded}, each the mode and exact Lion), {runs * steps:,} steps; "
-        f"about {duration_text(total)} here ({per_step:.2g} s a step at "
-        f"{max(workers)} workers, timed on {min(PROBE_STEPS, steps)} steps; fewer workers and exact Lion take less)"
-    )
 
 
 def check_output_path(path: Path, flag: str) -> None:
@@ -271,7 +269,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json-out", type=Path, default=None, help="also write the rows as JSON here")
     p.add_argument("--plot", type=Path, default=None, help="also draw the gap against workers here (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument(
+        "--time-to-loss",
+        type=float,
+        nargs="+",
+        metavar="M",
+        default=[],
+        help="also train the mode for --steps x each M steps (its schedule fitted to each length) and report r, the "
+        "steps it needs to reach exact Lion's loss after --steps, and the noise scale (e.g. 1.25 1.5; 0.75 where "
+        "the mode may beat exact Lion)",
+    )
+    p.add_argument(
+        "--evidence-out",
+        type=Path,
+        default=None,
+        help="also write the gap and r as the planner's evidence here (python -m ds_lioncub.planner --job-evidence)",
+    )
     return p.parse_args(argv)
+
+
+def write_evidence(args: argparse.Namespace, config: SimulationConfig, rows: list[Row], ratios: list[RatioRow]) -> None:
+    """``--evidence-out``: the rows as the planner's evidence, and the planner command that reads it."""
+    options = trained_options(config.options, config.settings)
+    beta2 = float(parse_config(options).betas[1])
+    seeds = " ".join(map(str, args.seeds))
+    source = f"python -m ds_lioncub.simulate {args.ds_config} --task {args.task} --steps {args.steps} --seeds {seeds}"
+    gaps = [(row.workers, row.gap) for row in rows]
+    args.evidence_out.write_text(json.dumps(evidence_summary(ratios, gaps, options, beta2, source), indent=1) + "\n")
+    print(f"[simulate] evidence for the planner: {args.evidence_out}")
+    scales = [row.noise_scale.mean for row in ratios if row.noise_scale is not None]
+    batch = f" --global-batch {ratios[0].batch_samples} --noise-scale {sum(scales) / len(scales):.4g}" if scales else ""
+    print(f"[simulate]   python -m ds_lioncub.planner ... --beta2 {beta2:g} --job-evidence {args.evidence_out}{batch}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,15 +316,22 @@ def main(argv: list[str] | None = None) -> int:
             check_output_path(args.json_out, "--json-out")
         task = load_task(args.task)
         check_runs(task, config.options, args.workers, args.seeds, args.steps, args.warmup_steps)
-        per_step, total = estimate_seconds(task, config.options, config.settings, args.workers, args.steps, args.seeds)
-        print(plan_text(args.workers, args.seeds, args.steps, per_step, total), flush=True)
+        longer = time_to_loss_lengths(args.steps, args.time_to_loss)
+        if args.evidence_out is not None:
+            check_output_path(args.evidence_out, "--evidence-out")
+            study_key(trained_options(config.options, config.settings))  # refused before the runs, not after
+        per_step, total = estimate_seconds(
+            task, config.options, config.settings, args.workers, args.steps, args.seeds, longer
+        )
+        print(plan_text(args.workers, args.seeds, args.steps, per_step, total, longer), flush=True)
         print(
             f"[simulate] task {task.name}, {args.steps} steps, seeds {args.seeds}, options {config.options}, "
             f"{config.settings.clipping}",
             flush=True,
         )
         unit = "nodes" if config.hybrid else "workers"
-        progress = Progress(2 * len(args.workers) * len(args.seeds) * args.steps, enabled=not args.no_progress)
+        steps_in_all = run_steps(args.steps, longer) * len(args.workers) * len(args.seeds)
+        progress = Progress(steps_in_all, enabled=not args.no_progress)
         try:
             rows = compare(
                 task,
@@ -308,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.warmup_steps,
                 progress,
                 unit,
+                longer,
             )
         finally:
             progress.close()
@@ -318,6 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     if config.hybrid:
         print("(ZeRO hybrid: workers are nodes, the voters)")
     print(format_table(rows))
+    ratios = [row.time_to_loss for row in rows if row.time_to_loss is not None]
+    if ratios:
+        print()
+        print(format_ratios(ratios, args.steps))
+    if args.evidence_out is not None:
+        write_evidence(args, config, rows, ratios)
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(rows_as_json(rows), indent=2) + "\n")
     if args.plot is not None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from ds_lioncub.quantities.student_t import MeanInterval
 from ds_lioncub.simulate.agreement import AgreementStats
+from ds_lioncub.simulate.time_to_loss import RatioRow
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class Row:
         gap: the per-seed gap in % (:func:`~ds_lioncub.simulate.train.gap_percent`) over seeds, with its 95%
             Student-t interval.
         agreement: the mode's agreement with exact Lion, averaged over steps and seeds (None for exact Lion).
+        time_to_loss: r, the steps to exact Lion's loss, and the noise scale (``--time-to-loss``; None without).
     """
 
     workers: int
@@ -31,6 +33,7 @@ class Row:
     mode_val: MeanInterval
     gap: MeanInterval
     agreement: AgreementStats | None
+    time_to_loss: RatioRow | None = None
 
 
 def format_table(rows: list[Row]) -> str:
@@ -60,6 +63,18 @@ def rows_as_json(rows: list[Row]) -> list[dict[str, Any]]:
             "mode_val": list(r.mode_val.values),
             "gap_percent": list(r.gap.values),
             "agreement": None if r.agreement is None else asdict(r.agreement),
+            **({} if r.time_to_loss is None else {"time_to_loss": _ratios_json(r.time_to_loss)}),
         }
         for r in rows
     ]
+
+
+def _ratios_json(row: RatioRow) -> dict[str, Any]:
+    return {
+        "lengths": list(row.lengths),
+        "r_per_seed": {str(seed.seed): seed.r for seed in row.seeds},
+        "extrapolated_seeds": [seed.seed for seed in row.seeds if seed.extrapolated],
+        "not_bracketed": {str(seed.seed): seed.bound for seed in row.unbracketed},
+        "b_simple_per_seed": None if row.noise_scale is None else list(row.noise_scale.values),
+        "batch_samples": row.batch_samples,
+    }

@@ -325,6 +325,7 @@ def test_numbers_keep_their_json_spellings() -> None:
         parse_config({"bucket_size": 5e3 + 0.5})
 
 
+AUTO_ON_A_NETWORK: dict[str, Any] = {"compression": "auto", "network": {"bandwidth": "1gbit"}}
 # The numeric fields of the options model, found by walking it (so a new one cannot escape the walk below), with
 # the options that make each one apply. A field missing here fails test_numeric_fields_are_all_known.
 NUMERIC_FIELD_CONTEXT: dict[str, dict[str, Any]] = {
@@ -349,6 +350,9 @@ NUMERIC_FIELD_CONTEXT: dict[str, dict[str, Any]] = {
     "network.ring_efficiency": {"compression": "auto"},
     "network.all_to_all_efficiency": {"compression": "auto"},
     "network.device_bandwidth": {"compression": "auto"},
+    "job.global_batch": AUTO_ON_A_NETWORK,
+    "job.noise_scale": {**AUTO_ON_A_NETWORK, "job": {"global_batch": 1024}},
+    "job.compute_per_step": AUTO_ON_A_NETWORK,
 }
 # Values of a numeric field that are refused unless listed here as meaningful (with where the docs say so).
 # None is today: no option takes NaN, an infinity or a negative number.

@@ -38,6 +38,11 @@ ONE_RULE_BROKEN: list[tuple[str, dict[str, Any], str]] = [
         "network only applies to compression='auto' (compression is '1bit'); set compression='auto' or drop network",
     ),
     (
+        "job-without-auto",
+        {"compression": "1bit", "job": {"global_batch": 1024, "noise_scale": 512}},
+        "job only applies to compression='auto' (compression is '1bit'); set compression='auto' or drop job",
+    ),
+    (
         "auto-with-comm_dtype",
         {"compression": "auto", "network": NETWORK, "comm_dtype": "fp32"},
         "comm_dtype is chosen by compression='auto' (exact Lion in fp32 or bf16); drop comm_dtype, "
@@ -194,7 +199,7 @@ def test_the_cases_cover_every_rule_of_the_table_once() -> None:
             index for index, rule in enumerate(LionCubConfig.CROSS_OPTION_RULES) if rule.refuses(config, set(options))
         ]
     assert sorted(hit) == list(range(len(LionCubConfig.CROSS_OPTION_RULES)))
-    assert len(LionCubConfig.CROSS_OPTION_RULES) == 20
+    assert len(LionCubConfig.CROSS_OPTION_RULES) == 21
 
 
 def test_every_rule_governs_an_existing_option() -> None:
@@ -202,6 +207,7 @@ def test_every_rule_governs_an_existing_option() -> None:
     assert options <= set(LionCubConfig.model_fields)
     assert options == {
         "network",
+        "job",
         "comm_dtype",
         "bits",
         "quantizer",

@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 
 from ds_lioncub.config import parse_config
+from ds_lioncub.errors import LionCubConfigError
 from ds_lioncub.planner import auto as auto_module
 from ds_lioncub.planner.auto import resolve_auto
 from ds_lioncub.planner.convergence import StudyCell, assess, choose, study_mode, voters
 from ds_lioncub.planner.model import Cluster, Network, plan
 from ds_lioncub.planner.time_to_loss import Kappa
+from ds_lioncub.quantities.units import format_seconds
 
 REPO = Path(__file__).resolve().parents[2]
 GBIT = 1e9 / 8  # bytes per second
@@ -164,7 +166,9 @@ def test_the_cli_names_what_it_passed_over_one_line_each_in_the_table_and_the_js
 
 def _patched(monkeypatch: pytest.MonkeyPatch, cells: tuple[StudyCell, ...]) -> None:
     monkeypatch.setattr(
-        auto_module, "choose", lambda c, cl, b2, momentum_sync=None: choose(c, cl, b2, cells, momentum_sync)
+        auto_module,
+        "choose",
+        lambda c, cl, b2, momentum_sync=None, job=None: choose(c, cl, b2, cells, momentum_sync, job),
     )
 
 
@@ -253,3 +257,22 @@ def test_a_malformed_evidence_file_exits_2_naming_the_cell(tmp_path: Path) -> No
     command += ["--inter-node-bandwidth", "1gbit", "--convergence-evidence", str(evidence)]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 2 and "cell 0" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_auto_ranks_at_the_jobs_batch_over_its_noise_scale_with_its_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Option job gives "auto" the planner's --global-batch, --noise-scale and --compute-per-step; r is then the
+    model's at B/B_noise, written out here from S = S_min (1 + B_noise / B), and job is not kept in the options."""
+    _patched(monkeypatch, (cell("1bit", 32, 4.0, 1.0, beta2=0.95, kappa=0.5),))
+    base = {"compression": "auto", "network": {"bandwidth": "1gbit"}, "betas": [0.9, 0.95]}
+    job = {"global_batch": 4096, "noise_scale": 1024, "compute_per_step": "2s"}
+    resolved = resolve_auto(parse_config({**base, "job": job}), 1_500_000_000, 32, 1)
+    assert study_mode(resolved.options.model_dump()) == "1bit" and "job" not in resolved.options.model_fields_set
+    by_hand = (1 + 1024 / (0.5 * 4096)) / (1 + 1024 / 4096)  # 1.2, against the worst case 1 / 0.5 = 2
+    assert "model at B/B_noise = 4, kappa 0.50" in resolved.sentence and f" x r {by_hand:.2f}" in resolved.sentence
+    vote = next(c for c in resolved.candidates if c.compression == "1bit")
+    step = vote.seconds_per_step + 2.0  # the compute is in every step, and paid r times
+    assert f"= {format_seconds(step * by_hand)}" in resolved.sentence
+    worst = resolve_auto(parse_config(base), 1_500_000_000, 32, 1)
+    assert "1-bit vote: " in worst.sentence and " x r 2.00 [" in worst.sentence  # without job: 1 / kappa, passed over
+    with pytest.raises(LionCubConfigError, match="noise_scale needs global_batch"):
+        parse_config({**base, "job": {"noise_scale": 1024}})

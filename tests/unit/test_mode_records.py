@@ -76,7 +76,7 @@ def test_what_each_record_says_of_itself() -> None:
 def test_every_refusal_a_record_declares_has_a_place_in_the_rule_table() -> None:
     """A refusal of an option without a place would never be checked."""
     assert MODE_REFUSAL_PLACES == {"network", "comm_dtype", "error_feedback", "l1_clip"}
-    assert len(CROSS_OPTION_RULES) == 20
+    assert len(CROSS_OPTION_RULES) == 21
     for record in REGISTERED:
         for refusal in record.refusals:
             assert refusal.option in MODE_REFUSAL_PLACES, (record.name, refusal.option)

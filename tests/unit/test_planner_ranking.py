@@ -24,6 +24,7 @@ from ds_lioncub.planner.time_to_loss import (
     JobBatch,
     Kappa,
     MeasuredRatio,
+    kappa_from_ratio,
     model_ratio,
     steps_ratio,
     worst_case_ratio,
@@ -58,6 +59,41 @@ def test_r_runs_from_one_over_kappa_far_below_the_noise_scale_to_one_far_above(k
         model_ratio(0.0, 1.0)
 
 
+@pytest.mark.parametrize("kappa", [0.3, 0.9, 1.0, 1.4, 5.0])
+@pytest.mark.parametrize("x", [0.2, 1.0, 7.0])
+def test_kappa_from_ratio_gives_back_the_kappa_of_a_ratio(kappa: float, x: float) -> None:
+    r = steps_to_loss(kappa * x, 1.0) / steps_to_loss(x, 1.0)
+    assert kappa_from_ratio(r, x) == pytest.approx(kappa)
+    assert worst_case_ratio(kappa) == pytest.approx(max(1.0, 1 / kappa))
+
+
+def ratio_through_measured(measured: float, study: float, job: float) -> float:
+    """r at B / B_noise = ``job`` for a mode measured at ``measured`` at B / B_noise = ``study``, solved by bisection
+    for the effective batch share k that gives the measurement at the study's point, then S's ratio at the job's."""
+
+    def ratio(k: float, x: float) -> float:
+        return steps_to_loss(k * x, 1.0) / steps_to_loss(x, 1.0)
+
+    low, high = 1e-6, 1e6  # ratio(k, x) falls as k grows
+    for _ in range(200):
+        middle = math.sqrt(low * high)
+        low, high = (middle, high) if ratio(middle, study) > measured else (low, middle)
+    return ratio(math.sqrt(low * high), job)
+
+
+def test_a_measured_r_below_one_stays_below_one_at_every_batch_and_its_worst_case_is_one() -> None:
+    study = MeasuredRatio(0.95, 0.02, 8, batch_samples=64, noise_scale_samples=32)  # beat exact Lion at x = 2
+    for x in (0.1, 1.0, 4.0, 100.0):
+        found = steps_ratio(Kappa(0.75, 0.6, 0.9), study, JobBatch(64 * x, 64))
+        assert found.basis == "model" and found.value < 1
+        assert found.value == pytest.approx(ratio_through_measured(0.95, 2.0, x), rel=1e-6)
+    worst = steps_ratio(Kappa(0.75, 0.6, 0.9), study, JobBatch())
+    assert (worst.basis, worst.value) == ("worst case", 1.0)  # r -> 1 as the batch outgrows the noise
+    # An r no finite kappa gives at the study's point (r <= x / (1 + x)): the model's floor, x / (1 + x), elsewhere.
+    floor = steps_ratio(None, MeasuredRatio(0.6, None, 1, 64, 32), JobBatch(64 * 8, 64))
+    assert floor.value == pytest.approx(8 / 9)
+
+
 def test_where_r_comes_from() -> None:
     kappa = Kappa(0.75, 0.6, 0.9)
     unknown = JobBatch()
@@ -72,8 +108,18 @@ def test_where_r_comes_from() -> None:
     study = MeasuredRatio(1.06, 0.02, 4, batch_samples=64, noise_scale_samples=32)  # the study at B / B_noise = 2
     measured = steps_ratio(kappa, study, job)
     assert (measured.basis, measured.value, measured.low, measured.high) == ("measured", 1.06, 1.04, 1.08)
-    elsewhere = steps_ratio(kappa, study, JobBatch(4096, 1024))  # B / B_noise = 4: the model, the measurement beside
-    assert elsewhere.basis == "model" and "measured at the study's batch: 1.060 ± 0.020 (4 seeds)" in elsewhere.note
+    # Elsewhere (B / B_noise = 4): the model with the kappa that gives the measured r at the study's B / B_noise.
+    elsewhere = steps_ratio(kappa, study, JobBatch(4096, 1024))
+    assert elsewhere.basis == "model" and "r measured at the study's B/B_noise = 2: 1.060 ± 0.020" in elsewhere.note
+    assert elsewhere.value == pytest.approx(ratio_through_measured(1.06, 2.0, 4.0))
+    assert (elsewhere.low, elsewhere.high) == (
+        pytest.approx(ratio_through_measured(1.04, 2.0, 4.0)),
+        pytest.approx(ratio_through_measured(1.08, 2.0, 4.0)),
+    )
+    # Where the job's noise scale is unknown: that kappa's worst case, 1 / kappa_eff.
+    worst_measured = steps_ratio(kappa, study, unknown)
+    assert worst_measured.basis == "worst case"
+    assert worst_measured.value == pytest.approx(ratio_through_measured(1.06, 2.0, 1e-12), rel=1e-9)
     # Without the study's noise scale a measurement cannot be placed: printed beside the worst case.
     unplaced = steps_ratio(kappa, MeasuredRatio(1.06, 0.02, 4, 64), job)
     assert unplaced.basis == "model" and "measured at the study's batch" in unplaced.note
@@ -242,3 +288,39 @@ def test_the_noise_scale_gives_the_model_and_needs_the_batch(
     assert main(args) == 0
     table = capsys.readouterr().out
     assert "r: the worst case, 1/kappa (the job's noise scale is not known" in table
+
+
+def test_the_jobs_own_cells_take_the_place_of_the_studys_and_give_r_below_one(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A simulation of the job's own task measured the vote beating exact Lion in steps (r 0.87 at 4 workers, at
+    B/B_noise = 16/8 = 2): at the job's own B/B_noise the planner takes r as measured; at another, the model through
+    the kappa that gives 0.87 there; the other modes keep the study's cells."""
+    own = tmp_path / "own.json"
+    cell = {"mode": "1bit", "workers": 4, "beta2": 0.99, "gap_percent": -2.0, "half_width_percent": 1.0, "seeds": 4}
+    cell.update(r=0.87, r_half_width=0.03, r_seeds=4, r_batch_samples=16, r_noise_scale_samples=8.0)
+    own.write_text(json.dumps({"source": "simulate", "cells": [cell]}))
+    args = ["--params", "1.3e7", "--nodes", "4", "--gpus-per-node", "1", "--inter-node-bandwidth", "1gbit"]
+    args += ["--device", "cpu", "--clip", "0", "--json", "--global-batch", "16"]
+
+    def vote(extra: list[str]) -> dict[str, Any]:
+        assert main([*args, *extra]) == 0
+        output = json.loads(capsys.readouterr().out)
+        [found] = [c for c in output["candidates"] if c["params"] == {"compression": "1bit"} and c["zero_stage"] == 0]
+        found["evidence"] = output["time_to_loss"]["evidence"]
+        return found
+
+    at_own = vote(["--noise-scale", "8", "--job-evidence", str(own)])
+    assert (at_own["r_basis"], at_own["r"], at_own["gap_percent"]) == ("measured", 0.87, -2.0)
+    assert (at_own["r_low"], at_own["r_high"]) == (pytest.approx(0.84), pytest.approx(0.90))
+    assert f"with your job's own cells from {own} (1bit at 4 workers)" in at_own["evidence"]
+    elsewhere = vote(["--noise-scale", "32", "--job-evidence", str(own)])  # B/B_noise 0.5
+    assert elsewhere["r_basis"] == "model" and elsewhere["r"] < 1
+    assert elsewhere["r"] == pytest.approx(ratio_through_measured(0.87, 2.0, 0.5), rel=1e-6)
+    shipped = vote(["--noise-scale", "8"])  # without the job's cells: the study's, r >= 1
+    assert shipped["r"] >= 1 and "own cells" not in shipped["evidence"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"cells": [{"mode": "1bit"}]}))
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--job-evidence", str(bad)])
+    assert exit_info.value.code == 2 and "--job-evidence: cell 0 of" in capsys.readouterr().err
