@@ -1,12 +1,12 @@
 """The batch against the noise scale: the task's B_simple, r at several global batches, and the model beside them.
 
     python -m benchmarks.study_noise_scale --results benchmarks/results/batch_sweep \\
-        --designs lr5e-4_batch16 lr5e-4 lr5e-4_batch256 --workers 16
+        --designs lr5e-4_batch16 lr5e-4 lr5e-4_batch256 lr5e-4_batch1024 --workers 16
 
 The model of the planner (McCandlish et al. 2018; ds_lioncub/planner/time_to_loss.py) says that a mode worth a
 share kappa of the batch needs r = (1 + x / kappa) / (1 + x) times exact Lion's steps to reach exact Lion's loss,
 x = B_noise / B. This study tests it where B changes and everything else stays: the calm design's runs
-(benchmarks/study_grid.py) at global batches of 16, 64 and 256 windows, 16 voters, T = 300 steps.
+(benchmarks/study_grid.py) at global batches of 16, 64, 256 and 1,024 windows, 16 voters, T = 300 steps.
 
 Per batch (design):
 
@@ -37,7 +37,7 @@ from typing import Any
 
 from benchmarks.study_grid import DESIGNS, config_dir
 from benchmarks.study_time_to_loss import summary
-from ds_lioncub.planner.time_to_loss import model_ratio
+from ds_lioncub.planner.time_to_loss import JobBatch, MeasuredRatio, model_ratio, steps_ratio
 from ds_lioncub.quantities.student_t import MeanInterval, mean_interval
 from ds_lioncub.simulate.time_to_loss import b_simple
 
@@ -138,6 +138,33 @@ def table(points: list[BatchPoint], kappa: float, kappa_low: float, kappa_high: 
     return "\n".join(lines)
 
 
+def planner_table(points: list[BatchPoint], anchor: BatchPoint) -> str:
+    """What the planner predicts at each batch from r measured at ``anchor``'s alone (as the shipped evidence holds
+    r at 64 windows with its noise scale): :func:`ds_lioncub.planner.time_to_loss.steps_ratio` at the batch's
+    B / B_noise, beside r measured there. ``inside``: the measured mean lies within the prediction's interval, or
+    the prediction within the measured interval."""
+    lines = [
+        f"| global batch (windows) | r measured (seeds) | the planner's r from r at {anchor.batch} windows | basis | "
+        "agree |",
+        "|---|---|---|---|---|",
+    ]
+    if anchor.r is None or anchor.b_simple is None:
+        return "\n".join(lines)
+    measured = MeasuredRatio(anchor.r.mean, anchor.r.half_width, anchor.r_seeds, anchor.batch, anchor.b_simple.mean)
+    for point in points:
+        if point.b_simple is None or point.r is None:
+            continue
+        found = steps_ratio(None, measured, JobBatch(point.batch, point.b_simple.mean))
+        spread = point.r.half_width or 0.0
+        low, high = found.low if found.low is not None else found.value, found.high or found.value
+        agree = low <= point.r.mean <= high or point.r.mean - spread <= found.value <= point.r.mean + spread
+        lines.append(
+            f"| {point.batch} | {_text(point.r)} ({point.r_seeds}) | {found.text()} | {found.basis} | "
+            f"{'yes' if agree else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
 def blocks_table(points: list[BatchPoint]) -> str:
     """B_simple (windows) in blocks of :data:`BLOCK` steps, per batch: how the noise scale moves over training."""
     starts = [start for start, _ in points[0].blocks] if points else []
@@ -152,7 +179,7 @@ def blocks_table(points: list[BatchPoint]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", type=Path, default=Path("benchmarks/results/batch_sweep"))
-    p.add_argument("--designs", nargs="+", default=["lr5e-4_batch16", "lr5e-4", "lr5e-4_batch256"])
+    p.add_argument("--designs", nargs="+", default=["lr5e-4_batch16", "lr5e-4", "lr5e-4_batch256", "lr5e-4_batch1024"])
     p.add_argument("--workers", type=int, default=16)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--mode", default="1bit_sketchclip")
@@ -165,10 +192,19 @@ def main(argv: list[str] | None = None) -> int:
         metavar=("VALUE", "LOW", "HIGH"),
         help="the study's kappa and its interval (default: the shipped evidence's 1bit+clip at 16 voters)",
     )
+    p.add_argument(
+        "--anchor",
+        default="lr5e-4",
+        help="the design whose r the planner's evidence holds, carried to the others (default: %(default)s)",
+    )
     args = p.parse_args(argv)
     points = [batch_point(args.results, args.steps, d, args.workers, args.mode, args.beta2) for d in args.designs]
     print(table(points, *args.kappa))
     print()
+    anchor = next((point for point in points if point.design == args.anchor), None)
+    if anchor is not None:
+        print(planner_table(points, anchor))
+        print()
     print(blocks_table(points))
     return 0
 

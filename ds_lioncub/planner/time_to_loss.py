@@ -21,7 +21,7 @@ exact Lion reaches (:func:`ds_lioncub.planner.convergence.choose`). r comes from
   noise scale the study ran at: at the job's B / B_noise when it is the study's (within
   :data:`SAME_BATCH_TOLERANCE`), r as measured; at another B / B_noise, the model with the kappa that gives the
   measured r at the study's (:func:`kappa_from_ratio`, "kappa_eff": the study's batch sweep found it about the
-  same at every batch, docs/user-guide.md "What each mode costs in steps"); where the job's noise scale is not
+  same at every batch, docs/user-guide.md "What a mode costs in steps"); where the job's noise scale is not
   known, that kappa's worst case. A measured r below 1 (the mode beat exact Lion in steps) gives a kappa above 1,
   and r stays below 1 at every batch. Without the study's noise scale the measurement is printed beside the
   batch share's figure, as a check of it.

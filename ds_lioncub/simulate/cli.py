@@ -24,6 +24,12 @@ and about how long they take here, timed on a few steps of the mode at the large
 8, 16 and 32 workers, 300 steps and 3 seeds: 18 runs of 300 steps, 5,400 steps in all (hours on a laptop's
 CPU); ``--workers``, ``--steps`` and ``--seeds`` trim them.
 
+``--time-to-loss M [M ...]`` also trains the mode for ``--steps`` x each M (each run with its cosine schedule
+fitted to its length) and prints r, the steps it needs to reach exact Lion's loss after ``--steps``, per worker
+count, with the task's gradient noise scale from exact Lion's runs (:mod:`ds_lioncub.simulate.time_to_loss`);
+``--evidence-out PATH`` writes the gap and r as the planner's evidence (``python -m ds_lioncub.planner
+--job-evidence PATH``).
+
 Everything is checked before the first run trains: the ds_config, every option, the task, and every
 run's optimizer (the mode's and exact Lion's at every worker count are built, so a k-bit all-reduce too
 narrow for a count, or a count that does not divide the global batch, is refused up front).
