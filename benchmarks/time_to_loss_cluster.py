@@ -136,8 +136,10 @@ def planner_command(
     beta2: float,
     local_costs: Path | None,
     noise_scale: float | None = None,
+    job_evidence: Path | None = None,
 ) -> list[str]:
-    """The planner's command line for this job; ``--clip 0``: bench_train's jobs clip nothing."""
+    """The planner's command line for this job; ``--clip 0``: bench_train's jobs clip nothing. ``job_evidence``:
+    cells measured on this job in the virtual world (``python -m ds_lioncub.simulate --evidence-out``)."""
     command = [
         sys.executable,
         *("-m", "ds_lioncub.planner", "--json", "--device", "cpu"),
@@ -149,7 +151,31 @@ def planner_command(
         command += ["--local-costs", str(local_costs)]
     if noise_scale is not None:
         command += ["--noise-scale", f"{noise_scale:.6g}"]
+    if job_evidence is not None:
+        command += ["--job-evidence", str(job_evidence)]
     return command
+
+
+def simulated_answer(summary: dict[str, Any], out: Path, evidence: Path) -> dict[str, Any]:
+    """The planner asked again, before any cluster run could tell it r: with ``evidence``, the pick's cell measured
+    on this job in the virtual world (benchmarks/cluster_job_task.py), and the noise scale that simulation measured
+    (so r is the simulated one at the job's batch). The table is the summary's (the calibrated one where it was)."""
+    mode = planner_view(summary["planner"]["worst_case"]["answer"]).pick_params.get("compression", "1bit")
+    cells = json.loads(evidence.read_text())["cells"]
+    cell = next(c for c in cells if c["workers"] == summary["ranks"] and c["mode"].split("+")[0] == mode)
+    table = out / "local_costs.json" if summary["planner"]["table"] == "calibrated" else None
+    command = planner_command(
+        int(summary["params"]),
+        int(summary["ranks"]),
+        str(summary["bandwidth"]),
+        float(summary["ranks_per_core"]),
+        int(summary["global_batch"]),
+        0.99,
+        table,
+        cell.get("r_noise_scale_samples"),
+        evidence,
+    )
+    return {"command": command[1:], "answer": ask_planner(command)}
 
 
 def ask_planner(command: list[str]) -> dict[str, Any]:
@@ -476,6 +502,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --report-only: directories of the pick's records from other runs of this job (other lengths), "
         "whose validation losses join the crossing but not the timing",
     )
+    p.add_argument(
+        "--job-evidence",
+        type=Path,
+        help="with --report-only: the pick's cells measured on this job in the virtual world (python -m "
+        "ds_lioncub.simulate ... --task benchmarks.cluster_job_task:cluster_job --evidence-out FILE): the planner "
+        "is asked again with them, a prediction no cluster run informed",
+    )
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from --out-dir")
     args = p.parse_args(argv)
     if args.steps <= TrainSettings().warmup_steps or args.ranks < 2:
@@ -610,16 +643,21 @@ def planner_views(summary: dict[str, Any]) -> dict[str, PlannerView]:
         f"{table} table, r worst case": planner["worst_case"],
         "built-in table, r worst case": planner["builtin"] if table != "builtin" else None,
         f"{table} table, r from the measured noise scale": planner.get("with_noise_scale"),
+        f"{table} table, r from the virtual world's simulation of this job": planner.get("with_job_evidence"),
     }
     return {name: planner_view(entry["answer"]) for name, entry in entries.items() if entry}
 
 
-def report(out: Path, loss_runs: Sequence[Path] | None = None) -> str:
+def report(out: Path, loss_runs: Sequence[Path] | None = None, job_evidence: Path | None = None) -> str:
     """The tables from ``out``; ``loss_runs`` (directories of the pick's records, saved in the summary for the next
-    report): runs whose validation losses join the crossing, not the timing."""
+    report): runs whose validation losses join the crossing, not the timing; ``job_evidence``: the virtual world's
+    cells for this job, whose planner answer is saved in the summary (:func:`simulated_answer`)."""
     summary = json.loads((out / RESULT_NAME).read_text())
     if loss_runs is not None:
         summary["loss_runs"] = [os.path.relpath(path, out) for path in loss_runs]
+    if job_evidence is not None:
+        summary["planner"]["with_job_evidence"] = simulated_answer(summary, out, job_evidence)
+    if loss_runs is not None or job_evidence is not None:
         (out / RESULT_NAME).write_text(json.dumps(summary, indent=2) + "\n")
     results = load_orders(out, summary)
     pick_label = str(summary["pick"]["label"])
@@ -662,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.report_only:
         run_all(args)
-    print(report(args.out_dir, args.loss_runs))
+    print(report(args.out_dir, args.loss_runs, args.job_evidence))
     return 0
 
 

@@ -232,3 +232,27 @@ def test_the_virtual_worlds_task_is_the_cluster_jobs() -> None:
     assert params["lr"] == settings["lr"] and params["weight_decay"] == settings["weight_decay"]
     assert params["betas"] == [settings["beta1"], recorded["pick"]["beta2"]]
     assert params["compression"] == recorded["pick"]["lioncub"]["compression"] and config["gradient_clipping"] == 0
+
+
+def test_the_simulated_prediction_asks_the_planner_with_the_jobs_cell_and_its_noise_scale(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks import time_to_loss_cluster
+
+    evidence = tmp_path / "own.json"
+    cells = [
+        {"mode": "1bit", "workers": 8, "r_noise_scale_samples": 99.0},
+        {"mode": "1bit", "workers": 4, "r_noise_scale_samples": 6.5},
+    ]
+    evidence.write_text(json.dumps({"cells": cells}))
+    asked: list[list[str]] = []
+    monkeypatch.setattr(time_to_loss_cluster, "ask_planner", lambda command: asked.append(command) or answer())
+    summary = {"params": 1000, "ranks": 4, "bandwidth": "1gbit", "ranks_per_core": 2.0, "global_batch": 16}
+    summary["planner"] = {"table": "calibrated", "worst_case": {"answer": answer()}}
+    found = time_to_loss_cluster.simulated_answer(summary, tmp_path, evidence)
+    [command] = asked
+    assert found["command"] == command[1:]
+    assert command[command.index("--noise-scale") + 1] == "6.5"  # the 4-rank cell's, the simulation's own
+    assert command[command.index("--job-evidence") + 1] == str(evidence)
+    assert command[command.index("--local-costs") + 1] == str(tmp_path / "local_costs.json")
+    assert command[command.index("--global-batch") + 1] == "16" and command[command.index("--nodes") + 1] == "4"
