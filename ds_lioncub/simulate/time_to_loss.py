@@ -131,23 +131,26 @@ def ratio_row(
 
 
 def format_ratios(rows: Sequence[RatioRow], steps: int) -> str:
-    """The time-to-loss table: r (mean ± 95% half-width), each seed's r (``*`` extrapolated below the shortest run),
-    the seeds not bracketed, and the noise scale with B / B_noise."""
+    """The time-to-loss table: r (mean ± 95% half-width over the bracketed seeds), the noise scale with B / B_noise,
+    the seeds not bracketed, and each seed's r (``*``: extrapolated below the shortest run)."""
     lengths = ", ".join(str(length) for length in rows[0].lengths) if rows else ""
     lines = [
         f"steps to exact Lion's loss after {steps} steps (r; the mode trained for {lengths} steps, each with its own "
         "cosine schedule):",
-        f"{'workers':>7}  {'r (mean ± 95% t)':>18}  {'per seed':<30}  {'not bracketed':<16}  B_simple (B/B_noise)",
+        f"{'workers':>7}  {'r (mean ± 95% t)':>17}  {'B_simple (B/B_noise)':>20}  {'not bracketed':<14}  per seed",
     ]
     for row in rows:
-        ratio = "n/a" if row.r is None else row.r.text(3)
-        found = [s for s in row.seeds if s.r is not None]
-        per_seed = ", ".join(f"{s.seed}: {s.r:.3f}{'*' if s.extrapolated else ''}" for s in found)
-        missing = ", ".join(f"{s.seed}: r {s.bound}" for s in row.unbracketed) or "-"
+        ratio = "n/a"
+        if row.r is not None:
+            spread = "n/a" if row.r.half_width is None else f"{row.r.half_width:.3f}"
+            ratio = f"{row.r.mean:.3f} ± {spread}"
         scale = "-"
         if row.noise_scale is not None:
             scale = f"{row.noise_scale.mean:.3g} ({row.batch_samples / row.noise_scale.mean:.3g})"
-        lines.append(f"{row.workers:>7}  {ratio:>18}  {per_seed or '-':<30}  {missing:<16}  {scale}")
+        missing = ", ".join(f"{s.seed}: r {s.bound}" for s in row.unbracketed) or "-"
+        found = [s for s in row.seeds if s.r is not None]
+        per_seed = ", ".join(f"{s.seed}: {s.r:.3f}{'*' if s.extrapolated else ''}" for s in found) or "-"
+        lines.append(f"{row.workers:>7}  {ratio:>17}  {scale:>20}  {missing:<14}  {per_seed}")
     return "\n".join(lines)
 
 
