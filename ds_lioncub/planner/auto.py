@@ -17,9 +17,9 @@ planner's ``--compute-per-step``. Passing over a faster mode (it reaches the los
 said in the sentence, with each mode's step x r, and logged as a warning; the chosen mode's gap after the
 study's steps is in the sentence too. Under
 ZeRO stage 3 the candidates are exact Lion under ZeRO-3 and the ZeRO-3 hybrid
-(:mod:`ds_lioncub.planner.zero3`). The options the user gave are kept, except that ``network`` is
-dropped (it served its purpose), and ``job`` too, and when exact Lion wins ``momentum_sync`` and ``hybrid`` too (they
-apply to compressed modes only), and ``telemetry.vote_stats`` is turned off (exact Lion takes no vote
+(:mod:`ds_lioncub.planner.zero3`). The options the user gave are kept, except that ``network`` and
+``job`` are dropped (they served their purpose), and when exact Lion wins ``momentum_sync`` and ``hybrid`` too
+(they apply to compressed modes only), and ``telemetry.vote_stats`` is turned off (exact Lion takes no vote
 to measure; the sentence says so); at stage 0 ``hybrid`` only gives the node size. One sentence says
 what was chosen and why; the caller logs it on rank 0, at warning level when compression was found not
 to pay.
