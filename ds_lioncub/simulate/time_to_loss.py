@@ -165,9 +165,7 @@ def evidence_summary(
     each worker count: ``gaps`` ((workers, the gap in % over seeds)) and, where ``rows`` has it, r with its
     interval, seeds, batch and noise scale (``convergence_evidence.json``'s fields, what
     :func:`ds_lioncub.planner.evidence.read_evidence` reads)."""
-    key = study_mode(options)
-    if key is None or key == "unmeasured":
-        raise ValueError(f"the planner has no cells for these options ({options}): nothing to write")
+    key = study_key(options)
     ratios = {row.workers: row for row in rows}
     voted = {"compression": "1bit"} if key.startswith("1bit") else options
     cells = []
