@@ -39,19 +39,7 @@ from benchmarks.study_batch_share import WHOLE, extrapolated_share, share_gaps
 from benchmarks.study_grid import RESULTS, config_dir
 from benchmarks.study_report import paired
 from ds_lioncub.quantities.student_t import MeanInterval, mean_interval
-from ds_lioncub.simulate.time_to_loss import crossing
-
-
-@dataclass(frozen=True)
-class SeedRatio:
-    """One seed's r. ``r``: L* / T where found, else None with ``bound`` saying where it lies (``"> 2.00"``: not
-    reached by the longest run; ``"<= 1.00"``: reached by the shortest, whose next run does not fall).
-    ``extrapolated``: L* lies below the shortest run, on the line through the two shortest."""
-
-    seed: int
-    r: float | None
-    bound: str = ""
-    extrapolated: bool = False
+from ds_lioncub.simulate.time_to_loss import SeedRatio, seed_ratio
 
 
 @dataclass(frozen=True)
@@ -128,11 +116,7 @@ def seed_ratios(
             points.append((length, float(run["val_loss"])))
         if len(points) < 2:
             continue
-        at, side, limit = crossing(points, float(exact["val_loss"]))
-        if at is None:
-            ratios.append(SeedRatio(seed, None, f"{side} {limit / steps:.2f}"))
-        else:
-            ratios.append(SeedRatio(seed, at / steps, extrapolated=side == "<="))
+        ratios.append(seed_ratio(seed, points, float(exact["val_loss"]), steps))
     return ratios
 
 

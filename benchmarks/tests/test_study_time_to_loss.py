@@ -13,7 +13,8 @@ import pytest
 from benchmarks import study_time_to_loss
 from benchmarks.study_batch_share import extrapolated_share
 from benchmarks.study_grid import RESULTS, config_dir
-from benchmarks.study_time_to_loss import crossing, kappa_check, run_lengths, seed_ratios, summary
+from benchmarks.study_time_to_loss import kappa_check, run_lengths, seed_ratios, summary
+from ds_lioncub.simulate.time_to_loss import crossing
 
 FIRST_LOSS = 5.5
 
