@@ -37,7 +37,7 @@ from typing import Any
 
 from benchmarks.study_grid import DESIGNS, config_dir
 from benchmarks.study_time_to_loss import summary
-from ds_lioncub.planner.time_to_loss import JobBatch, MeasuredRatio, model_ratio, steps_ratio
+from ds_lioncub.planner.time_to_loss import JobBatch, MeasuredRatio, kappa_from_ratio, model_ratio, steps_ratio
 from ds_lioncub.quantities.student_t import MeanInterval, mean_interval
 from ds_lioncub.simulate.time_to_loss import b_simple
 
@@ -63,10 +63,11 @@ def b_simple_windows(record: dict[str, Any], first: int, end: int) -> float | No
 
 
 def kappa_effective(r: float, noise_over_batch: float) -> float | None:
-    """The kappa at which :func:`~ds_lioncub.planner.time_to_loss.model_ratio` gives ``r`` at x = B_noise / B:
-    x / (r (1 + x) - 1); None where r (1 + x) <= 1 (no kappa in (0, inf) gives it)."""
-    denominator = r * (1 + noise_over_batch) - 1
-    return noise_over_batch / denominator if denominator > 0 else None
+    """The kappa at which :func:`~ds_lioncub.planner.time_to_loss.model_ratio` gives ``r`` at x = B_noise / B (the
+    planner's :func:`~ds_lioncub.planner.time_to_loss.kappa_from_ratio` at B / B_noise = 1 / x); None where no
+    finite kappa gives it (r (1 + x) <= 1)."""
+    kappa = kappa_from_ratio(r, 1 / noise_over_batch)
+    return None if math.isinf(kappa) else kappa
 
 
 @dataclass(frozen=True)

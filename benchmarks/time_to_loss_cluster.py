@@ -47,6 +47,7 @@ from typing import Any
 
 from benchmarks import REPO, repo_environment
 from benchmarks.train_methods import METHODS_BY_NAME, Method, TrainSettings
+from ds_lioncub.planner.convergence import study_mode
 from ds_lioncub.simulate.time_to_loss import crossing
 
 WORKER = REPO / "benchmarks" / "train_worker.py"
@@ -160,9 +161,9 @@ def simulated_answer(summary: dict[str, Any], out: Path, evidence: Path) -> dict
     """The planner asked again, before any cluster run could tell it r: with ``evidence``, the pick's cell measured
     on this job in the virtual world (benchmarks/cluster_job_task.py), and the noise scale that simulation measured
     (so r is the simulated one at the job's batch). The table is the summary's (the calibrated one where it was)."""
-    mode = planner_view(summary["planner"]["worst_case"]["answer"]).pick_params.get("compression", "1bit")
+    key = study_mode(planner_view(summary["planner"]["worst_case"]["answer"]).pick_params)
     cells = json.loads(evidence.read_text())["cells"]
-    cell = next(c for c in cells if c["workers"] == summary["ranks"] and c["mode"].split("+")[0] == mode)
+    cell = next(c for c in cells if c["workers"] == summary["ranks"] and c["mode"] == key)
     table = out / "local_costs.json" if summary["planner"]["table"] == "calibrated" else None
     command = planner_command(
         int(summary["params"]),

@@ -148,8 +148,6 @@ def assess(
     if own:  # the job's own task at its own voters (--job-evidence): the best evidence there is
         cell = min(own, key=lambda c: abs(c.beta2 - beta2))
         note = f"loss vs Lion {cell.interval_text()} at {cell.workers} workers, beta2 {cell.beta2}, on your task"
-        if cell.kappa is not None or cell.measured_ratio is not None:
-            return Verdict(cell, note + unclipped, cell)
         return Verdict(cell, note + unclipped, *_ratio_cell(mine, cells, mode, cell, beta2, workers))
     nearest_beta2 = min({cell.beta2 for cell in mine}, key=lambda b: abs(b - beta2))
     cell, above = _pick(_comparable(mine, cells, mode, nearest_beta2), workers)
